@@ -1,0 +1,38 @@
+# Two commands for a fresh machine:
+#   make demo   install everything into .venv, then run the main job on the embedded default
+#   make test   install everything into .venv, then run every test (pytest and cargo test)
+#
+# The Python environment is keyed by requirements/lock.txt and shared between
+# checkouts (scripts/setup-env.sh), so a fresh clone does not unpack torch again.
+# Cargo's build directory is shared the same way unless CARGO_TARGET_DIR is set.
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/dflash-worker/cargo-target
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-python test-rust proto lock
+
+install:
+	@scripts/setup-env.sh
+	@VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --quiet 2>&1 | grep -v '^📦\|^🔗\|^🐍\|^💻\|^🛠' || true
+	@$(PY) -c 'import dflash_worker, shutil, sys; assert shutil.which("run-manager", path="$(VENV)/bin"), "run-manager was not installed"'
+
+demo: install
+	@scripts/demo.sh
+
+test: install
+	@$(MAKE) --no-print-directory test-python test-rust
+
+test-python:
+	@scripts/run-pytest.sh $(PYTEST_ARGS)
+
+test-rust:
+	cargo test --workspace --locked
+
+proto:
+	@scripts/gen-proto.sh
+
+lock:
+	@scripts/lock.sh

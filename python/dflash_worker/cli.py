@@ -1,0 +1,64 @@
+"""`dflash-worker` command line.
+
+Each subcommand lives in ``dflash_worker.commands.<name>`` and exposes
+``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only
+when their subcommand runs, so ``--help`` stays fast and torch loads lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+from .errors import DflashError
+
+# name -> (module under dflash_worker.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect-checkpoint": ("inspect_checkpoint", "list tensors, dtypes and family of a checkpoint (headers only)"),
+    "validate-pair": ("validate_pair", "check that a draft fits a target (headers only)"),
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"dflash_worker.commands.{COMMANDS[name][0]}")
+
+
+def build_parser(load: str | None = None) -> argparse.ArgumentParser:
+    """Build the parser; only the subcommand `load` (if any) imports its module."""
+    parser = argparse.ArgumentParser(
+        prog="dflash-worker",
+        description="Adapt a released DFlash2 draft to your own data: prepare, capture, train, export, evaluate.",
+    )
+    parser.add_argument("--version", action="version", version=f"dflash-worker {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if name == load:
+            _module(name).add_arguments(sp)
+        else:
+            sp.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(chosen if chosen in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 1
+    try:
+        return int(_module(args.command).run(args) or 0)
+    except DflashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

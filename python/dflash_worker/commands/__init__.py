@@ -1,0 +1,1 @@
+"""Entry points of `dflash-worker` subcommands, one module each."""
