@@ -7,6 +7,7 @@
 # Cargo's build directory is shared the same way unless CARGO_TARGET_DIR is set.
 
 SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 VENV := .venv
 PY := $(VENV)/bin/python
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dflash-worker/cargo-target
@@ -16,7 +17,7 @@ PYTEST_ARGS ?=
 
 install:
 	@scripts/setup-env.sh
-	@VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --quiet 2>&1 | grep -v '^📦\|^🔗\|^🐍\|^💻\|^🛠' || true
+	@VIRTUAL_ENV=$(abspath $(VENV)) $$(cat $(VENV)/.dflash-shared-env)/bin/maturin develop --quiet 2>&1 | { grep -v '^📦\|^🔗\|^🐍\|^💻\|^🛠\|already satisfied\|^Looking in links\|^Ignoring ' || true; }
 	@$(PY) -c 'import dflash_worker, shutil, sys; assert shutil.which("run-manager", path="$(VENV)/bin"), "run-manager was not installed"'
 
 demo: install

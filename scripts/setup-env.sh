@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Create (or reuse) the Python environment for this checkout and link it at .venv.
+# Create (or reuse) the Python environment for this checkout at .venv.
 #
-# The environment lives outside the checkout, in a directory keyed by the hash of
-# requirements/lock.txt and the interpreter version, so a fresh clone (CI) reuses
-# the large torch install instead of unpacking it again. A checkout whose .venv is
-# a real directory (made by hand) is used as it is.
+# Heavy dependencies (torch and friends) live in a shared environment outside
+# the checkout, keyed by the hash of requirements/lock.txt, requirements/nodeps.txt
+# and the interpreter version, so a fresh clone (CI) reuses the torch install
+# instead of unpacking it again. The checkout's own .venv is a small venv that
+# sees the shared site-packages through a .pth file; this package and the Rust
+# binaries are installed into .venv only, so two checkouts never overwrite each
+# other. A .venv made by hand (without our marker) is used as it is.
 #
 # Environment variables:
-#   DFLASH_ENV_ROOT  where keyed environments live (default: ~/.cache/dflash-worker/envs)
-#   PYTHON           interpreter to build the environment from (default: python3)
+#   DFLASH_ENV_ROOT  where keyed shared environments live (default: ~/.cache/dflash-worker/envs)
+#   PYTHON           interpreter to build environments from (default: python3)
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,24 +20,36 @@ cd "$root"
 python=${PYTHON:-python3}
 lock=requirements/lock.txt
 nodeps=requirements/nodeps.txt
+marker=.venv/.dflash-shared-env
 
-if [ -d .venv ] && [ ! -L .venv ]; then
-  env_dir=.venv
-else
-  pyver=$("$python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
-  key=$(cat "$lock" "$nodeps" | sha256sum | cut -c1-16)
-  env_root=${DFLASH_ENV_ROOT:-$HOME/.cache/dflash-worker/envs}
-  env_dir=$env_root/py$pyver-$key
-  if [ ! -f "$env_dir/.complete" ]; then
-    echo "setup-env: creating $env_dir (torch is a large download, a few GB, the first time)" >&2
-    rm -rf "$env_dir"
-    mkdir -p "$env_root"
-    "$python" -m venv "$env_dir"
-    "$env_dir/bin/pip" install --disable-pip-version-check -q -r "$lock"
-    # test oracles whose own pins would drag in other versions: installed without deps
-    "$env_dir/bin/pip" install --disable-pip-version-check -q --no-deps -r "$nodeps"
-    touch "$env_dir/.complete"
-  fi
-  ln -sfn "$env_dir" .venv
+if [ -d .venv ] && [ ! -L .venv ] && [ ! -f "$marker" ]; then
+  echo "setup-env: using the hand-made environment $root/.venv as it is" >&2
+  exit 0
 fi
-echo "setup-env: using $(readlink -f .venv)" >&2
+
+pyver=$("$python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
+key=$(cat "$lock" "$nodeps" | sha256sum | cut -c1-16)
+env_root=${DFLASH_ENV_ROOT:-$HOME/.cache/dflash-worker/envs}
+shared=$env_root/py$pyver-$key
+
+if [ ! -f "$shared/.complete" ]; then
+  echo "setup-env: creating $shared (torch is a large download, a few GB, the first time)" >&2
+  rm -rf "$shared"
+  mkdir -p "$env_root"
+  "$python" -m venv "$shared"
+  "$shared/bin/python" -m pip install --disable-pip-version-check -q -r "$lock"
+  # test oracles whose own pins would drag in other versions: installed without deps
+  "$shared/bin/python" -m pip install --disable-pip-version-check -q --no-deps -r "$nodeps"
+  touch "$shared/.complete"
+fi
+
+if [ -L .venv ] || [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$shared" ]; then
+  rm -rf .venv
+  "$shared/bin/python" -c 'import sys; sys.exit(0)'
+  "$python" -m venv .venv
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  shared_site=$("$shared/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$shared_site" > "$site/_dflash_shared_env.pth"
+  echo "$shared" > "$marker"
+fi
+echo "setup-env: .venv overlays $shared" >&2
