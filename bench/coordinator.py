@@ -1,0 +1,298 @@
+"""Coordinator load benchmark: 1,000 simulated providers against one coordinator process.
+
+Starts `dflash-coordinator serve` on loopback (real SQLite in a temporary
+directory), creates one provider token per simulated provider and a run with
+one job per provider, then drives the providers from several asyncio client
+processes (so the client side is not the bottleneck): every provider
+registers, acquires a lease and keeps a Heartbeat stream open, sending at a
+fixed per-provider rate with its own random phase.
+
+Reported: operations/s and latency percentiles for Register, AcquireLease and
+heartbeats at each offered rate. The baseline, measured in the same run
+before the load starts, is one provider heartbeating alone on an idle
+coordinator; the load phases print their p50/p99 as ratios against it.
+
+    .venv/bin/python bench/coordinator.py [--providers 1000] [--procs 2] [--rates 1.1,1.5,2] [--seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+
+SPEC = json.dumps({"stages": ["train"], "recipe": {"steps": 100}, "data": "bench", "target": "tiny"})
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def summary(name: str, lat: list[float], seconds: float, base: tuple[float, float] | None = None) -> str:
+    ms = [x * 1000 for x in lat]
+    line = f"{name:<28} {len(ms):>7} ops {len(ms) / seconds:>9.1f} ops/s   p50 {pct(ms, 50):7.2f} ms   p99 {pct(ms, 99):7.2f} ms   max {max(ms) if ms else float('nan'):7.2f} ms"
+    if base:
+        line += f"   (p50 x{pct(ms, 50) / base[0]:.2f}, p99 x{pct(ms, 99) / base[1]:.2f} vs baseline)"
+    return line
+
+
+# --- client process ---------------------------------------------------------
+
+
+async def _client_main(address: str, tokens: list[str], conn, channels: int) -> None:
+    import grpc
+
+    from dflash_worker.proto.dflash.v1 import provider_pb2, provider_pb2_grpc
+
+    opts = [("grpc.use_local_subchannel_pool", 1)]
+    chans = [grpc.aio.insecure_channel(address, options=opts) for _ in range(channels)]
+    stubs = [provider_pb2_grpc.ProviderServiceStub(c) for c in chans]
+    caps = provider_pb2.DeviceCapabilities(backend="cuda", device_count=1, memory_bytes=80 << 30, supports_bf16=True, platform="linux-x86_64")
+
+    class P:
+        pass
+
+    provs = []
+    for i, tok in enumerate(tokens):
+        p = P()
+        p.stub = stubs[i % len(stubs)]
+        p.md = (("authorization", f"Bearer {tok}"),)
+        provs.append(p)
+
+    reg_lat, lease_lat = [], []
+
+    async def register(p):
+        t = time.perf_counter()
+        r = await p.stub.Register(
+            provider_pb2.RegisterRequest(client_version="0.1.0", protocol_version="dflash.v1", launch_mode=provider_pb2.LAUNCH_MODE_DOCKER, capabilities=caps, name="bench"),
+            metadata=p.md,
+            timeout=60,
+        )
+        reg_lat.append(time.perf_counter() - t)
+        p.provider_id = r.provider_id
+
+    async def lease(p):
+        t = time.perf_counter()
+        r = await p.stub.AcquireLease(provider_pb2.AcquireLeaseRequest(provider_id=p.provider_id, wait_seconds=0), metadata=p.md, timeout=60)
+        lease_lat.append(time.perf_counter() - t)
+        assert r.WhichOneof("result") == "lease", r
+        p.lease_id = r.lease.lease_id
+
+    conn.recv()  # "register"
+    t0 = time.perf_counter()
+    await asyncio.gather(*(register(p) for p in provs))
+    conn.send(("register", reg_lat, time.perf_counter() - t0))
+    conn.recv()  # "lease"
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lease(p) for p in provs))
+    conn.send(("lease", lease_lat, time.perf_counter() - t0))
+
+    for p in provs:
+        p.call = p.stub.Heartbeat(metadata=p.md)
+
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        _, start_at, seconds, rate = msg
+        lat: list[float] = []
+        errors = [0]
+        last_done = [start_at]
+        interval = 1.0 / rate
+
+        async def beat(p):
+            loop = asyncio.get_running_loop()
+            # Each provider ticks at `rate` with its own random phase.
+            next_t = start_at + random.random() * interval
+            step = 0
+            while True:
+                now = time.time()
+                if next_t >= start_at + seconds:
+                    return
+                if next_t > now:
+                    await asyncio.sleep(next_t - now)
+                step += 1
+                t = loop.time()
+                try:
+                    await p.call.write(provider_pb2.HeartbeatRequest(lease_id=p.lease_id, phase=provider_pb2.PHASE_TRAIN, step=step, total_steps=1000, metrics={"loss": 1.0 / step}))
+                    r = await p.call.read()
+                    if r.directive != provider_pb2.DIRECTIVE_CONTINUE:
+                        errors[0] += 1
+                    lat.append(loop.time() - t)
+                    last_done[0] = max(last_done[0], time.time())
+                except grpc.aio.AioRpcError:
+                    errors[0] += 1
+                    return
+                next_t += interval
+
+        await asyncio.gather(*(beat(p) for p in provs))
+        conn.send(("heartbeat", lat, (errors[0], last_done[0])))
+
+    for p in provs:
+        await p.call.done_writing()
+    for c in chans:
+        await c.close()
+
+
+def client_process(address: str, tokens: list[str], conn, channels: int) -> None:
+    asyncio.run(_client_main(address, tokens, conn, channels))
+
+
+# --- parent -----------------------------------------------------------------
+
+
+def server_cpu(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def start_server(workdir: Path, extra: list[str]) -> tuple[subprocess.Popen, dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_worker.coordinator", "serve", "--db", str(workdir / "c.db"), "--listen", "127.0.0.1:0", "--lease-ttl", "60", *extra],
+        stdout=subprocess.PIPE,
+        stderr=open(workdir / "server.log", "wb"),
+        env=env,
+    )
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout=30):
+        proc.kill()
+        raise SystemExit("coordinator did not start")
+    return proc, json.loads(proc.stdout.readline())
+
+
+def baseline(address: str, token: str, n: int = 300) -> list[float]:
+    """One provider alone: register, lease, then `n` sequential heartbeats on one stream."""
+    import grpc
+
+    from dflash_worker.proto.dflash.v1 import provider_pb2, provider_pb2_grpc
+
+    async def go():
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = provider_pb2_grpc.ProviderServiceStub(ch)
+            md = (("authorization", f"Bearer {token}"),)
+            caps = provider_pb2.DeviceCapabilities(backend="cuda", device_count=1)
+            r = await stub.Register(provider_pb2.RegisterRequest(client_version="0.1.0", protocol_version="dflash.v1", launch_mode=1, capabilities=caps), metadata=md)
+            lease = (await stub.AcquireLease(provider_pb2.AcquireLeaseRequest(provider_id=r.provider_id), metadata=md)).lease
+            call = stub.Heartbeat(metadata=md)
+            lat = []
+            loop = asyncio.get_running_loop()
+            for i in range(n):
+                t = loop.time()
+                await call.write(provider_pb2.HeartbeatRequest(lease_id=lease.lease_id, phase=5, step=i, metrics={"loss": 1.0}))
+                await call.read()
+                lat.append(loop.time() - t)
+                await asyncio.sleep(0.002)
+            await call.done_writing()
+            return lat[20:]  # drop warm-up
+
+    return asyncio.run(go())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--providers", type=int, default=1000, help="simulated providers (default 1000)")
+    ap.add_argument("--procs", type=int, default=2, help="client processes (default 2)")
+    ap.add_argument("--channels", type=int, default=0, help="gRPC channels per client process (default 0: one per provider, like real providers)")
+    ap.add_argument("--rates", default="1.1,1.5,2", help="heartbeats per second per provider, one phase each (default 1.1,1.5,2: 1,100 to 2,000 per second for 1,000 providers)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="length of each heartbeat phase (default 10)")
+    args = ap.parse_args()
+
+    from dflash_worker.coordinator.client import AdminClient
+    from dflash_worker.proto.dflash.v1 import admin_pb2
+
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
+        workdir = Path(tmp)
+        proc, info = start_server(workdir, [])
+        address = info["address"]
+        admin_token = Path(info["admin_token_file"]).read_text().strip()
+        try:
+            print(f"coordinator pid {info['pid']} on {address}; {os.cpu_count()} CPUs on this machine; {args.procs} client processes; {args.providers} providers")
+            with AdminClient(address, admin_token) as admin:
+                t0 = time.perf_counter()
+                tokens = [admin.create_provider(f"bench-{i}") for i in range(args.providers + 1)]
+                t_tok = time.perf_counter() - t0
+                admin.create_run(admin_pb2.RunSpec(name="bench", spec_json=SPEC, required_client_version="0.1.0", num_jobs=args.providers + 1))
+            print(f"setup: {len(tokens)} provider tokens in {t_tok:.2f} s ({len(tokens) / t_tok:.0f}/s, sequential admin calls)")
+
+            base = baseline(address, tokens[-1])
+            base_p = (pct([x * 1000 for x in base], 50), pct([x * 1000 for x in base], 99))
+            print(summary("baseline: 1 provider hb", base, sum(base) + 0.002 * len(base)))
+
+            ctx = mp.get_context("spawn")
+            # tokens[-1] was the baseline provider (its job is taken).
+            shares = [tokens[:-1][i :: args.procs] for i in range(args.procs)]
+            pipes, procs = [], []
+            for share in shares:
+                parent, child = ctx.Pipe()
+                chans = args.channels or len(share)
+                p = ctx.Process(target=client_process, args=(address, share, child, chans), daemon=True)
+                p.start()
+                pipes.append(parent)
+                procs.append(p)
+
+            for phase in ("register", "lease"):
+                for c in pipes:
+                    c.send((phase,))
+                results = [c.recv() for c in pipes]
+                lat = [x for _, l, _ in results for x in l]
+                wall = max(w for _, _, w in results)
+                print(summary(f"{phase} ({len(lat)} concurrent)", lat, wall))
+
+            met = []
+            for rate in [float(r) for r in args.rates.split(",")]:
+                start_at = time.time() + 1.0
+                cpu0 = server_cpu(proc.pid)
+                for c in pipes:
+                    c.send(("heartbeat", start_at, args.seconds, rate))
+                results = [c.recv() for c in pipes]
+                cpu = server_cpu(proc.pid) - cpu0
+                lat = [x for _, l, _ in results for x in l]
+                errors = sum(e for _, _, (e, _) in results)
+                # Achieved rate: completions over the time until the last one (>= the phase length).
+                elapsed = max(args.seconds, max(d for _, _, (_, d) in results) - start_at)
+                offered = args.providers * rate
+                print(summary(f"heartbeat @ {offered:.0f}/s offered", lat, elapsed, base_p) + f"   errors {errors}")
+                # Load-independent cost: server CPU time per heartbeat (the box is shared, latency is not).
+                print(f"{'':<28} server CPU {cpu / max(1, len(lat)) * 1e6:.0f} us per heartbeat ({cpu / elapsed * 100:.0f}% of one core)")
+                if len(lat) / elapsed >= 1000 and pct(lat, 99) < 0.050 and errors == 0:
+                    met.append(offered)
+            print(
+                "goal (>= 1000 heartbeats/s, p99 < 50 ms): "
+                + (f"met, up to {max(met):.0f}/s offered" if met else "NOT met")
+            )
+
+            for c in pipes:
+                c.send(("stop",))
+            for p in procs:
+                p.join(30)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""`dflash-coordinator` command line: run the server and administer it.
+
+``serve`` runs the coordinator in this process. Every other subcommand is an
+admin client that talks to a running coordinator over gRPC with the admin
+token. Data goes to stdout (``--json`` for machine-readable output), logs and
+errors to stderr; refused calls exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from .. import __version__
+from ..errors import ConfigError, DflashError
+from ..proto.dflash.v1 import admin_pb2, provider_pb2
+
+# Environment variables (flags take precedence over them).
+ENV_ADDRESS = "DFLASH_COORDINATOR"  # coordinator address, HOST:PORT or http://HOST:PORT (shared with run-manager)
+ENV_ADMIN_TOKEN = "DFLASH_ADMIN_TOKEN"  # admin bearer token
+ENV_ADMIN_TOKEN_FILE = "DFLASH_ADMIN_TOKEN_FILE"  # file holding the admin token
+
+DEFAULT_DB = Path("dflash-work/coordinator/coordinator.db")
+DEFAULT_TOKEN_FILE = DEFAULT_DB.parent / "admin-token"
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", type=Path, default=DEFAULT_DB, help=f"SQLite database (created if missing; default `{DEFAULT_DB}`)")
+    p.add_argument("--listen", default=DEFAULT_ADDRESS, help=f"HOST:PORT to serve on; port 0 picks a free port (default `{DEFAULT_ADDRESS}`)")
+    p.add_argument("--artifacts", type=Path, default=None, help="directory for artifacts uploaded inline (default: `artifacts/` next to --db)")
+    p.add_argument(
+        "--allow-artifact-root",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also accept `file://` artifacts under DIR (repeatable; the --artifacts directory is always allowed)",
+    )
+    p.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a lease stays valid without a heartbeat (default 30)")
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest gRPC message accepted or sent; larger ones fail RESOURCE_EXHAUSTED (default 16 MiB)",
+    )
+    p.add_argument("--expiry-interval", type=float, default=None, help="seconds between sweeps that expire silent leases (default: a quarter of --lease-ttl, at most 1); leases are also checked whenever used")
+    p.add_argument("--max-wait", type=float, default=30.0, help="cap in seconds on AcquireLease long-poll waits (default 30)")
+    p.add_argument("--max-attempts", type=int, default=5, help="attempts per job before an expired/retryable job fails (default 5)")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"admin bearer token (env `{ENV_ADMIN_TOKEN}`); when unset, one is generated on first start and written to --admin-token-file",
+    )
+    p.add_argument("--admin-token-file", type=Path, default=None, help="where a generated admin token is written, mode 0600 (default: `admin-token` next to --db)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+
+
+def _client_args(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    p.add_argument("--server", default=None, help=f"coordinator address HOST:PORT (env `{ENV_ADDRESS}`, default `{DEFAULT_ADDRESS}`)")
+    p.add_argument("--admin-token", default=None, help=f"admin bearer token (env `{ENV_ADMIN_TOKEN}`)")
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help=f"read the admin token from this file (env `{ENV_ADMIN_TOKEN_FILE}`, default `{DEFAULT_TOKEN_FILE}`)",
+    )
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the coordinator (default 30)")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-coordinator",
+        description="Coordinator for dflash-worker providers: runs, jobs, leases, versions and artifacts over gRPC.",
+    )
+    parser.add_argument("--version", action="version", version=f"dflash-coordinator {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sp = sub.add_parser("serve", help="run the coordinator", description="Run the coordinator; prints the bound address as one JSON line on stdout.")
+    _serve_args(sp)
+
+    runs = sub.add_parser("runs", help="create and inspect runs").add_subparsers(dest="action", metavar="ACTION")
+    rc = runs.add_parser("create", help="create a run and its jobs", description="Create a run and queue its jobs.")
+    rc.add_argument("--name", required=True, help="run name, unique per coordinator")
+    g = rc.add_mutually_exclusive_group(required=True)
+    g.add_argument("--spec", type=Path, help="job spec JSON file (recipe, data and model references); `-` reads stdin")
+    g.add_argument("--spec-json", help="job spec JSON given inline")
+    rc.add_argument("--client-version", required=True, help="client version providers must run (semver)")
+    rc.add_argument("--checkpoint-policy", choices=("durable", "ephemeral"), default="durable", help="durable: checkpoints are uploaded; ephemeral: they stay on the provider (never leased to native providers)")
+    rc.add_argument("--max-local-ranks", type=int, default=1, help="ranks per job; more than 1 only on CUDA providers (default 1)")
+    rc.add_argument("--feature", action="append", default=[], metavar="NAME", help="device feature a provider must offer (repeatable), e.g. `cuda`, `flash_attention_2`")
+    rc.add_argument("--image", default="", help="container image (tag or digest) for Docker launch mode")
+    rc.add_argument("--jobs", type=int, default=1, help="number of jobs to queue (default 1)")
+    _client_args(rc)
+    rl = runs.add_parser("list", help="list runs with job counts by state")
+    _client_args(rl)
+    rs = runs.add_parser("show", help="show one run, its jobs and their artifacts")
+    rs.add_argument("run_id", help="run id (from `runs list`)")
+    _client_args(rs)
+
+    versions = sub.add_parser("versions", help="approve native client versions").add_subparsers(dest="action", metavar="ACTION")
+    va = versions.add_parser("approve", help="allow a native client version for one run", description="Allow providers launching in native mode with this native client version to lease this run's jobs.")
+    va.add_argument("run_id", help="run id")
+    va.add_argument("version", help="native client version (semver)")
+    _client_args(va)
+
+    providers = sub.add_parser("providers", help="create provider tokens and list providers").add_subparsers(dest="action", metavar="ACTION")
+    pc = providers.add_parser("create", help="create a provider and print its bearer token (shown once)")
+    pc.add_argument("name", help="provider name, for `providers list`")
+    _client_args(pc)
+    pl = providers.add_parser("list", help="list providers and what they registered")
+    _client_args(pl)
+
+    jobs = sub.add_parser("jobs", help="steer jobs").add_subparsers(dest="action", metavar="ACTION")
+    jc = jobs.add_parser("cancel", help="cancel a job (a running attempt gets a CANCEL directive)")
+    jc.add_argument("job_id", help="job id (from `runs show`)")
+    _client_args(jc)
+    jk = jobs.add_parser("checkpoint", help="ask a running job to commit a checkpoint now (CHECKPOINT_NOW directive)")
+    jk.add_argument("job_id", help="job id (from `runs show`)")
+    _client_args(jk)
+    return parser
+
+
+def _emit_json(value) -> None:
+    json.dump(value, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def _msg_dict(msg) -> dict:
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _admin_token(args) -> str:
+    token = args.admin_token or os.environ.get(ENV_ADMIN_TOKEN)
+    if token:
+        return token
+    path = args.admin_token_file or Path(os.environ.get(ENV_ADMIN_TOKEN_FILE) or DEFAULT_TOKEN_FILE)
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"no admin token: `--admin-token` and `{ENV_ADMIN_TOKEN}` are unset and `{path}` is unreadable ({exc.strerror})\n"
+            "hint: pass `--admin-token-file` pointing at the file `dflash-coordinator serve` wrote"
+        ) from None
+    if not token:
+        raise ConfigError(f"admin token file `{path}` is empty")
+    return token
+
+
+def _client(args):
+    from .client import AdminClient
+
+    address = args.server or os.environ.get(ENV_ADDRESS) or DEFAULT_ADDRESS
+    return AdminClient(address, _admin_token(args), timeout=args.timeout)
+
+
+def _read_spec(args) -> str:
+    if args.spec_json is not None:
+        return args.spec_json
+    if str(args.spec) == "-":
+        return sys.stdin.read()
+    try:
+        return args.spec.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read job spec `{args.spec}`: {exc}") from None
+
+
+def _print_run(run: admin_pb2.Run) -> None:
+    states = ", ".join(f"{k} {v}" for k, v in sorted(run.job_states.items())) or "no jobs"
+    print(f"{run.run_id}  {run.spec.name}  client {run.spec.required_client_version}  {run.spec.checkpoint_policy}  [{states}]")
+
+
+def _cmd_serve(args) -> int:
+    from .server import ServeConfig, serve
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServeConfig(
+        db=args.db,
+        listen=args.listen,
+        artifacts=args.artifacts,
+        allowed_roots=tuple(args.allow_artifact_root),
+        lease_ttl=args.lease_ttl,
+        max_message_bytes=args.max_message_bytes,
+        max_wait=args.max_wait,
+        max_attempts=args.max_attempts,
+        expiry_interval=args.expiry_interval,
+        admin_token=args.admin_token or os.environ.get(ENV_ADMIN_TOKEN) or None,
+        admin_token_file=args.admin_token_file,
+    )
+
+    def ready(info: dict) -> None:
+        # One JSON line so a parent process can read the bound address.
+        sys.stdout.write(json.dumps(info, sort_keys=True) + "\n")
+        sys.stdout.flush()
+        where = f", admin token in `{info['admin_token_file']}`" if info["admin_token_file"] else ""
+        logging.getLogger("dflash_worker.coordinator").info("serving on %s%s", info["address"], where)
+
+    asyncio.run(serve(config, on_ready=ready))
+    return 0
+
+
+def _cmd_admin(args) -> int:
+    key = (args.command, args.action)
+    with _client(args) as c:
+        if key == ("runs", "create"):
+            spec = admin_pb2.RunSpec(
+                name=args.name,
+                spec_json=_read_spec(args),
+                required_client_version=args.client_version,
+                checkpoint_policy=args.checkpoint_policy,
+                max_local_ranks=args.max_local_ranks,
+                required_features=args.feature,
+                image=args.image,
+                num_jobs=args.jobs,
+            )
+            run = c.create_run(spec)
+            _emit_json(_msg_dict(run)) if args.json else _print_run(run)
+        elif key == ("runs", "list"):
+            runs = c.list_runs()
+            if args.json:
+                _emit_json([_msg_dict(r) for r in runs])
+            else:
+                for r in runs:
+                    _print_run(r)
+        elif key == ("runs", "show"):
+            resp = c.get_run(args.run_id)
+            if args.json:
+                _emit_json(_msg_dict(resp))
+            else:
+                _print_run(resp.run)
+                if resp.run.approved_native_versions:
+                    print(f"  approved native versions: {', '.join(resp.run.approved_native_versions)}")
+                for j in resp.jobs:
+                    print(f"  {j.job_id}  {j.state}  attempts {j.attempts}")
+                    for a in j.artifacts:
+                        print(f"    {a.kind:<10} {a.name}  step {a.step}  {a.size_bytes} B  sha256 {a.sha256[:16]}...  {a.uri}")
+        elif key == ("versions", "approve"):
+            run = c.approve_version(args.run_id, args.version)
+            _emit_json(_msg_dict(run)) if args.json else _print_run(run)
+        elif key == ("providers", "create"):
+            token = c.create_provider(args.name)
+            if args.json:
+                _emit_json({"name": args.name, "token": token})
+            else:
+                print(token)
+                print("note: the token is shown once; the coordinator keeps only its hash", file=sys.stderr)
+        elif key == ("providers", "list"):
+            providers = c.list_providers()
+            if args.json:
+                _emit_json([_msg_dict(p) for p in providers])
+            else:
+                for p in providers:
+                    mode = provider_pb2.LaunchMode.Name(p.launch_mode) if p.launch_mode in provider_pb2.LaunchMode.values() else str(p.launch_mode)
+                    seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p.last_seen_unix)) if p.last_seen_unix else "never"
+                    print(f"{p.provider_id}  {p.name}  {p.client_version or '-'}  {mode}  {p.capabilities.backend or '-'}  last seen {seen}")
+        elif key == ("jobs", "cancel"):
+            state = c.cancel_job(args.job_id)
+            _emit_json({"job_id": args.job_id, "job_state": state}) if args.json else print(f"{args.job_id}  {state}")
+        elif key == ("jobs", "checkpoint"):
+            state = c.request_checkpoint(args.job_id)
+            _emit_json({"job_id": args.job_id, "job_state": state}) if args.json else print(f"{args.job_id}  {state}  (checkpoint requested)")
+        else:
+            raise AssertionError(key)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None or (args.command != "serve" and getattr(args, "action", None) is None):
+        parser.print_help(sys.stderr)
+        return 1
+    try:
+        return _cmd_serve(args) if args.command == "serve" else _cmd_admin(args)
+    except DflashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Build and run the coordinator's gRPC server (grpc.aio, one event loop).
+
+`serve()` opens the database, makes sure an admin token exists, binds the
+listen address, reports the bound address through `on_ready`, expires
+leases on a timer and stops cleanly on SIGINT/SIGTERM. One asyncio event
+loop serves every call, so thousands of open heartbeat streams cost
+coroutines, not threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from ..errors import ConfigError
+from ..proto.dflash.v1 import admin_pb2_grpc, provider_pb2_grpc
+from .artifacts import ArtifactStore
+from .auth import AuthInterceptor
+from .service import AdminService, ProviderService, WorkSignal
+from .store import Store, new_token
+
+log = logging.getLogger("dflash_worker.coordinator")
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """Everything `dflash-coordinator serve` takes."""
+
+    db: Path
+    listen: str = "127.0.0.1:50051"
+    artifacts: Path | None = None
+    allowed_roots: tuple[Path, ...] = ()
+    lease_ttl: float = 30.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_wait: float = 30.0
+    retry_after: int = 5
+    max_attempts: int = 5
+    # Seconds between expiry sweeps (None: a quarter of the TTL, at most 1 s).
+    # Expiry is also checked whenever a lease is used, so this only bounds how
+    # long an abandoned job waits before another provider can take it.
+    expiry_interval: float | None = None
+    admin_token: str | None = None
+    admin_token_file: Path | None = None
+    extra_options: tuple = field(default=())
+
+    def __post_init__(self):
+        if self.lease_ttl <= 0:
+            raise ConfigError(f"`--lease-ttl` must be positive, got {self.lease_ttl}")
+        if not 1024 <= self.max_message_bytes <= 1 << 30:
+            raise ConfigError(f"`--max-message-bytes` must be between 1024 and 2**30, got {self.max_message_bytes}")
+        if self.expiry_interval is not None and self.expiry_interval <= 0:
+            raise ConfigError(f"`--expiry-interval` must be positive, got {self.expiry_interval}")
+        if self.max_wait < 0:
+            raise ConfigError(f"`--max-wait` must be >= 0, got {self.max_wait}")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"`--listen` must be HOST:PORT (port 0 picks a free one), got `{self.listen}`")
+
+    @property
+    def artifact_dir(self) -> Path:
+        return self.artifacts or self.db.parent / "artifacts"
+
+    @property
+    def token_file(self) -> Path:
+        return self.admin_token_file or self.db.parent / "admin-token"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically with mode 0600 (never readable by others, even briefly)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def ensure_admin_token(store: Store, token: str | None, token_file: Path) -> str:
+    """Install the admin token; return how it was set ("given", "file" or "generated").
+
+    A token given on the command line or in the environment replaces the stored
+    one. Otherwise the token in `token_file` is kept if it matches the database;
+    if not (first start, or the file was lost), a new token is generated and
+    written there with mode 0600.
+    """
+    if token:
+        store.set_admin_token(token)
+        return "given"
+    if store.has_admin_token() and token_file.is_file():
+        existing = token_file.read_text().strip()
+        p = store.principal(existing)
+        if p is not None and p.admin:
+            return "file"
+    fresh = new_token()
+    _write_private(token_file, fresh + "\n")
+    store.set_admin_token(fresh)
+    return "generated"
+
+
+async def serve(
+    config: ServeConfig,
+    *,
+    on_ready: Callable[[dict], None] = lambda info: None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the coordinator until SIGINT/SIGTERM (or `stop` is set)."""
+    work = WorkSignal()
+    store = Store(config.db, lease_ttl=config.lease_ttl, max_attempts=config.max_attempts, on_work=work.notify)
+    try:
+        how = ensure_admin_token(store, config.admin_token, config.token_file)
+        artifacts = ArtifactStore(config.artifact_dir, allowed_roots=config.allowed_roots)
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            # Refuse to share a port with another process instead of silently
+            # splitting traffic with it.
+            ("grpc.so_reuseport", 0),
+            *config.extra_options,
+        ]
+        server = grpc.aio.server(interceptors=[AuthInterceptor(store.principal)], options=options)
+        provider_pb2_grpc.add_ProviderServiceServicer_to_server(
+            ProviderService(store, artifacts, work, max_wait=config.max_wait, retry_after=config.retry_after), server
+        )
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store), server)
+        try:
+            port = server.add_insecure_port(config.listen)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on `{config.listen}`: {exc}\nhint: is another coordinator running there?") from None
+        if not port:
+            raise ConfigError(f"cannot listen on `{config.listen}`\nhint: is another coordinator running there?")
+        await server.start()
+        # Requeue whatever expired while the coordinator was down.
+        store.expire_due()
+        host = config.listen.rpartition(":")[0]
+        on_ready(
+            {
+                "event": "listening",
+                "address": f"{host}:{port}",
+                "pid": os.getpid(),
+                "db": str(config.db),
+                "artifacts": str(artifacts.root),
+                "admin_token": how,
+                "admin_token_file": None if how == "given" else str(config.token_file),
+            }
+        )
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread (tests drive `stop` instead)
+        interval = config.expiry_interval or max(0.05, min(config.lease_ttl / 4, 1.0))
+
+        async def expire_loop():
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    store.expire_due()
+                except Exception:  # noqa: BLE001 - keep serving; the next tick retries
+                    log.exception("lease expiry failed")
+
+        ticker = asyncio.create_task(expire_loop())
+        try:
+            await stop.wait()
+        finally:
+            ticker.cancel()
+            await server.stop(grace=1.0)
+    finally:
+        store.close()

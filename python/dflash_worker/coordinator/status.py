@@ -1,0 +1,62 @@
+"""The one place that maps `dflash_worker.errors` exceptions to gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from ..errors import (
+    AuthenticationError,
+    ConfigError,
+    ConflictError,
+    DataError,
+    DflashError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    PolicyError,
+    StaleLeaseError,
+)
+
+# First match wins; order subclasses before their bases.
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DataError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (StaleLeaseError, grpc.StatusCode.ABORTED),
+    (PolicyError, grpc.StatusCode.FAILED_PRECONDITION),
+    # Any other deliberate refusal is a precondition the caller can read about.
+    (DflashError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """gRPC status code for an exception (INTERNAL for anything unexpected)."""
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+# The reverse direction, for clients: a refused call becomes the matching error class.
+_ERRORS: dict[grpc.StatusCode, type[DflashError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: ConflictError,
+    grpc.StatusCode.ABORTED: StaleLeaseError,
+    grpc.StatusCode.FAILED_PRECONDITION: PolicyError,
+}
+
+
+def error_for(code: grpc.StatusCode, message: str) -> DflashError:
+    """The `DflashError` a client raises for a call refused with `code`."""
+    from ..errors import CoordinatorError
+
+    err = _ERRORS.get(code, CoordinatorError)(message)
+    err.grpc_code = code  # the exact code, for callers that retry on UNAVAILABLE
+    return err

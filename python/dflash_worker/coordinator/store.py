@@ -1,0 +1,776 @@
+"""Coordinator state in SQLite: runs, providers, jobs, attempts (leases), artifacts.
+
+One process owns the database and uses one connection from its event-loop
+thread, so every state change is a short serial transaction and no SQLite
+locking is needed beyond what protects against a second process. The
+database runs in WAL mode with ``synchronous=NORMAL``: a committed transaction
+survives the coordinator process being killed (only an OS crash or power loss
+can drop the last few), which is the failure the restart test exercises.
+
+Leases live on the ``attempts`` table: each attempt of a job holds exactly one
+lease (``lease_id``, ``lease_expires_unix``), valid while the attempt's state
+is ``live``, it is its job's ``current_attempt_id`` and it has not expired.
+
+Job states: ``queued`` -> ``leased`` (-> ``cancelling``) -> ``succeeded`` |
+``failed`` | ``cancelled``, or back to ``queued`` when an attempt expires or
+ends retryable (at most ``max_attempts`` attempts, then ``failed``).
+Attempt states: ``live``, ``succeeded``, ``failed``, ``cancelled``,
+``retryable``, ``expired``.
+
+Provider tokens and the admin token are stored only as sha256 digests; the
+tokens are 256-bit random strings, so a fast hash is enough (no password
+stretching is needed against a brute force of 2**256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import (
+    ConfigError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    PolicyError,
+    StaleLeaseError,
+)
+from .artifacts import ArtifactRecord
+from .policy import (
+    CHECKPOINT_POLICIES,
+    ProviderProfile,
+    RunRequirements,
+    Verdict,
+    check_features,
+    check_version,
+    decide,
+    local_ranks,
+)
+
+SCHEMA_VERSION = 1
+MAX_JOBS_PER_RUN = 10_000
+MAX_SPEC_JSON_BYTES = 1 << 20
+FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  run_id TEXT UNIQUE NOT NULL,
+  name TEXT UNIQUE NOT NULL,
+  spec_json TEXT NOT NULL,
+  required_client_version TEXT NOT NULL,
+  checkpoint_policy TEXT NOT NULL,
+  max_local_ranks INTEGER NOT NULL,
+  required_features TEXT NOT NULL,
+  image TEXT NOT NULL,
+  num_jobs INTEGER NOT NULL,
+  created_unix REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS approved_versions (
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
+  version TEXT NOT NULL,
+  approved_unix REAL NOT NULL,
+  PRIMARY KEY (run_id, version)
+);
+CREATE TABLE IF NOT EXISTS providers (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  provider_id TEXT UNIQUE NOT NULL,
+  name TEXT NOT NULL,
+  token_sha256 TEXT UNIQUE NOT NULL,
+  created_unix REAL NOT NULL,
+  client_version TEXT NOT NULL DEFAULT '',
+  native_client_version TEXT NOT NULL DEFAULT '',
+  launch_mode INTEGER NOT NULL DEFAULT 0,
+  native INTEGER NOT NULL DEFAULT 0,
+  backend TEXT NOT NULL DEFAULT '',
+  device_count INTEGER NOT NULL DEFAULT 0,
+  features TEXT NOT NULL DEFAULT '[]',
+  capabilities BLOB,
+  registered_unix REAL,
+  last_seen_unix REAL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  job_id TEXT UNIQUE NOT NULL,
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
+  state TEXT NOT NULL,
+  attempts INTEGER NOT NULL DEFAULT 0,
+  current_attempt_id TEXT,
+  cancel_requested INTEGER NOT NULL DEFAULT 0,
+  checkpoint_requested INTEGER NOT NULL DEFAULT 0,
+  updated_unix REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, run_id, seq);
+CREATE INDEX IF NOT EXISTS jobs_by_run ON jobs(run_id, seq);
+CREATE TABLE IF NOT EXISTS attempts (
+  attempt_id TEXT PRIMARY KEY,
+  job_id TEXT NOT NULL REFERENCES jobs(job_id),
+  number INTEGER NOT NULL,
+  provider_id TEXT NOT NULL REFERENCES providers(provider_id),
+  lease_id TEXT UNIQUE NOT NULL,
+  state TEXT NOT NULL,
+  lease_expires_unix REAL NOT NULL,
+  started_unix REAL NOT NULL,
+  ended_unix REAL,
+  message TEXT NOT NULL DEFAULT '',
+  phase INTEGER NOT NULL DEFAULT 0,
+  step INTEGER NOT NULL DEFAULT 0,
+  total_steps INTEGER NOT NULL DEFAULT 0,
+  committed_step INTEGER NOT NULL DEFAULT 0,
+  metrics_json TEXT NOT NULL DEFAULT '{}',
+  last_heartbeat_unix REAL
+);
+CREATE INDEX IF NOT EXISTS attempts_live ON attempts(state, lease_expires_unix);
+CREATE TABLE IF NOT EXISTS artifacts (
+  job_id TEXT NOT NULL REFERENCES jobs(job_id),
+  name TEXT NOT NULL,
+  kind TEXT NOT NULL,
+  sha256 TEXT NOT NULL,
+  size_bytes INTEGER NOT NULL,
+  uri TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  attempt_id TEXT NOT NULL,
+  created_unix REAL NOT NULL,
+  seq INTEGER NOT NULL,
+  PRIMARY KEY (job_id, name)
+);
+"""
+
+
+def hash_token(token: str) -> str:
+    """Hex sha256 of a bearer token (what the database keeps instead of the token)."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def new_token() -> str:
+    """A fresh bearer token: 256 random bits, URL-safe."""
+    return secrets.token_urlsafe(32)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(8)}"
+
+
+def _no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key `{k}`")
+        out[k] = v
+    return out
+
+
+def _no_constant(name):
+    raise ValueError(f"`{name}` is not valid JSON")
+
+
+def parse_spec_json(text: str) -> dict:
+    """Parse a run's job-spec JSON strictly: one object, no duplicate keys, no NaN/Infinity."""
+    if len(text.encode("utf-8")) > MAX_SPEC_JSON_BYTES:
+        raise ConfigError(f"`spec.spec_json` is larger than {MAX_SPEC_JSON_BYTES} bytes")
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ConfigError(
+            f"`spec.spec_json` is not valid JSON{where}: {exc}\n"
+            "hint: the job spec must be a JSON object with the recipe, data and model references"
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"`spec.spec_json` must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpecData:
+    """A validated run specification (what `runs create` submits)."""
+
+    name: str
+    spec_json: str
+    required_client_version: str
+    checkpoint_policy: str = "durable"
+    max_local_ranks: int = 1
+    required_features: tuple[str, ...] = ()
+    image: str = ""
+    num_jobs: int = 1
+
+    def __post_init__(self):
+        if not self.name or len(self.name) > 200 or any(ord(c) < 0x20 for c in self.name):
+            raise InvalidRequestError("`spec.name` must be 1-200 printable characters")
+        parse_spec_json(self.spec_json)
+        check_version(self.required_client_version, "spec.required_client_version")
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise InvalidRequestError(
+                f"`spec.checkpoint_policy` `{self.checkpoint_policy[:40]}` is not one of {list(CHECKPOINT_POLICIES)}"
+            )
+        if not 1 <= self.max_local_ranks <= 1024:
+            raise InvalidRequestError(f"`spec.max_local_ranks` must be 1-1024, got {self.max_local_ranks}")
+        check_features(self.required_features, "spec.required_features")
+        if len(self.image) > 512:
+            raise InvalidRequestError("`spec.image` is longer than 512 characters")
+        if not 1 <= self.num_jobs <= MAX_JOBS_PER_RUN:
+            raise InvalidRequestError(f"`spec.num_jobs` must be 1-{MAX_JOBS_PER_RUN}, got {self.num_jobs}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRow:
+    run_id: str
+    spec: RunSpecData
+    approved_native_versions: tuple[str, ...]
+    created_unix: float
+    job_states: dict[str, int]
+
+    def requirements(self) -> RunRequirements:
+        return RunRequirements(
+            required_client_version=self.spec.required_client_version,
+            approved_native_versions=frozenset(self.approved_native_versions),
+            checkpoint_policy=self.spec.checkpoint_policy,
+            max_local_ranks=self.spec.max_local_ranks,
+            required_features=self.spec.required_features,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRow:
+    job_id: str
+    run_id: str
+    state: str
+    attempts: int
+    artifacts: tuple[ArtifactRecord, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Principal:
+    """Who a bearer token belongs to."""
+
+    admin: bool
+    provider_id: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Registration:
+    client_version: str
+    native_client_version: str
+    launch_mode: int
+    native: bool
+    backend: str
+    device_count: int
+    features: tuple[str, ...]
+    capabilities: bytes
+    name: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProviderRow:
+    provider_id: str
+    name: str
+    client_version: str
+    launch_mode: int
+    capabilities: bytes | None
+    last_seen_unix: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grant:
+    """A lease handed to a provider."""
+
+    lease_id: str
+    run_id: str
+    job_id: str
+    attempt: int
+    spec_json: str
+    ttl_seconds: float
+    resume_checkpoint: ArtifactRecord | None
+    checkpoint_policy: str
+    local_ranks: int
+    required_features: tuple[str, ...]
+    required_client_version: str
+    image: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Upgrade:
+    required_client_version: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveLease:
+    """The attempt behind a live lease, as a write sees it."""
+
+    attempt_id: str
+    job_id: str
+    run_id: str
+
+
+@dataclass(kw_only=True)
+class Progress:
+    phase: int = 0
+    step: int = 0
+    total_steps: int = 0
+    committed_step: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Store:
+    """SQLite-backed coordinator state. Not thread-safe: use it from one thread."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        lease_ttl: float = 30.0,
+        max_attempts: int = 5,
+        clock: Callable[[], float] = time.time,
+        on_work: Callable[[], None] | None = None,
+    ):
+        if lease_ttl <= 0:
+            raise ConfigError(f"`--lease-ttl` must be positive, got {lease_ttl}")
+        if max_attempts < 1:
+            raise ConfigError(f"`--max-attempts` must be at least 1, got {max_attempts}")
+        self.path = Path(path)
+        self.lease_ttl = float(lease_ttl)
+        self.max_attempts = int(max_attempts)
+        self.clock = clock
+        self.on_work = on_work or (lambda: None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(str(self.path), isolation_level=None)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.db.execute("PRAGMA busy_timeout=5000")
+            self.db.executescript(_SCHEMA)
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise ConfigError(f"cannot open coordinator database `{self.path}`: {exc}") from None
+        if row is None:
+            self.db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise ConfigError(
+                f"coordinator database `{self.path}` has schema version {row[0]}, this coordinator uses {SCHEMA_VERSION}"
+            )
+        self._tokens: dict[str, Principal] = {}
+        self._load_tokens()
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # --- tokens ---------------------------------------------------------
+
+    def _load_tokens(self) -> None:
+        self._tokens = {h: Principal(admin=False, provider_id=p) for p, h in self.db.execute("SELECT provider_id, token_sha256 FROM providers")}
+        row = self.db.execute("SELECT value FROM meta WHERE key='admin_token_sha256'").fetchone()
+        if row:
+            self._tokens[row[0]] = Principal(admin=True)
+
+    def has_admin_token(self) -> bool:
+        return self.db.execute("SELECT 1 FROM meta WHERE key='admin_token_sha256'").fetchone() is not None
+
+    def set_admin_token(self, token: str) -> None:
+        """Replace the admin token (only its hash is kept)."""
+        if len(token) < 16:
+            raise ConfigError("the admin token must be at least 16 characters\nhint: leave it unset and one is generated")
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('admin_token_sha256', ?)", (hash_token(token),))
+        self._load_tokens()
+
+    def principal(self, token: str) -> Principal | None:
+        """Who `token` belongs to, or None for an unknown token."""
+        return self._tokens.get(hash_token(token))
+
+    # --- runs -----------------------------------------------------------
+
+    def create_run(self, spec: RunSpecData) -> RunRow:
+        now = self.clock()
+        run_id = _new_id("run")
+        try:
+            with self._tx() as db:
+                db.execute(
+                    "INSERT INTO runs(run_id, name, spec_json, required_client_version, checkpoint_policy,"
+                    " max_local_ranks, required_features, image, num_jobs, created_unix) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        run_id,
+                        spec.name,
+                        spec.spec_json,
+                        spec.required_client_version,
+                        spec.checkpoint_policy,
+                        spec.max_local_ranks,
+                        json.dumps(list(spec.required_features)),
+                        spec.image,
+                        spec.num_jobs,
+                        now,
+                    ),
+                )
+                db.executemany(
+                    "INSERT INTO jobs(job_id, run_id, state, updated_unix) VALUES (?, ?, 'queued', ?)",
+                    [(_new_id("job"), run_id, now) for _ in range(spec.num_jobs)],
+                )
+        except sqlite3.IntegrityError:
+            raise ConflictError(f"a run named `{spec.name}` already exists\nhint: pick another `--name`") from None
+        self.on_work()
+        return self.get_run(run_id)
+
+    def _run_from_row(self, r, *, count_states: bool = True) -> RunRow:
+        run_id = r[0]
+        approved = tuple(v for (v,) in self.db.execute("SELECT version FROM approved_versions WHERE run_id=? ORDER BY approved_unix, version", (run_id,)))
+        states = dict(self.db.execute("SELECT state, COUNT(*) FROM jobs WHERE run_id=? GROUP BY state", (run_id,)).fetchall()) if count_states else {}
+        spec = RunSpecData(
+            name=r[1],
+            spec_json=r[2],
+            required_client_version=r[3],
+            checkpoint_policy=r[4],
+            max_local_ranks=r[5],
+            required_features=tuple(json.loads(r[6])),
+            image=r[7],
+            num_jobs=r[8],
+        )
+        return RunRow(run_id=run_id, spec=spec, approved_native_versions=approved, created_unix=r[9], job_states=states)
+
+    _RUN_COLS = "run_id, name, spec_json, required_client_version, checkpoint_policy, max_local_ranks, required_features, image, num_jobs, created_unix"
+
+    def _run_for_lease(self, run_id: str) -> RunRow:
+        # Like get_run without counting job states (O(jobs) per AcquireLease otherwise).
+        r = self.db.execute(f"SELECT {self._RUN_COLS} FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        return self._run_from_row(r, count_states=False)
+
+    def get_run(self, run_id: str) -> RunRow:
+        r = self.db.execute(f"SELECT {self._RUN_COLS} FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        if r is None:
+            raise NotFoundError(f"no run `{run_id}`\nhint: `dflash-coordinator runs list` shows the runs")
+        return self._run_from_row(r)
+
+    def list_runs(self) -> list[RunRow]:
+        return [self._run_from_row(r) for r in self.db.execute(f"SELECT {self._RUN_COLS} FROM runs ORDER BY seq").fetchall()]
+
+    def run_jobs(self, run_id: str) -> list[JobRow]:
+        self.get_run(run_id)
+        out = []
+        for job_id, state, attempts in self.db.execute("SELECT job_id, state, attempts FROM jobs WHERE run_id=? ORDER BY seq", (run_id,)).fetchall():
+            out.append(JobRow(job_id=job_id, run_id=run_id, state=state, attempts=attempts, artifacts=tuple(self.job_artifacts(job_id))))
+        return out
+
+    def approve_version(self, run_id: str, version: str) -> RunRow:
+        check_version(version, "version")
+        self.get_run(run_id)
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO approved_versions(run_id, version, approved_unix) VALUES (?,?,?)", (run_id, version, self.clock()))
+        self.on_work()
+        return self.get_run(run_id)
+
+    # --- providers ------------------------------------------------------
+
+    def create_provider(self, name: str) -> tuple[str, str]:
+        """Create a provider; return `(provider_id, token)`. The token is not stored."""
+        if not name or len(name) > 200 or any(ord(c) < 0x20 for c in name):
+            raise InvalidRequestError("`name` must be 1-200 printable characters")
+        token = new_token()
+        provider_id = _new_id("prov")
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO providers(provider_id, name, token_sha256, created_unix) VALUES (?,?,?,?)",
+                (provider_id, name, hash_token(token), self.clock()),
+            )
+        self._tokens[hash_token(token)] = Principal(admin=False, provider_id=provider_id)
+        return provider_id, token
+
+    def register(self, provider_id: str, reg: Registration) -> None:
+        now = self.clock()
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE providers SET client_version=?, native_client_version=?, launch_mode=?, native=?, backend=?, device_count=?,"
+                " features=?, capabilities=?, name=?, registered_unix=?, last_seen_unix=? WHERE provider_id=?",
+                (
+                    reg.client_version,
+                    reg.native_client_version,
+                    reg.launch_mode,
+                    int(reg.native),
+                    reg.backend,
+                    reg.device_count,
+                    json.dumps(list(reg.features)),
+                    reg.capabilities,
+                    reg.name,
+                    now,
+                    now,
+                    provider_id,
+                ),
+            )
+            if cur.rowcount != 1:
+                raise NotFoundError(f"no provider `{provider_id}`")
+
+    def list_providers(self) -> list[ProviderRow]:
+        return [
+            ProviderRow(provider_id=r[0], name=r[1], client_version=r[2], launch_mode=r[3], capabilities=r[4], last_seen_unix=r[5])
+            for r in self.db.execute("SELECT provider_id, name, client_version, launch_mode, capabilities, last_seen_unix FROM providers ORDER BY seq")
+        ]
+
+    def _profile(self, provider_id: str) -> ProviderProfile:
+        r = self.db.execute(
+            "SELECT client_version, native_client_version, native, backend, device_count, features, registered_unix FROM providers WHERE provider_id=?",
+            (provider_id,),
+        ).fetchone()
+        if r is None:
+            raise NotFoundError(f"no provider `{provider_id}`")
+        if r[6] is None:
+            raise PolicyError(f"provider `{provider_id}` has not registered\nhint: call `Register` before `AcquireLease`")
+        return ProviderProfile(
+            client_version=r[0],
+            native_client_version=r[1],
+            native=bool(r[2]),
+            backend=r[3],
+            device_count=r[4],
+            features=frozenset(json.loads(r[5])),
+        )
+
+    # --- leases ---------------------------------------------------------
+
+    def acquire(self, provider_id: str) -> Grant | Upgrade | None:
+        """Lease the oldest eligible queued job to `provider_id`.
+
+        Returns a `Grant`, an `Upgrade` when queued work exists that only a
+        different client version could take, or None when there is nothing
+        this provider can run.
+        """
+        self.expire_due()
+        profile = self._profile(provider_id)
+        now = self.clock()
+        self.db.execute("UPDATE providers SET last_seen_unix=? WHERE provider_id=?", (now, provider_id))
+        upgrade: Upgrade | None = None
+        # EXISTS over the (state, run_id) index: O(runs), not O(queued jobs).
+        run_ids = [
+            r
+            for (r,) in self.db.execute(
+                "SELECT r.run_id FROM runs r WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.state='queued' AND j.run_id=r.run_id) ORDER BY r.seq"
+            )
+        ]
+        for run_id in run_ids:
+            run = self._run_for_lease(run_id)
+            req = run.requirements()
+            verdict, reason = decide(req, profile)
+            if verdict is Verdict.UPGRADE:
+                upgrade = upgrade or Upgrade(required_client_version=req.required_client_version, message=f"run `{run.spec.name}`: {reason}")
+                continue
+            if verdict is Verdict.INCAPABLE:
+                continue
+            with self._tx() as db:
+                row = db.execute("SELECT job_id, attempts FROM jobs WHERE run_id=? AND state='queued' ORDER BY seq LIMIT 1", (run_id,)).fetchone()
+                if row is None:
+                    continue
+                job_id, attempts = row
+                attempt_id, lease_id = _new_id("att"), _new_id("lease")
+                db.execute(
+                    "INSERT INTO attempts(attempt_id, job_id, number, provider_id, lease_id, state, lease_expires_unix, started_unix)"
+                    " VALUES (?,?,?,?,?,'live',?,?)",
+                    (attempt_id, job_id, attempts + 1, provider_id, lease_id, now + self.lease_ttl, now),
+                )
+                db.execute(
+                    "UPDATE jobs SET state='leased', attempts=?, current_attempt_id=?, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
+                    (attempts + 1, attempt_id, now, job_id),
+                )
+            return Grant(
+                lease_id=lease_id,
+                run_id=run_id,
+                job_id=job_id,
+                attempt=attempts + 1,
+                spec_json=run.spec.spec_json,
+                ttl_seconds=self.lease_ttl,
+                resume_checkpoint=self.last_checkpoint(job_id),
+                checkpoint_policy=run.spec.checkpoint_policy,
+                local_ranks=local_ranks(req, profile),
+                required_features=run.spec.required_features,
+                required_client_version=run.spec.required_client_version,
+                image=run.spec.image,
+            )
+        return upgrade
+
+    def last_checkpoint(self, job_id: str) -> ArtifactRecord | None:
+        """The job's newest committed checkpoint (highest step, then latest reported)."""
+        r = self.db.execute(
+            "SELECT name, kind, sha256, size_bytes, uri, step FROM artifacts WHERE job_id=? AND kind='checkpoint' ORDER BY step DESC, seq DESC LIMIT 1",
+            (job_id,),
+        ).fetchone()
+        return None if r is None else ArtifactRecord(name=r[0], kind=r[1], sha256=r[2], size_bytes=r[3], uri=r[4], step=r[5])
+
+    def _end_attempt(self, db, attempt_id: str, job_id: str, attempt_state: str, message: str, now: float) -> str:
+        """Close an attempt and move its job on; returns the job's new state."""
+        cancel, attempts = db.execute("SELECT cancel_requested, attempts FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if attempt_state == "succeeded":
+            job_state = "succeeded"
+        elif attempt_state == "failed":
+            job_state = "failed"
+        elif attempt_state == "cancelled" or cancel:
+            job_state = "cancelled"
+        elif attempts >= self.max_attempts:
+            job_state = "failed"
+        else:
+            job_state = "queued"
+        db.execute("UPDATE attempts SET state=?, ended_unix=?, message=? WHERE attempt_id=?", (attempt_state, now, message[:4000], attempt_id))
+        db.execute(
+            "UPDATE jobs SET state=?, current_attempt_id=NULL, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
+            (job_state, now, job_id),
+        )
+        return job_state
+
+    def expire_due(self) -> int:
+        """Expire every live lease past its TTL; their jobs are requeued (or failed/cancelled). Returns the count."""
+        now = self.clock()
+        due = self.db.execute("SELECT attempt_id, job_id FROM attempts WHERE state='live' AND lease_expires_unix < ?", (now,)).fetchall()
+        if not due:
+            return 0
+        requeued = False
+        with self._tx() as db:
+            for attempt_id, job_id in due:
+                state = self._end_attempt(db, attempt_id, job_id, "expired", "lease expired without a heartbeat", now)
+                requeued |= state == "queued"
+        if requeued:
+            self.on_work()
+        return len(due)
+
+    def _live(self, provider_id: str, lease_id: str) -> tuple:
+        """Return (attempt_id, job_id, run_id, cancel, checkpoint) for a live lease, or raise ABORTED."""
+        if not lease_id:
+            raise InvalidRequestError("`lease_id` is empty")
+        r = self.db.execute(
+            "SELECT a.attempt_id, a.job_id, j.run_id, a.provider_id, a.state, a.lease_expires_unix, j.current_attempt_id,"
+            " j.cancel_requested, j.checkpoint_requested FROM attempts a JOIN jobs j ON j.job_id=a.job_id WHERE a.lease_id=?",
+            (lease_id[:200],),
+        ).fetchone()
+        if r is None:
+            raise StaleLeaseError(f"lease `{lease_id[:80]}` is unknown; stop this attempt")
+        attempt_id, job_id, run_id, owner, state, expires, current, cancel, checkpoint = r
+        if owner != provider_id:
+            raise PermissionDeniedError(f"lease `{lease_id}` belongs to another provider")
+        if state == "live" and expires < self.clock():
+            self.expire_due()
+            state = "expired"
+        if state != "live" or current != attempt_id:
+            raise StaleLeaseError(f"lease `{lease_id}` is no longer live (attempt {state}); stop this attempt")
+        return attempt_id, job_id, run_id, cancel, checkpoint
+
+    def live_lease(self, provider_id: str, lease_id: str) -> LiveLease:
+        attempt_id, job_id, run_id, _, _ = self._live(provider_id, lease_id)
+        return LiveLease(attempt_id=attempt_id, job_id=job_id, run_id=run_id)
+
+    def heartbeat(self, provider_id: str, lease_id: str, progress: Progress) -> tuple[str, float]:
+        """Renew a live lease and record progress; return `(directive, lease_expires_unix)`.
+
+        Directive is "cancel" while a cancel is pending, "checkpoint" once
+        after a checkpoint request, else "continue".
+        """
+        attempt_id, job_id, _, cancel, checkpoint = self._live(provider_id, lease_id)
+        now = self.clock()
+        expires = now + self.lease_ttl
+        # The hot path (every heartbeat of every provider): one statement in
+        # autocommit mode is its own transaction; no BEGIN/COMMIT round trips.
+        self.db.execute(
+            "UPDATE attempts SET lease_expires_unix=?, phase=?, step=?, total_steps=?, committed_step=?, metrics_json=?,"
+            " last_heartbeat_unix=? WHERE attempt_id=?",
+            (
+                expires,
+                progress.phase,
+                progress.step,
+                progress.total_steps,
+                progress.committed_step,
+                json.dumps(progress.metrics),
+                now,
+                attempt_id,
+            ),
+        )
+        if checkpoint and not cancel:
+            self.db.execute("UPDATE jobs SET checkpoint_requested=0 WHERE job_id=?", (job_id,))
+        if cancel:
+            return "cancel", expires
+        return ("checkpoint" if checkpoint else "continue"), expires
+
+    def finish(self, provider_id: str, lease_id: str, outcome: str, message: str) -> str:
+        """End the attempt behind a live lease with `outcome`; return the job's new state."""
+        attempt_id, job_id, _, _, _ = self._live(provider_id, lease_id)
+        with self._tx() as db:
+            state = self._end_attempt(db, attempt_id, job_id, outcome, message, self.clock())
+        if state == "queued":
+            self.on_work()
+        return state
+
+    # --- artifacts ------------------------------------------------------
+
+    def job_artifacts(self, job_id: str) -> list[ArtifactRecord]:
+        return [
+            ArtifactRecord(name=r[0], kind=r[1], sha256=r[2], size_bytes=r[3], uri=r[4], step=r[5])
+            for r in self.db.execute("SELECT name, kind, sha256, size_bytes, uri, step FROM artifacts WHERE job_id=? ORDER BY seq", (job_id,))
+        ]
+
+    def existing_artifact(self, job_id: str, name: str, sha256: str) -> ArtifactRecord | None:
+        """The recorded artifact `name` if its sha256 matches; ALREADY_EXISTS if it differs; None if absent."""
+        r = self.db.execute("SELECT name, kind, sha256, size_bytes, uri, step FROM artifacts WHERE job_id=? AND name=?", (job_id, name)).fetchone()
+        if r is None:
+            return None
+        if r[2] != sha256:
+            raise ConflictError(
+                f"artifact `{name}` was already reported with sha256 `{r[2]}`; this report has `{sha256}`\n"
+                "hint: artifacts are immutable; report new bytes under a new name"
+            )
+        return ArtifactRecord(name=r[0], kind=r[1], sha256=r[2], size_bytes=r[3], uri=r[4], step=r[5])
+
+    def record_artifact(self, provider_id: str, lease_id: str, art: ArtifactRecord) -> ArtifactRecord:
+        """Record a verified artifact for the live lease's job (idempotent on name + sha256)."""
+        attempt_id, job_id, _, _, _ = self._live(provider_id, lease_id)
+        existing = self.existing_artifact(job_id, art.name, art.sha256)
+        if existing is not None:
+            return existing
+        with self._tx() as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM artifacts").fetchone()[0]
+            db.execute(
+                "INSERT INTO artifacts(job_id, name, kind, sha256, size_bytes, uri, step, attempt_id, created_unix, seq) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (job_id, art.name, art.kind, art.sha256, art.size_bytes, art.uri, art.step, attempt_id, self.clock(), seq),
+            )
+        return art
+
+    # --- admin directives -----------------------------------------------
+
+    def _job(self, job_id: str) -> tuple[str, str | None]:
+        r = self.db.execute("SELECT state, current_attempt_id FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if r is None:
+            raise NotFoundError(f"no job `{job_id}`\nhint: `dflash-coordinator runs show RUN_ID` lists a run's jobs")
+        return r
+
+    def cancel_job(self, job_id: str) -> str:
+        """Cancel a queued job now, or ask its live attempt to stop; returns the job state."""
+        self.expire_due()
+        state, current = self._job(job_id)
+        if state in FINAL_JOB_STATES or state == "cancelling":
+            return state
+        with self._tx() as db:
+            if current is None:
+                db.execute("UPDATE jobs SET state='cancelled', cancel_requested=1, updated_unix=? WHERE job_id=?", (self.clock(), job_id))
+                return "cancelled"
+            db.execute("UPDATE jobs SET state='cancelling', cancel_requested=1, updated_unix=? WHERE job_id=?", (self.clock(), job_id))
+            return "cancelling"
+
+    def request_checkpoint(self, job_id: str) -> str:
+        """Ask the job's live attempt to checkpoint on its next heartbeat; returns the job state."""
+        self.expire_due()
+        state, current = self._job(job_id)
+        if current is None or state != "leased":
+            raise PolicyError(f"job `{job_id}` is `{state}`; only a leased job can be asked to checkpoint")
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET checkpoint_requested=1 WHERE job_id=?", (job_id,))
+        return state

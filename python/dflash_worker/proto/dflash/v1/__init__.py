@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for dflash.v1 (scripts/gen-proto.sh); do not edit."""

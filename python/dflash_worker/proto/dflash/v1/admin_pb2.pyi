@@ -1,0 +1,173 @@
+from dflash_worker.proto.dflash.v1 import provider_pb2 as _provider_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunSpec(_message.Message):
+    __slots__ = ("name", "spec_json", "required_client_version", "checkpoint_policy", "max_local_ranks", "required_features", "image", "num_jobs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_JOBS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    spec_json: str
+    required_client_version: str
+    checkpoint_policy: str
+    max_local_ranks: int
+    required_features: _containers.RepeatedScalarFieldContainer[str]
+    image: str
+    num_jobs: int
+    def __init__(self, name: _Optional[str] = ..., spec_json: _Optional[str] = ..., required_client_version: _Optional[str] = ..., checkpoint_policy: _Optional[str] = ..., max_local_ranks: _Optional[int] = ..., required_features: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ..., num_jobs: _Optional[int] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("run_id", "spec", "approved_native_versions", "created_unix", "job_states")
+    class JobStatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    APPROVED_NATIVE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    JOB_STATES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    spec: RunSpec
+    approved_native_versions: _containers.RepeatedScalarFieldContainer[str]
+    created_unix: int
+    job_states: _containers.ScalarMap[str, int]
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., approved_native_versions: _Optional[_Iterable[str]] = ..., created_unix: _Optional[int] = ..., job_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class CreateRunRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: RunSpec
+    def __init__(self, spec: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
+
+class CreateRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[Run]
+    def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ...) -> None: ...
+
+class GetRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("job_id", "state", "attempts", "artifacts")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    attempts: int
+    artifacts: _containers.RepeatedCompositeFieldContainer[_provider_pb2.Artifact]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[_provider_pb2.Artifact, _Mapping]]] = ...) -> None: ...
+
+class GetRunResponse(_message.Message):
+    __slots__ = ("run", "jobs")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+
+class ApproveVersionRequest(_message.Message):
+    __slots__ = ("run_id", "version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ApproveVersionResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class CreateProviderRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CreateProviderResponse(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class ProviderInfo(_message.Message):
+    __slots__ = ("provider_id", "name", "client_version", "launch_mode", "capabilities", "last_seen_unix")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_MODE_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    name: str
+    client_version: str
+    launch_mode: _provider_pb2.LaunchMode
+    capabilities: _provider_pb2.DeviceCapabilities
+    last_seen_unix: int
+    def __init__(self, provider_id: _Optional[str] = ..., name: _Optional[str] = ..., client_version: _Optional[str] = ..., launch_mode: _Optional[_Union[_provider_pb2.LaunchMode, str]] = ..., capabilities: _Optional[_Union[_provider_pb2.DeviceCapabilities, _Mapping]] = ..., last_seen_unix: _Optional[int] = ...) -> None: ...
+
+class ListProvidersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListProvidersResponse(_message.Message):
+    __slots__ = ("providers",)
+    PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    providers: _containers.RepeatedCompositeFieldContainer[ProviderInfo]
+    def __init__(self, providers: _Optional[_Iterable[_Union[ProviderInfo, _Mapping]]] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobResponse(_message.Message):
+    __slots__ = ("job_state",)
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    job_state: str
+    def __init__(self, job_state: _Optional[str] = ...) -> None: ...
+
+class RequestCheckpointRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class RequestCheckpointResponse(_message.Message):
+    __slots__ = ("job_state",)
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    job_state: str
+    def __init__(self, job_state: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,55 @@
+"""Fixtures: a real coordinator process on 127.0.0.1 with its own SQLite file, and providers for it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import dflash_worker  # noqa: F401
+except ImportError:  # not installed editable (yet): use the checkout's sources
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+from coordinator_helpers import CoordinatorProcess, Provider
+
+
+@pytest.fixture
+def start_coordinator(tmp_path):
+    """Factory: start a coordinator process (killed at teardown)."""
+    procs: list[CoordinatorProcess] = []
+
+    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, allowed_roots=()) -> CoordinatorProcess:
+        wd = workdir or tmp_path / f"coord{len(procs)}"
+        wd.mkdir(parents=True, exist_ok=True)
+        p = CoordinatorProcess(wd, *args, lease_ttl=lease_ttl, allowed_roots=allowed_roots)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture
+def coordinator(start_coordinator) -> CoordinatorProcess:
+    return start_coordinator()
+
+
+@pytest.fixture
+def provider_factory(coordinator):
+    """Factory: make a provider token through the admin API and a client for it."""
+    made: list[Provider] = []
+
+    def make(name="box", coord=None) -> Provider:
+        c = coord or coordinator
+        with c.admin() as admin:
+            token = admin.create_provider(name)
+        p = Provider(c.address, token)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()

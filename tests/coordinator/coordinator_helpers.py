@@ -1,0 +1,188 @@
+"""Helpers for the coordinator tests: a real coordinator process on 127.0.0.1 and gRPC clients for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from dflash_worker.coordinator.client import AdminClient
+from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2, provider_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+CLIENT_VERSION = "0.1.0"
+SPEC = json.dumps({"stages": ["train"], "recipe": {"steps": 4}, "data": "file:///data/x.jsonl", "target": "tiny-qwen3"})
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Works whether or not the package is installed editable into the venv.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("DFLASH_ADMIN_TOKEN", None)
+    return env
+
+
+class CoordinatorProcess:
+    """`python -m dflash_worker.coordinator serve` as a child process."""
+
+    def __init__(self, workdir: Path, *args: str, lease_ttl: float = 30.0, allowed_roots: tuple[Path, ...] = ()):
+        self.workdir = workdir
+        self.db = workdir / "coordinator.db"
+        self.args = [
+            "--db", str(self.db),
+            "--listen", "127.0.0.1:0",
+            "--lease-ttl", str(lease_ttl),
+            "--max-wait", "2",
+            *[x for r in allowed_roots for x in ("--allow-artifact-root", str(r))],
+            *args,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}
+        self.start()
+
+    def start(self) -> None:
+        self.stderr_path = self.workdir / f"stderr-{time.monotonic_ns()}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_worker.coordinator", "serve", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=open(self.stderr_path, "wb"),
+            env=subprocess_env(),
+        )
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout=20):
+            self.proc.kill()
+            raise RuntimeError(f"coordinator did not start: {self.stderr_path.read_text()}")
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(5)
+            raise RuntimeError(f"coordinator exited {self.proc.returncode}: {self.stderr_path.read_text()}")
+        self.info = json.loads(line)
+        self.address = self.info["address"]
+        self.admin_token = Path(self.info["admin_token_file"]).read_text().strip()
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no graceful shutdown."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.address, self.admin_token, timeout=10)
+
+
+class HeartbeatStream:
+    """A live bidirectional Heartbeat stream: `send()` one message, get its response."""
+
+    def __init__(self, stub, metadata):
+        self._q: queue.Queue = queue.Queue()
+        self._responses = stub.Heartbeat(iter(self._q.get, None), metadata=metadata, timeout=30)
+
+    def send(self, lease_id: str, *, phase=provider_pb2.PHASE_TRAIN, step=0, committed_step=0, metrics=None):
+        self._q.put(provider_pb2.HeartbeatRequest(lease_id=lease_id, phase=phase, step=step, total_steps=10, committed_step=committed_step, metrics=metrics or {"loss": 1.5}))
+        return next(self._responses)
+
+    def send_raw(self, request):
+        self._q.put(request)
+        return next(self._responses)
+
+    def close(self):
+        self._q.put(None)
+        self._responses.cancel()
+
+
+class Provider:
+    """A provider's side of `dflash.v1.ProviderService` over a real channel."""
+
+    def __init__(self, address: str, token: str, *, max_message_bytes: int = 64 << 20):
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+        )
+        self.stub = provider_pb2_grpc.ProviderServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        self.provider_id = ""
+
+    def register(self, *, client_version=CLIENT_VERSION, native=False, native_client_version="", backend="cuda", device_count=1, features=("flash_attention_2",), name="box"):
+        resp = self.stub.Register(
+            provider_pb2.RegisterRequest(
+                client_version=client_version,
+                protocol_version="dflash.v1",
+                launch_mode=provider_pb2.LAUNCH_MODE_NATIVE if native else provider_pb2.LAUNCH_MODE_DOCKER,
+                capabilities=provider_pb2.DeviceCapabilities(
+                    backend=backend, device_count=device_count, memory_bytes=8 << 30, supports_bf16=True, features=list(features), platform="linux-x86_64"
+                ),
+                name=name,
+                native_client_version=native_client_version,
+            ),
+            metadata=self.metadata,
+            timeout=10,
+        )
+        self.provider_id = resp.provider_id
+        return resp
+
+    def acquire(self, wait: int = 0) -> provider_pb2.AcquireLeaseResponse:
+        return self.stub.AcquireLease(provider_pb2.AcquireLeaseRequest(provider_id=self.provider_id, wait_seconds=wait), metadata=self.metadata, timeout=30)
+
+    def heartbeats(self) -> HeartbeatStream:
+        return HeartbeatStream(self.stub, self.metadata)
+
+    def heartbeat_once(self, lease_id: str, **kw) -> provider_pb2.HeartbeatResponse:
+        s = self.heartbeats()
+        try:
+            return s.send(lease_id, **kw)
+        finally:
+            s.close()
+
+    def report(self, lease_id: str, name: str, content: bytes, *, kind="checkpoint", step=0, sha256=None, size=None, uri=""):
+        import hashlib
+
+        art = provider_pb2.Artifact(
+            name=name, kind=kind, sha256=sha256 or hashlib.sha256(content).hexdigest(), size_bytes=len(content) if size is None else size, uri=uri, step=step
+        )
+        return self.stub.ReportArtifact(
+            provider_pb2.ReportArtifactRequest(lease_id=lease_id, artifact=art, content=b"" if uri else content), metadata=self.metadata, timeout=10
+        ).artifact
+
+    def finish(self, lease_id: str, outcome=provider_pb2.ATTEMPT_OUTCOME_SUCCEEDED, message="") -> str:
+        return self.stub.FinishAttempt(provider_pb2.FinishAttemptRequest(lease_id=lease_id, outcome=outcome, message=message), metadata=self.metadata, timeout=10).job_state
+
+    def close(self):
+        self.channel.close()
+
+
+def run_spec(name: str, **kw) -> admin_pb2.RunSpec:
+    base = dict(name=name, spec_json=SPEC, required_client_version=CLIENT_VERSION, checkpoint_policy="durable", max_local_ranks=1, image="ghcr.io/x/dflash-worker:0.1.0", num_jobs=1)
+    base.update(kw)
+    return admin_pb2.RunSpec(**base)
+
+
+def code_of(excinfo) -> grpc.StatusCode:
+    return excinfo.value.code()
+
+
+def wait_until(pred, timeout=10.0, interval=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+

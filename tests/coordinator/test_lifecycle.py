@@ -1,0 +1,240 @@
+"""A job's whole life through real gRPC against a real coordinator process and SQLite file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import stat
+from pathlib import Path
+
+import grpc
+import pytest
+from coordinator_helpers import code_of, run_spec
+
+from dflash_worker.coordinator.cli import main as cli_main
+from dflash_worker.proto.dflash.v1 import provider_pb2
+
+
+def cli(capsys, coord, *argv) -> tuple[int, str, str]:
+    rc = cli_main([*argv[:2], *argv[2:], "--server", coord.address, "--admin-token-file", coord.info["admin_token_file"]])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_full_lifecycle(coordinator, provider_factory, capsys):
+    # Admin: create a run through the CLI, a provider token through the API.
+    rc, out, err = cli(capsys, coordinator, "runs", "create", "--name", "adapt-1", "--spec-json", run_spec("x").spec_json, "--client-version", "0.1.0", "--feature", "cuda", "--jobs", "1", "--json")
+    assert rc == 0, err
+    run = json.loads(out)
+    run_id = run["run_id"]
+    assert run["job_states"] == {"queued": 1}
+    assert run["spec"]["checkpoint_policy"] == "durable"
+
+    prov = provider_factory("gpu-box-1")
+    reg = prov.register(backend="cuda", features=("flash_attention_2",), name="rig-a")
+    assert reg.provider_id.startswith("prov-") and reg.lease_ttl_seconds == 30
+
+    resp = prov.acquire(wait=1)
+    assert resp.WhichOneof("result") == "lease"
+    lease = resp.lease
+    assert (lease.run_id, lease.attempt, lease.checkpoint_policy, lease.local_ranks) == (run_id, 1, "durable", 1)
+    assert json.loads(lease.spec_json)["recipe"] == {"steps": 4}
+    assert not lease.HasField("resume_checkpoint")
+    assert list(lease.required_features) == ["cuda"] and lease.required_client_version == "0.1.0"
+
+    # Nothing left for a second provider.
+    other = provider_factory("gpu-box-2")
+    other.register()
+    assert other.acquire(wait=0).WhichOneof("result") == "no_work"
+
+    hb = prov.heartbeats()
+    r1 = hb.send(lease.lease_id, step=1, metrics={"loss": 2.0})
+    assert r1.directive == provider_pb2.DIRECTIVE_CONTINUE and r1.lease_expires_unix > 0
+
+    # CHECKPOINT_NOW through the admin CLI, delivered once on the same stream.
+    rc, out, err = cli(capsys, coordinator, "jobs", "checkpoint", lease.job_id, "--json")
+    assert rc == 0, err and json.loads(out)["job_state"] == "leased"
+    assert hb.send(lease.lease_id, step=2).directive == provider_pb2.DIRECTIVE_CHECKPOINT_NOW
+    assert hb.send(lease.lease_id, step=3).directive == provider_pb2.DIRECTIVE_CONTINUE
+
+    # Report a checkpoint inline: verified, stored atomically, idempotent.
+    content = b"checkpoint-bytes-" * 1000
+    art = prov.report(lease.lease_id, "ckpt/step-3/model.safetensors", content, kind="checkpoint", step=3)
+    assert art.uri.startswith("file://") and art.sha256 == hashlib.sha256(content).hexdigest()
+    stored = Path(art.uri[len("file://"):])
+    assert stored.read_bytes() == content
+    assert stored.is_relative_to(coordinator.workdir / "artifacts")
+    assert not [p for p in stored.parent.iterdir() if ".tmp-" in p.name]
+    again = prov.report(lease.lease_id, "ckpt/step-3/model.safetensors", content, kind="checkpoint", step=3)
+    assert again == art
+    with pytest.raises(grpc.RpcError) as e:
+        prov.report(lease.lease_id, "ckpt/step-3/model.safetensors", content + b"x", kind="checkpoint", step=3)
+    assert code_of(e) == grpc.StatusCode.ALREADY_EXISTS
+    # Same name and hash but other bytes: the bytes are checked, not just the claim.
+    with pytest.raises(grpc.RpcError) as e:
+        prov.report(lease.lease_id, "ckpt/step-3/model.safetensors", content[::-1], kind="checkpoint", step=3, sha256=art.sha256)
+    assert code_of(e) == grpc.StatusCode.INVALID_ARGUMENT
+    assert stored.read_bytes() == content  # the conflicting report changed nothing
+
+    # A file:// artifact inside an allowed root (the artifact dir itself) is read and verified.
+    export = coordinator.workdir / "artifacts" / "staged-export.bin"
+    export.write_bytes(b"export" * 100)
+    art2 = prov.report(lease.lease_id, "export/draft.safetensors", export.read_bytes(), kind="export", uri=export.as_uri())
+    assert art2.uri == export.as_uri()
+
+    hb.send(lease.lease_id, phase=provider_pb2.PHASE_FINISHING, step=10, committed_step=3)
+    hb.close()
+    assert prov.finish(lease.lease_id) == "succeeded"
+
+    # `runs show` reflects it (human and JSON forms).
+    rc, out, err = cli(capsys, coordinator, "runs", "show", run_id, "--json")
+    assert rc == 0, err
+    shown = json.loads(out)
+    assert shown["run"]["job_states"] == {"succeeded": 1}
+    (job,) = shown["jobs"]
+    assert job["state"] == "succeeded" and job["attempts"] == 1
+    assert [a["name"] for a in job["artifacts"]] == ["ckpt/step-3/model.safetensors", "export/draft.safetensors"]
+    assert job["artifacts"][0]["sha256"] == hashlib.sha256(content).hexdigest()
+    rc, out, _ = cli(capsys, coordinator, "runs", "show", run_id)
+    assert "succeeded" in out and "ckpt/step-3/model.safetensors" in out
+
+    rc, out, _ = cli(capsys, coordinator, "providers", "list", "--json")
+    names = {p["name"]: p for p in json.loads(out)}
+    # Register's machine name replaces the name the token was created with.
+    assert names["rig-a"]["capabilities"]["backend"] == "cuda"
+    assert names["rig-a"]["launch_mode"] == "LAUNCH_MODE_DOCKER"
+    assert names["rig-a"]["provider_id"] == reg.provider_id
+
+    # The finished lease is dead: every further write is ABORTED.
+    with pytest.raises(grpc.RpcError) as e:
+        prov.heartbeat_once(lease.lease_id)
+    assert code_of(e) == grpc.StatusCode.ABORTED
+
+
+def test_cancel_directive_and_queued_cancel(coordinator, provider_factory, capsys):
+    with coordinator.admin() as admin:
+        run = admin.create_run(run_spec("two", num_jobs=2))
+    prov = provider_factory()
+    prov.register()
+    lease = prov.acquire().lease
+    hb = prov.heartbeats()
+    assert hb.send(lease.lease_id).directive == provider_pb2.DIRECTIVE_CONTINUE
+    rc, out, err = cli(capsys, coordinator, "jobs", "cancel", lease.job_id)
+    assert rc == 0, err
+    assert "cancelling" in out
+    # CANCEL keeps coming until the worker stops.
+    assert hb.send(lease.lease_id).directive == provider_pb2.DIRECTIVE_CANCEL
+    assert hb.send(lease.lease_id).directive == provider_pb2.DIRECTIVE_CANCEL
+    hb.close()
+    assert prov.finish(lease.lease_id, provider_pb2.ATTEMPT_OUTCOME_CANCELLED) == "cancelled"
+
+    with coordinator.admin() as admin:
+        jobs = admin.get_run(run.run_id).jobs
+        queued = [j.job_id for j in jobs if j.state == "queued"]
+        assert len(queued) == 1
+        assert admin.cancel_job(queued[0]) == "cancelled"
+        assert dict(admin.get_run(run.run_id).run.job_states) == {"cancelled": 2}
+    assert prov.acquire().WhichOneof("result") == "no_work"
+
+
+def test_retryable_is_bounded_and_failed_is_final(start_coordinator):
+    coord = start_coordinator("--max-attempts", "3")
+    with coord.admin() as admin:
+        token = admin.create_provider("p")
+        admin.create_run(run_spec("retry"))
+        admin.create_run(run_spec("fail"))
+    from coordinator_helpers import Provider
+
+    prov = Provider(coord.address, token)
+    prov.register()
+    states, runs_seen = [], []
+    for _ in range(4):
+        lease = prov.acquire().lease
+        runs_seen.append((lease.run_id, lease.attempt))
+        states.append(prov.finish(lease.lease_id, provider_pb2.ATTEMPT_OUTCOME_RETRYABLE, "oom"))
+    # Three attempts of the first run (queued, queued, failed), then the second run.
+    assert states == ["queued", "queued", "failed", "queued"]
+    assert [a for _, a in runs_seen] == [1, 2, 3, 1]
+    lease = prov.acquire().lease
+    assert prov.finish(lease.lease_id, provider_pb2.ATTEMPT_OUTCOME_FAILED, "bad data") == "failed"
+    assert prov.acquire().WhichOneof("result") == "no_work"
+    prov.close()
+
+
+def test_long_poll_wakes_when_work_arrives(coordinator, provider_factory):
+    import threading
+    import time
+
+    prov = provider_factory()
+    prov.register()
+    result = {}
+
+    def poll():
+        t = time.monotonic()
+        result["resp"] = prov.acquire(wait=10)
+        result["s"] = time.monotonic() - t
+
+    th = threading.Thread(target=poll)
+    th.start()
+    time.sleep(0.3)
+    with coordinator.admin() as admin:
+        admin.create_run(run_spec("late"))
+    th.join(15)
+    assert result["resp"].WhichOneof("result") == "lease"
+    # Woken by the new run, not by the (server-capped, 2 s) wait running out.
+    assert result["s"] < 1.9
+
+
+def test_admin_token_file_is_private_and_db_is_wal(coordinator):
+    token_file = Path(coordinator.info["admin_token_file"])
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    db = sqlite3.connect(coordinator.db)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    # Only hashes of tokens are stored.
+    token = coordinator.admin_token
+    dump = "\n".join(db.iterdump())
+    assert token not in dump
+    assert hashlib.sha256(token.encode()).hexdigest() in dump
+
+
+def test_cli_help_explains_every_flag():
+    import argparse
+
+    from dflash_worker.coordinator.cli import build_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, (*path, name))
+            elif not isinstance(action, argparse._HelpAction):
+                yield path, action
+
+    seen = 0
+    for path, action in walk(build_parser(), ()):
+        assert action.help and action.help != argparse.SUPPRESS, f"{' '.join(path)}: `{action.dest}` has no help"
+        seen += 1
+    assert seen > 40
+
+
+def test_concurrent_pollers_never_share_a_job(coordinator, provider_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    provs = [provider_factory(f"p{i}") for i in range(16)]
+    for p in provs:
+        p.register()
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(p.acquire, 3) for p in provs]  # all long-polling on an empty coordinator
+        import time
+
+        time.sleep(0.3)
+        with coordinator.admin() as admin:
+            run = admin.create_run(run_spec("race", num_jobs=10))
+        results = [f.result() for f in futures]
+    leases = [r.lease for r in results if r.WhichOneof("result") == "lease"]
+    assert len(leases) == 10 and len({lz.job_id for lz in leases}) == 10
+    assert len({lz.lease_id for lz in leases}) == 10
+    assert sum(r.WhichOneof("result") == "no_work" for r in results) == 6
+    with coordinator.admin() as admin:
+        assert dict(admin.get_run(run.run_id).run.job_states) == {"leased": 10}
