@@ -30,7 +30,7 @@ test-python:
 	@scripts/run-pytest.sh $(PYTEST_ARGS)
 
 test-rust:
-	cargo test --workspace --locked
+	PYO3_PYTHON=$(abspath $(PY)) cargo test --workspace --locked
 
 proto:
 	@scripts/gen-proto.sh

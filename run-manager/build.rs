@@ -1,8 +1,23 @@
-//! Embeds the git commit the binary was built from (`DFLASH_GIT_COMMIT`), so
-//! `run-manager --version` can name it. Falls back to `unknown` outside a checkout.
+//! Build script:
+//! - embeds the git commit the binary was built from (`DFLASH_GIT_COMMIT`), so
+//!   `run-manager --version` can name it (`unknown` outside a checkout);
+//! - generates the gRPC client for `proto/dflash/v1` with the `protoc` that the
+//!   `protoc-bin-vendored` crate ships, so no system `protoc` is needed;
+//! - gives `dflash-native-client` an rpath to the directory holding libpython,
+//!   so the embedded interpreter loads without `LD_LIBRARY_PATH`.
+use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
+    embed_git_commit();
+    if let Err(err) = generate_grpc() {
+        // A build script reports failure by panicking; there is no caller to return to.
+        panic!("generating the gRPC client from proto/dflash/v1 failed: {err}");
+    }
+    native_client_rpath();
+}
+
+fn embed_git_commit() {
     let commit = std::env::var("DFLASH_GIT_COMMIT").ok().or_else(|| {
         Command::new("git")
             .args(["rev-parse", "--short=12", "HEAD"])
@@ -27,4 +42,41 @@ fn main() {
     // Rebuild when HEAD moves (best effort: paths relative to the crate).
     println!("cargo:rerun-if-changed=../.git/HEAD");
     println!("cargo:rerun-if-changed=../.git/index");
+}
+
+fn generate_grpc() -> Result<(), Box<dyn std::error::Error>> {
+    let proto_root = PathBuf::from("../proto");
+    let protos = [
+        proto_root.join("dflash/v1/provider.proto"),
+        proto_root.join("dflash/v1/admin.proto"),
+    ];
+    for p in &protos {
+        println!("cargo:rerun-if-changed={}", p.display());
+    }
+    // An explicit PROTOC wins (e.g. a distro build that forbids vendored binaries).
+    if std::env::var_os("PROTOC").is_none() {
+        let protoc = protoc_bin_vendored::protoc_bin_path()?;
+        std::env::set_var("PROTOC", protoc);
+    }
+    println!("cargo:rerun-if-env-changed=PROTOC");
+    tonic_prost_build::configure()
+        .build_server(false)
+        .build_client(true)
+        .compile_protos(&protos, &[proto_root])?;
+    Ok(())
+}
+
+fn native_client_rpath() {
+    let config = pyo3_build_config::get();
+    let v = config.version();
+    // `dflash-native-client --version` names the Python it embeds.
+    println!(
+        "cargo:rustc-env=DFLASH_EMBEDDED_PYTHON={}.{}",
+        v.major, v.minor
+    );
+    if let Some(lib_dir) = config.lib_dir() {
+        if std::env::var("CARGO_CFG_UNIX").is_ok() {
+            println!("cargo:rustc-link-arg-bin=dflash-native-client=-Wl,-rpath,{lib_dir}");
+        }
+    }
 }

@@ -2,23 +2,194 @@
 
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::{ArgAction, Parser, ValueEnum};
 
+use crate::device::DeviceChoice;
 use crate::env_vars;
+
+/// How the worker is launched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LaunchModeArg {
+    /// The native client (embeds CPython) on this machine's Python environment.
+    Native,
+    /// A Docker + CUDA image chosen from the run's client version (not implemented yet).
+    Docker,
+}
+
+/// Log line format on stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Log verbosity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+const AFTER_HELP: &str = "\
+Modes:
+  run-manager --coordinator http://HOST:PORT --token TOKEN
+      join a coordinator and run the jobs it leases, until stopped
+  run-manager --local [--spec FILE]
+      start an embedded coordinator (SQLite, local artifact directory) under the
+      work directory, create one run from FILE (default: a `noop` demo job), run
+      its jobs on this machine and print a summary
+
+The worker runs as a child process: `<native-client> --job-dir DIR`, where DIR
+holds `spec.json`; it reports progress as JSON lines on stdout
+(docs/worker-events.md) and logs JSON lines on stderr, which are re-emitted
+tagged with run id and rank. SIGINT/SIGTERM: the worker gets SIGTERM, writes a
+checkpoint and exits; the attempt is handed back RETRYABLE.
+
+Exit codes:
+  0    ok (`--local`: every job succeeded)
+  1    user error (flags, spec file, token, refused by the coordinator)
+  2    unexpected error
+  3    `--local`: a job did not succeed (see the summary)
+  10   upgrade required: the coordinator (or the preflight) wants another client version
+  130  stopped by SIGINT, 143 stopped by SIGTERM (after the worker stopped)";
 
 /// Join a dflash coordinator and run DFlash2 draft-training jobs on this machine.
 #[derive(Debug, Parser)]
-#[command(name = "run-manager", version = crate::version::CLIENT_VERSION, long_version = crate::version::LONG_VERSION)]
+#[command(
+    name = "run-manager",
+    version = crate::version::CLIENT_VERSION,
+    long_version = crate::version::LONG_VERSION,
+    after_long_help = AFTER_HELP,
+    max_term_width = 100
+)]
 pub struct Cli {
-    /// Coordinator address (`http://host:port`).
-    #[arg(long, env = env_vars::COORDINATOR)]
+    /// Coordinator address (`http://HOST:PORT` or `HOST:PORT`).
+    #[arg(long, env = env_vars::COORDINATOR, conflicts_with = "local")]
     pub coordinator: Option<String>,
 
     /// Bearer token that identifies this provider to the coordinator.
-    #[arg(long, env = env_vars::PROVIDER_TOKEN, hide_env_values = true)]
+    // Tokens are URL-safe base64 and may start with `-`.
+    #[arg(long, env = env_vars::PROVIDER_TOKEN, hide_env_values = true, allow_hyphen_values = true)]
     pub token: Option<String>,
 
-    /// Directory for job state: checkpoints, captured features, exports.
+    /// Directory for job state: `jobs/<job_id>/` (spec.json, checkpoints, exports) and, with
+    /// `--local`, the embedded coordinator's database and artifacts.
     #[arg(long, env = env_vars::WORK_DIR, default_value = "./dflash-work")]
     pub work_dir: PathBuf,
+
+    /// Start an embedded coordinator on 127.0.0.1 (SQLite under the work directory), create a
+    /// run from `--spec`, run its jobs here, print a summary and exit.
+    #[arg(long)]
+    pub local: bool,
+
+    /// With `--local`: run spec file (JSON: `name`, `spec` or `spec_json`,
+    /// `required_client_version`, `checkpoint_policy`, `max_local_ranks`, `required_features`,
+    /// `num_jobs`, `approve_native_versions`); default: a `noop` demo job.
+    #[arg(long, env = env_vars::SPEC, requires = "local")]
+    pub spec: Option<PathBuf>,
+
+    /// With `--local`: Python interpreter that runs the embedded coordinator (default: the
+    /// `python3` next to this binary, else `$VIRTUAL_ENV/bin/python`, else `python3` on PATH).
+    #[arg(long, env = env_vars::PYTHON)]
+    pub python: Option<PathBuf>,
+
+    /// With `--local`: print the summary as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Name this machine registers under (default: the host name).
+    #[arg(long, env = env_vars::PROVIDER_NAME)]
+    pub name: Option<String>,
+
+    /// How workers are launched.
+    #[arg(long, env = env_vars::LAUNCH_MODE, value_enum, default_value_t = LaunchModeArg::Native)]
+    pub launch_mode: LaunchModeArg,
+
+    /// Run workers with the native client binary at PATH (without PATH: the
+    /// `dflash-native-client` next to this binary, which is also the default worker).
+    #[arg(long, env = env_vars::NATIVE_CLIENT, value_name = "PATH", num_args = 0..=1, conflicts_with = "worker_cmd")]
+    pub native_client: Option<Option<PathBuf>>,
+
+    /// Native client version to ask the coordinator to accept when a run requires another
+    /// version; it runs only if the run admin approved it. Must equal the native client's own
+    /// `--version`.
+    #[arg(long, env = env_vars::NATIVE_CLIENT_VERSION, value_name = "VERSION")]
+    pub native_client_version: Option<String>,
+
+    /// Worker command line instead of the native client, split on whitespace (no quoting);
+    /// `--job-dir DIR` is appended. Its version counts as this run-manager's.
+    #[arg(long, env = env_vars::WORKER_CMD, value_name = "CMD")]
+    pub worker_cmd: Option<String>,
+
+    /// Device backend to offer: `auto` picks CUDA when `nvidia-smi` lists GPUs, MPS on macOS
+    /// arm64, else CPU.
+    #[arg(long, env = env_vars::DEVICE, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+
+    /// Stop after this many job attempts (0: no limit).
+    #[arg(long, env = env_vars::MAX_JOBS, default_value_t = 0)]
+    pub max_jobs: u32,
+
+    /// Seconds the coordinator may hold a lease request open waiting for work.
+    #[arg(long, env = env_vars::POLL_WAIT, default_value_t = 30)]
+    pub poll_wait: u32,
+
+    /// Stop after this many seconds without a lease (default: wait forever; with `--local`: 60,
+    /// then fail naming the jobs this machine cannot take).
+    #[arg(long, env = env_vars::IDLE_TIMEOUT, value_name = "SECS")]
+    pub idle_timeout: Option<u64>,
+
+    /// Restarts of a crashed worker (non-zero exit or signal) within one attempt; each
+    /// resumes from the last committed checkpoint. Then the attempt ends RETRYABLE.
+    #[arg(long, env = env_vars::MAX_RESTARTS, default_value_t = 3)]
+    pub max_restarts: u32,
+
+    /// Delay before the first worker restart, in milliseconds; doubles per restart.
+    #[arg(long, env = env_vars::RESTART_BACKOFF_MS, default_value_t = 2000, value_name = "MS")]
+    pub restart_backoff_ms: u64,
+
+    /// Cap on the worker-restart delay, in milliseconds.
+    #[arg(long, env = env_vars::RESTART_BACKOFF_MAX_MS, default_value_t = 60_000, value_name = "MS")]
+    pub restart_backoff_max_ms: u64,
+
+    /// Retries of a coordinator call that fails with UNAVAILABLE.
+    #[arg(long, env = env_vars::RPC_RETRIES, default_value_t = 8)]
+    pub rpc_retries: u32,
+
+    /// Delay before the first coordinator retry, in milliseconds; doubles per retry.
+    #[arg(long, env = env_vars::RPC_BACKOFF_MS, default_value_t = 500, value_name = "MS")]
+    pub rpc_backoff_ms: u64,
+
+    /// Cap on the delay between coordinator retries, in milliseconds.
+    #[arg(long, env = env_vars::RPC_BACKOFF_MAX_MS, default_value_t = 30_000, value_name = "MS")]
+    pub rpc_backoff_max_ms: u64,
+
+    /// Heartbeat (lease renewal) interval in seconds (default: the coordinator's; never more
+    /// than a third of the lease TTL).
+    #[arg(long, env = env_vars::HEARTBEAT_INTERVAL, value_name = "SECS")]
+    pub heartbeat_interval: Option<f64>,
+
+    /// Seconds a worker has to checkpoint and exit after SIGTERM before it is killed.
+    #[arg(long, env = env_vars::GRACE_PERIOD, default_value_t = 60.0, value_name = "SECS")]
+    pub grace_period: f64,
+
+    /// Send artifacts up to this many bytes inline in ReportArtifact (for coordinators that cannot
+    /// read this machine's files); larger ones, and all when 0, are reported as `file://` URIs.
+    #[arg(long, default_value_t = 0, value_name = "BYTES")]
+    pub inline_artifacts_max_bytes: u64,
+
+    /// Log format on stderr.
+    #[arg(long, env = env_vars::LOG_FORMAT, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// Log level.
+    #[arg(long, env = env_vars::LOG_LEVEL, value_enum, default_value_t = LogLevel::Info)]
+    pub log_level: LogLevel,
+
+    /// Print more (repeat for more; overrides `--log-level` upwards).
+    #[arg(short, long, action = ArgAction::Count)]
+    pub verbose: u8,
 }

@@ -1,4 +1,4 @@
-//! Every environment variable the run-manager reads, in one place.
+//! Every environment variable the run-manager and the native client read, in one place.
 //! Precedence everywhere: command-line flag > environment > default.
 
 /// Coordinator address, e.g. `http://127.0.0.1:50051`.
@@ -7,3 +7,59 @@ pub const COORDINATOR: &str = "DFLASH_COORDINATOR";
 pub const PROVIDER_TOKEN: &str = "DFLASH_PROVIDER_TOKEN";
 /// Working directory for jobs (checkpoints, captured features, exports).
 pub const WORK_DIR: &str = "DFLASH_WORK_DIR";
+/// Name this machine registers under (default: the host name).
+pub const PROVIDER_NAME: &str = "DFLASH_PROVIDER_NAME";
+/// Launch mode: `native` (default) or `docker` (not implemented yet).
+pub const LAUNCH_MODE: &str = "DFLASH_LAUNCH_MODE";
+/// Path of the native client binary (`--native-client`).
+pub const NATIVE_CLIENT: &str = "DFLASH_NATIVE_CLIENT";
+/// Native client version to ask the coordinator to accept (`--native-client-version`).
+pub const NATIVE_CLIENT_VERSION: &str = "DFLASH_NATIVE_CLIENT_VERSION";
+/// Worker command line, split on whitespace (`--worker-cmd`); `--job-dir DIR` is appended.
+pub const WORKER_CMD: &str = "DFLASH_WORKER_CMD";
+/// Device backend: `auto`, `cuda`, `mps` or `cpu`.
+pub const DEVICE: &str = "DFLASH_DEVICE";
+/// `1` or `0`: whether MPS supports bfloat16 (reported in the device capabilities).
+pub const MPS_BF16: &str = "DFLASH_MPS_BF16";
+/// Stop after this many job attempts (0 = no limit).
+pub const MAX_JOBS: &str = "DFLASH_MAX_JOBS";
+/// Seconds the coordinator may hold a lease request open (long-poll).
+pub const POLL_WAIT: &str = "DFLASH_POLL_WAIT";
+/// Stop after this many seconds without work (unset: wait for work forever).
+pub const IDLE_TIMEOUT: &str = "DFLASH_IDLE_TIMEOUT";
+/// Restarts of a crashed worker within one attempt before it ends RETRYABLE.
+pub const MAX_RESTARTS: &str = "DFLASH_MAX_RESTARTS";
+/// First worker-restart delay in milliseconds (doubles per restart).
+pub const RESTART_BACKOFF_MS: &str = "DFLASH_RESTART_BACKOFF_MS";
+/// Cap on the worker-restart delay in milliseconds.
+pub const RESTART_BACKOFF_MAX_MS: &str = "DFLASH_RESTART_BACKOFF_MAX_MS";
+/// Retries of a coordinator call that failed with UNAVAILABLE.
+pub const RPC_RETRIES: &str = "DFLASH_RPC_RETRIES";
+/// First delay between coordinator retries in milliseconds (doubles per retry).
+pub const RPC_BACKOFF_MS: &str = "DFLASH_RPC_BACKOFF_MS";
+/// Cap on the delay between coordinator retries in milliseconds.
+pub const RPC_BACKOFF_MAX_MS: &str = "DFLASH_RPC_BACKOFF_MAX_MS";
+/// Heartbeat interval override in seconds (default: what the coordinator asks for).
+pub const HEARTBEAT_INTERVAL: &str = "DFLASH_HEARTBEAT_INTERVAL";
+/// Seconds a worker has to checkpoint and exit after SIGTERM before SIGKILL.
+pub const GRACE_PERIOD: &str = "DFLASH_GRACE_PERIOD";
+/// Log format on stderr: `text` or `json`.
+pub const LOG_FORMAT: &str = "DFLASH_LOG_FORMAT";
+/// Log level: `error`, `warn`, `info`, `debug` or `trace`.
+pub const LOG_LEVEL: &str = "DFLASH_LOG";
+/// Python interpreter that runs the embedded coordinator in `--local` mode.
+pub const PYTHON: &str = "DFLASH_PYTHON";
+/// Run spec file for `--local` (JSON, see `docs/run-manager.md`).
+pub const SPEC: &str = "DFLASH_SPEC";
+/// Disable coloured output when set to anything (https://no-color.org).
+pub const NO_COLOR: &str = "NO_COLOR";
+
+/// Set by the native client and read by it: a Python prefix or virtual
+/// environment whose site-packages the embedded interpreter should import from.
+pub const PYTHON_HOME: &str = "DFLASH_PYTHON_HOME";
+/// The active virtual environment (set by `activate`); the native client
+/// imports from its site-packages.
+pub const VIRTUAL_ENV: &str = "VIRTUAL_ENV";
+/// Set for the worker so the embedded interpreter does not buffer stdout
+/// (progress events must arrive as they are written).
+pub const PYTHONUNBUFFERED: &str = "PYTHONUNBUFFERED";

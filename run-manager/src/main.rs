@@ -1,19 +1,37 @@
-//! Entry point: parse arguments, run, map the outcome to an exit code.
-//! Exit codes: 0 ok, 1 user error, 2 unexpected, 10 upgrade required.
+//! Entry point: parse arguments, build the runtime, run, map the outcome to an
+//! exit code (0 ok, 1 user error, 2 unexpected, 3 a `--local` job did not
+//! succeed, 10 upgrade required, 128+N stopped by signal N).
 
+use std::process::ExitCode;
+
+use anyhow::Context;
 use clap::Parser;
 use run_manager::cli::Cli;
+use run_manager::error::EXIT_UNEXPECTED;
 
-fn main() -> std::process::ExitCode {
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.coordinator {
-        None => {
-            eprintln!("error: no coordinator given\nhint: pass `--coordinator http://HOST:PORT` or set `DFLASH_COORDINATOR`");
-            std::process::ExitCode::from(1)
+    run_manager::logging::init(cli.log_format, cli.log_level, cli.verbose);
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(EXIT_UNEXPECTED);
         }
-        Some(addr) => {
-            eprintln!("error: coordinator client not built yet (address `{addr}`)");
-            std::process::ExitCode::from(2)
+    };
+    match rt.block_on(run_manager::run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code())
         }
     }
 }

@@ -1,0 +1,511 @@
+//! `run-manager --local [--spec FILE]`: the embedded default.
+//!
+//! Starts the Python coordinator as a child process on 127.0.0.1 (port 0,
+//! SQLite and an artifact directory under `<work-dir>/coordinator/`), creates
+//! a provider token and one run through the admin API, runs that run's jobs
+//! on this machine, prints a summary (job states, artifacts with sha256) and
+//! stops the coordinator.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+
+use crate::cli::Cli;
+use crate::client::{admin_client, provider_client, AdminClient};
+use crate::error::{Error, Result};
+use crate::proto::{
+    ApproveVersionRequest, CreateProviderRequest, CreateRunRequest, GetRunRequest, GetRunResponse,
+    RunSpec,
+};
+use crate::provider::{run_loop, Until};
+use crate::setup::{prepare_work_dir, provider_config};
+use crate::version::CLIENT_VERSION;
+
+/// Environment variable through which the admin token reaches the embedded
+/// coordinator (kept off its command line, which other users can read).
+pub const COORDINATOR_ADMIN_TOKEN_ENV: &str = "DFLASH_ADMIN_TOKEN";
+
+/// The run spec file `--spec` reads (JSON). Unknown fields are refused so a
+/// typo cannot silently fall back to a default.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RunSpecFile {
+    /// Run name (default: `local-<unix time>-<pid>`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The job spec as a JSON object...
+    #[serde(default)]
+    pub spec: Option<serde_json::Value>,
+    /// ...or as a JSON string.
+    #[serde(default)]
+    pub spec_json: Option<String>,
+    /// Client version the run requires (default: this run-manager's).
+    #[serde(default)]
+    pub required_client_version: Option<String>,
+    #[serde(default)]
+    pub checkpoint_policy: Option<String>,
+    #[serde(default)]
+    pub max_local_ranks: Option<u32>,
+    #[serde(default)]
+    pub required_features: Vec<String>,
+    #[serde(default)]
+    pub image: Option<String>,
+    #[serde(default)]
+    pub num_jobs: Option<u32>,
+    /// Native client versions to approve for the run right after creating it.
+    #[serde(default)]
+    pub approve_native_versions: Vec<String>,
+}
+
+/// The job spec used when `--local` gets no `--spec`: the `noop` stage.
+pub fn default_job_spec() -> serde_json::Value {
+    serde_json::json!({
+        "stages": ["noop"],
+        "noop": {"steps": 6, "step_seconds": 0.05, "checkpoint_every": 2}
+    })
+}
+
+impl RunSpecFile {
+    /// Read and check a spec file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::Usage(format!("cannot read spec file `{}`: {e}", path.display()))
+        })?;
+        Self::parse(&text).map_err(|m| Error::Usage(format!("spec file `{}`: {m}", path.display())))
+    }
+
+    /// Parse spec text; errors name the problem (serde reports line and column).
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let s: RunSpecFile = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        if s.spec.is_some() && s.spec_json.is_some() {
+            return Err("give either `spec` or `spec_json`, not both".into());
+        }
+        if let Some(v) = &s.spec {
+            if !v.is_object() {
+                return Err("`spec` must be a JSON object".into());
+            }
+        }
+        if let Some(t) = &s.spec_json {
+            crate::jobdir::parse_spec(t)?;
+        }
+        Ok(s)
+    }
+
+    /// The admin API's RunSpec, with defaults filled in.
+    pub fn to_run_spec(&self) -> Result<RunSpec> {
+        let spec_json = match (&self.spec, &self.spec_json) {
+            (_, Some(t)) => t.clone(),
+            (Some(v), None) => v.to_string(),
+            (None, None) => default_job_spec().to_string(),
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Ok(RunSpec {
+            name: self
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("local-{now}-{}", std::process::id())),
+            spec_json,
+            required_client_version: self
+                .required_client_version
+                .clone()
+                .unwrap_or_else(|| CLIENT_VERSION.to_string()),
+            checkpoint_policy: self
+                .checkpoint_policy
+                .clone()
+                .unwrap_or_else(|| "durable".into()),
+            max_local_ranks: self.max_local_ranks.unwrap_or(1),
+            required_features: self.required_features.clone(),
+            image: self.image.clone().unwrap_or_default(),
+            num_jobs: self.num_jobs.unwrap_or(1),
+        })
+    }
+}
+
+/// A coordinator child process; killed when dropped.
+pub struct EmbeddedCoordinator {
+    child: Child,
+    /// `HOST:PORT` it listens on.
+    pub address: String,
+    pub admin_token: String,
+}
+
+/// 32 random bytes from the OS, hex-encoded.
+pub fn random_token() -> Result<String> {
+    use std::io::Read;
+    let mut buf = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut buf))
+        .map_err(Error::io("cannot read", "/dev/urandom"))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The interpreter for the coordinator: the flag, else `python3` next to this
+/// binary (a venv's bin/), else `$VIRTUAL_ENV/bin/python`, else `python3`.
+pub fn find_python(flag: Option<&Path>) -> PathBuf {
+    if let Some(p) = flag {
+        return p.to_path_buf();
+    }
+    if let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    {
+        let p = dir.join("python3");
+        if p.is_file() {
+            return p;
+        }
+    }
+    if let Some(venv) = std::env::var_os(crate::env_vars::VIRTUAL_ENV) {
+        let p = PathBuf::from(venv).join("bin/python");
+        if p.is_file() {
+            return p;
+        }
+    }
+    PathBuf::from("python3")
+}
+
+impl EmbeddedCoordinator {
+    /// Start `python -m dflash_worker.coordinator serve` under `state_dir`,
+    /// accepting `file://` artifacts under `artifact_root`, and wait for its
+    /// "listening" line.
+    pub async fn start(python: &Path, state_dir: &Path, artifact_root: &Path) -> Result<Self> {
+        Self::start_with_args(python, state_dir, artifact_root, &[]).await
+    }
+
+    /// [`EmbeddedCoordinator::start`] with extra `serve` flags (e.g. `--lease-ttl 1` in tests).
+    pub async fn start_with_args(
+        python: &Path,
+        state_dir: &Path,
+        artifact_root: &Path,
+        extra: &[&str],
+    ) -> Result<Self> {
+        std::fs::create_dir_all(state_dir).map_err(Error::io("cannot create", state_dir))?;
+        let admin_token = random_token()?;
+        let mut child = Command::new(python)
+            .args(["-m", "dflash_worker.coordinator", "serve", "--listen", "127.0.0.1:0", "--db"])
+            .arg(state_dir.join("coordinator.db"))
+            .arg("--artifacts")
+            .arg(state_dir.join("artifacts"))
+            .arg("--allow-artifact-root")
+            .arg(artifact_root)
+            .args(extra)
+            .env(COORDINATOR_ADMIN_TOKEN_ENV, &admin_token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            // Its own process group: a Ctrl-C in the terminal must reach only the
+            // run-manager, which still needs the coordinator to hand the job back.
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                Error::Usage(format!(
+                    "cannot start the embedded coordinator with `{}`: {e}\nhint: pass `--python PATH` (the environment's python with dflash_worker installed)",
+                    python.display()
+                ))
+            })?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| Error::Internal("coordinator stdout was not piped".into()))?;
+        let mut lines = BufReader::new(stdout).lines();
+        let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
+        let line = match first {
+            Ok(Ok(Some(line))) => line,
+            Ok(Ok(None)) | Ok(Err(_)) => {
+                let status = child.wait().await.ok();
+                return Err(Error::Coordinator(format!(
+                    "`{} -m dflash_worker.coordinator serve` exited ({}) before it listened; its errors are above",
+                    python.display(),
+                    status.map(|s| crate::worker::describe_exit(&s)).unwrap_or_else(|| "unknown status".into())
+                )));
+            }
+            Err(_) => {
+                return Err(Error::Coordinator(
+                    "did not report its address within 60 s".into(),
+                ))
+            }
+        };
+        let info: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
+            Error::Coordinator(format!(
+                "first stdout line is not JSON ({e}): `{}`",
+                line.chars().take(200).collect::<String>()
+            ))
+        })?;
+        let address = info
+            .get("address")
+            .and_then(|a| a.as_str())
+            .ok_or_else(|| {
+                Error::Coordinator(format!(
+                    "first stdout line has no `address`: `{}`",
+                    line.chars().take(200).collect::<String>()
+                ))
+            })?
+            .to_string();
+        // Keep draining stdout so the coordinator never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        tracing::info!(%address, "embedded coordinator listening");
+        Ok(EmbeddedCoordinator {
+            child,
+            address,
+            admin_token,
+        })
+    }
+
+    /// SIGTERM the coordinator and wait (briefly) for it to exit.
+    pub async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = crate::worker::signal(pid, libc::SIGTERM);
+        }
+        if tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.start_kill();
+            let _ = self.child.wait().await;
+        }
+    }
+}
+
+/// The summary printed at the end of `--local`.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub run_id: String,
+    pub name: String,
+    pub jobs: Vec<JobSummary>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct JobSummary {
+    pub job_id: String,
+    pub state: String,
+    pub attempts: u32,
+    pub artifacts: Vec<ArtifactSummary>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ArtifactSummary {
+    pub name: String,
+    pub kind: String,
+    pub sha256: String,
+    pub size_bytes: u64,
+    pub step: u64,
+    pub uri: String,
+}
+
+impl Summary {
+    pub fn from_response(resp: &GetRunResponse) -> Self {
+        let run = resp.run.clone().unwrap_or_default();
+        Summary {
+            run_id: run.run_id,
+            name: run.spec.map(|s| s.name).unwrap_or_default(),
+            jobs: resp
+                .jobs
+                .iter()
+                .map(|j| JobSummary {
+                    job_id: j.job_id.clone(),
+                    state: j.state.clone(),
+                    attempts: j.attempts,
+                    artifacts: j
+                        .artifacts
+                        .iter()
+                        .map(|a| ArtifactSummary {
+                            name: a.name.clone(),
+                            kind: a.kind.clone(),
+                            sha256: a.sha256.clone(),
+                            size_bytes: a.size_bytes,
+                            step: a.step,
+                            uri: a.uri.clone(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Human-readable form.
+    pub fn to_text(&self) -> String {
+        let mut out = format!(
+            "run `{}` ({}): {} job(s)\n",
+            self.run_id,
+            self.name,
+            self.jobs.len()
+        );
+        for j in &self.jobs {
+            out.push_str(&format!(
+                "  job `{}`: {} after {} attempt(s)\n",
+                j.job_id, j.state, j.attempts
+            ));
+            for a in &j.artifacts {
+                out.push_str(&format!(
+                    "    {:<10} {}  sha256 {}  {} bytes  step {}\n",
+                    a.kind, a.name, a.sha256, a.size_bytes, a.step
+                ));
+            }
+        }
+        out
+    }
+
+    /// Jobs that did not succeed.
+    pub fn failed(&self) -> usize {
+        self.jobs.iter().filter(|j| j.state != "succeeded").count()
+    }
+}
+
+async fn get_run(admin: &mut AdminClient, run_id: &str) -> Result<GetRunResponse> {
+    Ok(admin
+        .get_run(GetRunRequest {
+            run_id: run_id.to_string(),
+        })
+        .await
+        .map_err(|status| Error::Rpc {
+            call: "GetRun",
+            status,
+        })?
+        .into_inner())
+}
+
+/// Run `--local`.
+pub async fn run(cli: &Cli, shutdown: &mut watch::Receiver<Option<i32>>) -> Result<()> {
+    let spec = match &cli.spec {
+        Some(p) => RunSpecFile::load(p)?,
+        None => RunSpecFile::parse("{}").map_err(Error::Internal)?,
+    };
+    let run_spec = spec.to_run_spec()?;
+    let work_dir = prepare_work_dir(&cli.work_dir)?;
+    // Check the flags (worker, device) before starting anything.
+    let cfg = provider_config(cli, &work_dir)?;
+    let jobs_dir = work_dir.join("jobs");
+    std::fs::create_dir_all(&jobs_dir).map_err(Error::io("cannot create", &jobs_dir))?;
+
+    let python = find_python(cli.python.as_deref());
+    let coordinator =
+        EmbeddedCoordinator::start(&python, &work_dir.join("coordinator"), &jobs_dir).await?;
+    let outcome = drive(
+        &coordinator,
+        run_spec,
+        &spec.approve_native_versions,
+        &cfg,
+        shutdown,
+    )
+    .await;
+    coordinator.stop().await;
+    let summary = outcome?;
+    if cli.json {
+        let text =
+            serde_json::to_string_pretty(&summary).map_err(|e| Error::Internal(e.to_string()))?;
+        println!("{text}");
+    } else {
+        print!("{}", summary.to_text());
+    }
+    match summary.failed() {
+        0 => Ok(()),
+        failed => Err(Error::JobsFailed {
+            run_id: summary.run_id.clone(),
+            failed,
+            total: summary.jobs.len(),
+        }),
+    }
+}
+
+async fn drive(
+    coordinator: &EmbeddedCoordinator,
+    run_spec: RunSpec,
+    approve: &[String],
+    cfg: &crate::provider::ProviderConfig,
+    shutdown: &mut watch::Receiver<Option<i32>>,
+) -> Result<Summary> {
+    let mut admin = admin_client(&coordinator.address, &coordinator.admin_token)?;
+    let rpc = |call: &'static str| move |status| Error::Rpc { call, status };
+    let token = admin
+        .create_provider(CreateProviderRequest {
+            name: cfg.name.clone(),
+        })
+        .await
+        .map_err(rpc("CreateProvider"))?
+        .into_inner()
+        .token;
+    let run = admin
+        .create_run(CreateRunRequest {
+            spec: Some(run_spec),
+        })
+        .await
+        .map_err(rpc("CreateRun"))?
+        .into_inner()
+        .run
+        .ok_or_else(|| Error::Internal("CreateRun returned no run".into()))?;
+    for v in approve {
+        admin
+            .approve_version(ApproveVersionRequest {
+                run_id: run.run_id.clone(),
+                version: v.clone(),
+            })
+            .await
+            .map_err(rpc("ApproveVersion"))?;
+    }
+    tracing::info!(run_id = %run.run_id, jobs = run.job_states.values().sum::<u32>(), "created run");
+    let provider = provider_client(&coordinator.address, &token)?;
+    let until = Until::RunDone {
+        admin: Box::new(admin.clone()),
+        run_id: run.run_id.clone(),
+    };
+    run_loop(&provider, cfg, until, shutdown).await?;
+    Ok(Summary::from_response(
+        &get_run(&mut admin, &run.run_id).await?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_file_defaults() {
+        let s = RunSpecFile::parse("{}").expect("parse");
+        let r = s.to_run_spec().expect("spec");
+        assert_eq!(r.required_client_version, CLIENT_VERSION);
+        assert_eq!(r.checkpoint_policy, "durable");
+        assert_eq!(r.num_jobs, 1);
+        let v: serde_json::Value = serde_json::from_str(&r.spec_json).expect("json");
+        assert_eq!(v["stages"][0], "noop");
+        assert!(r.name.starts_with("local-"));
+    }
+
+    #[test]
+    fn spec_file_errors_are_clear() {
+        assert!(RunSpecFile::parse(r#"{"nmae": "typo"}"#)
+            .expect_err("typo")
+            .contains("nmae"));
+        assert!(RunSpecFile::parse(r#"{"spec": [1]}"#).is_err());
+        assert!(RunSpecFile::parse(r#"{"spec": {}, "spec_json": "{}"}"#).is_err());
+        assert!(RunSpecFile::parse(r#"{"spec_json": "not json"}"#).is_err());
+        assert!(RunSpecFile::parse("{\n  \"num_jobs\": -1\n}")
+            .expect_err("neg")
+            .contains("line 2"));
+        let s = RunSpecFile::parse(
+            r#"{"spec": {"stages": ["noop"]}, "required_client_version": "9.9.9", "num_jobs": 2}"#,
+        )
+        .expect("parse");
+        let r = s.to_run_spec().expect("spec");
+        assert_eq!(
+            (r.required_client_version.as_str(), r.num_jobs),
+            ("9.9.9", 2)
+        );
+    }
+
+    #[test]
+    fn tokens_are_random_hex() {
+        let a = random_token().expect("token");
+        let b = random_token().expect("token");
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, b);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+    }
+}

@@ -1,0 +1,151 @@
+//! The library's error type and the exit codes it maps to.
+//!
+//! Exit codes (documented in `--help`):
+//! 0 ok, 1 user error, 2 unexpected, 3 a `--local` job did not succeed,
+//! 10 version upgrade required, 128+N stopped by signal N (130 SIGINT, 143 SIGTERM).
+
+use std::path::PathBuf;
+
+/// Exit code: success.
+pub const EXIT_OK: u8 = 0;
+/// Exit code: bad flags, bad spec, refused credentials and the like.
+pub const EXIT_USER: u8 = 1;
+/// Exit code: anything unexpected (a bug, an I/O failure, a crashed coordinator).
+pub const EXIT_UNEXPECTED: u8 = 2;
+/// Exit code: `--local` ran to the end but a job did not succeed.
+pub const EXIT_JOB_FAILED: u8 = 3;
+/// Exit code: the coordinator (or the preflight) demands another client version.
+pub const EXIT_UPGRADE_REQUIRED: u8 = 10;
+
+/// Everything the run-manager library can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Bad input from the user (flags, spec file, environment).
+    #[error("{0}")]
+    Usage(String),
+    /// The coordinator requires a different client version for the work it has.
+    #[error("upgrade required: the run needs client version `{required}`, this is `{have}`: {message}\nhint: install dflash-worker `{required}`, or ask the run admin to approve `{have}` and pass `--native-client-version {have}`")]
+    UpgradeRequired {
+        required: String,
+        have: String,
+        message: String,
+    },
+    /// A coordinator call failed; `status` keeps the gRPC code so callers can
+    /// tell UNAVAILABLE from INVALID_ARGUMENT.
+    #[error("coordinator call `{call}` failed: {} ({:?}){}", status.message(), status.code(), hint_for(status.code()))]
+    Rpc {
+        call: &'static str,
+        status: tonic::Status,
+    },
+    /// A file-system operation failed.
+    #[error("{context} `{}`: {source}", path.display())]
+    Io {
+        context: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The embedded coordinator (`--local`) could not be started or died.
+    #[error("embedded coordinator: {0}")]
+    Coordinator(String),
+    /// A `--local` run ended with jobs that did not succeed.
+    #[error("run `{run_id}`: {failed} of {total} job(s) did not succeed")]
+    JobsFailed {
+        run_id: String,
+        failed: usize,
+        total: usize,
+    },
+    /// The run-manager received SIGINT/SIGTERM and stopped (after its worker).
+    #[error("stopped by signal {0}")]
+    Interrupted(i32),
+    /// Anything else that should not happen.
+    #[error("{0}")]
+    Internal(String),
+}
+
+fn hint_for(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::Unauthenticated => {
+            "\nhint: check `--token` / `DFLASH_PROVIDER_TOKEN`; the coordinator's admin creates provider tokens"
+        }
+        tonic::Code::PermissionDenied => "\nhint: this token may not make this call (provider vs admin token)",
+        tonic::Code::Unavailable => "\nhint: is the coordinator running and reachable at `--coordinator`?",
+        _ => "",
+    }
+}
+
+impl Error {
+    /// Build an [`Error::Io`] (helper for `map_err`).
+    pub fn io(
+        context: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> Error {
+        let path = path.into();
+        move |source| Error::Io {
+            context,
+            path,
+            source,
+        }
+    }
+
+    /// The process exit code this error maps to.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::Usage(_) => EXIT_USER,
+            Error::UpgradeRequired { .. } => EXIT_UPGRADE_REQUIRED,
+            Error::Rpc { status, .. } => match status.code() {
+                tonic::Code::Unauthenticated
+                | tonic::Code::PermissionDenied
+                | tonic::Code::InvalidArgument
+                | tonic::Code::FailedPrecondition
+                | tonic::Code::NotFound => EXIT_USER,
+                _ => EXIT_UNEXPECTED,
+            },
+            Error::JobsFailed { .. } => EXIT_JOB_FAILED,
+            Error::Interrupted(sig) => u8::try_from(128 + sig).unwrap_or(EXIT_UNEXPECTED),
+            Error::Io { .. } | Error::Coordinator(_) | Error::Internal(_) => EXIT_UNEXPECTED,
+        }
+    }
+}
+
+/// Result alias for the library.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_are_the_documented_ones() {
+        assert_eq!(Error::Usage("x".into()).exit_code(), 1);
+        let up = Error::UpgradeRequired {
+            required: "9.9.9".into(),
+            have: "0.1.0".into(),
+            message: "m".into(),
+        };
+        assert_eq!(up.exit_code(), 10);
+        assert!(up.to_string().contains("`9.9.9`"), "{up}");
+        let unavailable = Error::Rpc {
+            call: "Register",
+            status: tonic::Status::unavailable("down"),
+        };
+        assert_eq!(unavailable.exit_code(), 2);
+        assert!(unavailable.to_string().contains("hint:"));
+        let unauth = Error::Rpc {
+            call: "Register",
+            status: tonic::Status::unauthenticated("no"),
+        };
+        assert_eq!(unauth.exit_code(), 1);
+        assert_eq!(Error::Interrupted(2).exit_code(), 130);
+        assert_eq!(Error::Interrupted(15).exit_code(), 143);
+        assert_eq!(
+            Error::JobsFailed {
+                run_id: "r".into(),
+                failed: 1,
+                total: 1
+            }
+            .exit_code(),
+            3
+        );
+    }
+}

@@ -1,0 +1,223 @@
+//! The job directory handed to the worker: `spec.json` plus whatever the worker writes.
+//!
+//! Layout under `<work-dir>/jobs/<job_id>/`:
+//! - `spec.json`: written by the run-manager before every worker start;
+//! - everything else (checkpoints, exports, logs) is the worker's, reported
+//!   back through `artifact` events with paths inside this directory.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::policy::Downgrade;
+use crate::proto::{DeviceCapabilities, Lease};
+
+/// Version of the `spec.json` layout below.
+pub const SPEC_SCHEMA_VERSION: u32 = 1;
+
+/// Device facts the worker needs (a serializable copy of the capabilities).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct DeviceInfo {
+    pub backend: String,
+    pub device_count: u32,
+    pub memory_bytes: u64,
+    pub supports_bf16: bool,
+    pub features: Vec<String>,
+    pub platform: String,
+}
+
+impl From<&DeviceCapabilities> for DeviceInfo {
+    fn from(c: &DeviceCapabilities) -> Self {
+        DeviceInfo {
+            backend: c.backend.clone(),
+            device_count: c.device_count,
+            memory_bytes: c.memory_bytes,
+            supports_bf16: c.supports_bf16,
+            features: c.features.clone(),
+            platform: c.platform.clone(),
+        }
+    }
+}
+
+/// Lease facts the worker may log or record in manifests.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct LeaseInfo {
+    pub lease_id: String,
+    pub run_id: String,
+    pub job_id: String,
+    pub attempt: u32,
+    pub checkpoint_policy: String,
+    pub required_features: Vec<String>,
+    pub required_client_version: String,
+}
+
+/// Contents of `spec.json`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct JobSpecFile {
+    pub schema_version: u32,
+    /// The lease's `spec_json`, parsed (always a JSON object).
+    pub spec: serde_json::Value,
+    pub lease: LeaseInfo,
+    /// Absolute path of the checkpoint to resume from, or null to start fresh.
+    pub resume_checkpoint: Option<PathBuf>,
+    /// Step of that checkpoint (0 when none).
+    pub resume_step: u64,
+    /// How many times the worker was restarted within this attempt.
+    pub restart: u32,
+    pub job_dir: PathBuf,
+    pub device: DeviceInfo,
+    pub local_ranks: u32,
+    /// Features the worker must do without, and what to use instead.
+    pub downgrades: Vec<Downgrade>,
+    /// Version of the run-manager that wrote this file.
+    pub client_version: String,
+}
+
+impl JobSpecFile {
+    /// Build the spec for `lease` (whose `spec_json` was already parsed to `spec`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        lease: &Lease,
+        spec: serde_json::Value,
+        job_dir: &Path,
+        caps: &DeviceCapabilities,
+        local_ranks: u32,
+        downgrades: Vec<Downgrade>,
+    ) -> Self {
+        JobSpecFile {
+            schema_version: SPEC_SCHEMA_VERSION,
+            spec,
+            lease: LeaseInfo {
+                lease_id: lease.lease_id.clone(),
+                run_id: lease.run_id.clone(),
+                job_id: lease.job_id.clone(),
+                attempt: lease.attempt,
+                checkpoint_policy: lease.checkpoint_policy.clone(),
+                required_features: lease.required_features.clone(),
+                required_client_version: lease.required_client_version.clone(),
+            },
+            resume_checkpoint: None,
+            resume_step: 0,
+            restart: 0,
+            job_dir: job_dir.to_path_buf(),
+            device: DeviceInfo::from(caps),
+            local_ranks,
+            downgrades,
+            client_version: crate::version::CLIENT_VERSION.to_string(),
+        }
+    }
+
+    /// Write `spec.json` into the job directory atomically (temp file, fsync, rename).
+    pub fn write(&self) -> Result<PathBuf> {
+        let path = self.job_dir.join("spec.json");
+        let tmp = self.job_dir.join(".spec.json.tmp");
+        let text = serde_json::to_vec_pretty(self)
+            .map_err(|e| Error::Internal(format!("serializing spec.json: {e}")))?;
+        let mut f = std::fs::File::create(&tmp).map_err(Error::io("cannot write", &tmp))?;
+        f.write_all(&text)
+            .map_err(Error::io("cannot write", &tmp))?;
+        f.sync_all().map_err(Error::io("cannot sync", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(Error::io("cannot rename into place", &path))?;
+        Ok(path)
+    }
+}
+
+/// Parse a lease's `spec_json`; it must be a JSON object.
+pub fn parse_spec(spec_json: &str) -> std::result::Result<serde_json::Value, String> {
+    match serde_json::from_str::<serde_json::Value>(spec_json) {
+        Ok(v) if v.is_object() => Ok(v),
+        Ok(_) => Err("the lease's `spec_json` is not a JSON object".into()),
+        Err(e) => Err(format!("the lease's `spec_json` is not valid JSON: {e}")),
+    }
+}
+
+/// Hex sha256 and size of a file, read in 1 MiB chunks.
+pub fn hash_file(path: &Path) -> std::io::Result<(String, u64)> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        size += n as u64;
+    }
+    let digest = hasher.finalize();
+    let hex = digest
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<String>();
+    Ok((hex, size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes_known_bytes() {
+        let p = std::env::temp_dir().join(format!("rm-hash-{}", std::process::id()));
+        std::fs::write(&p, b"abc").expect("write");
+        let (h, n) = hash_file(&p).expect("hash");
+        assert_eq!(
+            h,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(n, 3);
+        let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn spec_must_be_an_object() {
+        assert!(parse_spec(r#"{"stages":["noop"]}"#).is_ok());
+        assert!(parse_spec("[1]").is_err());
+        assert!(parse_spec("{").is_err());
+        assert!(parse_spec("").is_err());
+    }
+
+    #[test]
+    fn writes_spec_json_atomically() {
+        let dir = std::env::temp_dir().join(format!("rm-spec-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let lease = Lease {
+            lease_id: "l1".into(),
+            run_id: "r1".into(),
+            job_id: "j1".into(),
+            attempt: 2,
+            ..Default::default()
+        };
+        let caps = DeviceCapabilities {
+            backend: "cpu".into(),
+            device_count: 1,
+            ..Default::default()
+        };
+        let mut s = JobSpecFile::new(
+            &lease,
+            serde_json::json!({"stages": ["noop"]}),
+            &dir,
+            &caps,
+            1,
+            vec![],
+        );
+        s.resume_checkpoint = Some(dir.join("ckpt"));
+        let p = s.write().expect("write");
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&p).expect("read")).expect("json");
+        assert_eq!(v["lease"]["attempt"], 2);
+        assert_eq!(v["spec"]["stages"][0], "noop");
+        assert_eq!(v["device"]["backend"], "cpu");
+        assert!(v["resume_checkpoint"]
+            .as_str()
+            .expect("path")
+            .ends_with("ckpt"));
+        assert!(!dir.join(".spec.json.tmp").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

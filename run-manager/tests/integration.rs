@@ -1,0 +1,747 @@
+//! End-to-end tests: the real Python coordinator on loopback, the real
+//! run-manager binary and the real native client running the `noop` stage.
+//!
+//! They skip (with a message) when `.venv/bin/python` or the coordinator /
+//! job modules are missing, so `cargo test` works before `make install`.
+//! The `--help` snapshot needs nothing and always runs
+//! (`UPDATE_SNAPSHOTS=1 cargo test` rewrites it after an intended change).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use run_manager::client::admin_client;
+use run_manager::commands::local::EmbeddedCoordinator;
+use run_manager::proto::{
+    CancelJobRequest, CreateProviderRequest, CreateRunRequest, GetRunRequest,
+    RequestCheckpointRequest, RunSpec,
+};
+use sha2::Digest;
+
+const RUN_MANAGER: &str = env!("CARGO_BIN_EXE_run-manager");
+const NATIVE_CLIENT: &str = env!("CARGO_BIN_EXE_dflash-native-client");
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The venv's python if it can import the coordinator and the job module.
+fn python() -> Option<PathBuf> {
+    let py = repo_root().join(".venv/bin/python");
+    if !py.exists() {
+        eprintln!("SKIP: `{}` is missing (run `make install`)", py.display());
+        return None;
+    }
+    let ok = Command::new(&py)
+        .args([
+            "-c",
+            "import dflash_worker.coordinator.cli, dflash_worker.job",
+        ])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        eprintln!(
+            "SKIP: `{}` cannot import dflash_worker.coordinator / dflash_worker.job",
+            py.display()
+        );
+        return None;
+    }
+    Some(py)
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rm-it-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("mkdir");
+    d
+}
+
+fn venv_dir() -> PathBuf {
+    repo_root().join(".venv")
+}
+
+/// A run-manager command with a clean DFLASH_* environment and fast retry/restart settings.
+fn run_manager(work: &Path) -> Command {
+    let mut c = Command::new(RUN_MANAGER);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("DFLASH_") {
+            c.env_remove(k);
+        }
+    }
+    c.env("VIRTUAL_ENV", venv_dir())
+        .env("NO_COLOR", "1")
+        .arg("--work-dir")
+        .arg(work)
+        .args(["--native-client", NATIVE_CLIENT])
+        .args(["--device", "cpu", "--log-format", "json"])
+        .args([
+            "--restart-backoff-ms",
+            "50",
+            "--rpc-backoff-ms",
+            "50",
+            "--heartbeat-interval",
+            "0.2",
+        ]);
+    c
+}
+
+fn write_spec(dir: &Path, spec: serde_json::Value) -> PathBuf {
+    let p = dir.join("run-spec.json");
+    std::fs::write(&p, serde_json::to_vec_pretty(&spec).expect("json")).expect("write spec");
+    p
+}
+
+/// The noop stage's final state after `steps` steps, computed independently of the Python code.
+fn noop_final_state(steps: u64) -> String {
+    let hex = |d: &[u8]| d.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let mut state = hex(&sha2::Sha256::digest(b"dflash-noop-v1"));
+    for k in 1..=steps {
+        state = hex(&sha2::Sha256::digest(format!("{state}:{k}").as_bytes()));
+    }
+    state
+}
+
+fn sha256_hex(path: &Path) -> String {
+    let bytes = std::fs::read(path).expect("read artifact");
+    sha2::Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn json_lines(stderr: &str) -> Vec<serde_json::Value> {
+    stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn show(out: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Check the summary's single job: succeeded, and its report artifact is the
+/// exact bytes on disk with the state an uninterrupted run would reach.
+fn check_report(summary: &serde_json::Value, steps: u64) -> serde_json::Value {
+    let job = &summary["jobs"][0];
+    assert_eq!(job["state"], "succeeded", "{summary:#}");
+    let report = job["artifacts"]
+        .as_array()
+        .expect("artifacts")
+        .iter()
+        .find(|a| a["kind"] == "report")
+        .expect("report artifact");
+    let uri = report["uri"].as_str().expect("uri");
+    let path = run_manager::paths::path_from_file_uri(uri).expect("file uri");
+    assert_eq!(report["sha256"].as_str(), Some(sha256_hex(&path).as_str()));
+    let body: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+    assert_eq!(
+        body["state"].as_str(),
+        Some(noop_final_state(steps).as_str()),
+        "{body}"
+    );
+    body
+}
+
+#[test]
+fn local_noop_job_end_to_end() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("local");
+    let spec = write_spec(
+        &dir,
+        serde_json::json!({"spec": {"stages": ["noop"], "noop": {"steps": 5, "step_seconds": 0.02, "checkpoint_every": 2}}}),
+    );
+    let out = run_manager(&dir.join("work"))
+        .args(["--local", "--json", "--python"])
+        .arg(&py)
+        .arg("--spec")
+        .arg(&spec)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary json");
+    let body = check_report(&summary, 5);
+    assert_eq!(body["resumed_from"], 0);
+    let kinds: Vec<&str> = summary["jobs"][0]["artifacts"]
+        .as_array()
+        .expect("artifacts")
+        .iter()
+        .filter_map(|a| a["kind"].as_str())
+        .collect();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "checkpoint").count(),
+        2,
+        "{kinds:?}"
+    );
+    // Worker logs are re-emitted tagged with run id and rank.
+    let logs = json_lines(&String::from_utf8_lossy(&out.stderr));
+    assert!(
+        logs.iter().any(|l| l["message"] == "stage `noop` starting"
+            && l["rank"] == 0
+            && l["run_id"].is_string()),
+        "{}",
+        show(&out)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Spawn with stderr read line by line on a thread.
+fn spawn_watched(mut cmd: Command) -> (Child, mpsc::Receiver<String>) {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// Read lines until `pred` matches one; returns every line read.
+fn wait_for(
+    rx: &mpsc::Receiver<String>,
+    seen: &mut Vec<String>,
+    what: &str,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                seen.push(line.clone());
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                    if pred(&v) {
+                        return v;
+                    }
+                }
+            }
+            Err(_) => panic!(
+                "timed out waiting for {what}; stderr so far:\n{}",
+                seen.join("\n")
+            ),
+        }
+    }
+}
+
+fn finish(
+    mut child: Child,
+    rx: mpsc::Receiver<String>,
+    mut seen: Vec<String>,
+) -> (Option<i32>, String, Vec<String>) {
+    let mut stdout = String::new();
+    if let Some(mut out) = child.stdout.take() {
+        use std::io::Read;
+        out.read_to_string(&mut stdout).expect("stdout");
+    }
+    let status = child.wait().expect("wait");
+    seen.extend(rx.iter());
+    (status.code(), stdout, seen)
+}
+
+#[test]
+fn sigkilled_worker_is_restarted_from_its_checkpoint_and_completes() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("sigkill");
+    let steps = 10;
+    let spec = write_spec(
+        &dir,
+        serde_json::json!({"spec": {"stages": ["noop"], "noop": {"steps": steps, "step_seconds": 0.15, "checkpoint_every": 3}}}),
+    );
+    let mut cmd = run_manager(&dir.join("work"));
+    cmd.args(["--local", "--json", "--python"])
+        .arg(&py)
+        .arg("--spec")
+        .arg(&spec);
+    let (child, rx) = spawn_watched(cmd);
+    let mut seen = Vec::new();
+    let started = wait_for(&rx, &mut seen, "worker start", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("worker started"))
+    });
+    let pid = started["pid"].as_i64().expect("pid") as i32;
+    wait_for(&rx, &mut seen, "first checkpoint", |v| {
+        v["message"] == "artifact reported" && v["kind"] == "checkpoint"
+    });
+    // SAFETY: kill(2) on the worker's pid, read from the run-manager's log.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let (code, stdout, seen) = finish(child, rx, seen);
+    let all = seen.join("\n");
+    assert_eq!(code, Some(0), "stdout:\n{stdout}\nstderr:\n{all}");
+    assert!(all.contains("killed by signal 9 (SIGKILL)"), "{all}");
+    let summary: serde_json::Value = serde_json::from_str(&stdout).expect("summary");
+    // Restarted within the same attempt, and the result equals an uninterrupted run's.
+    assert_eq!(summary["jobs"][0]["attempts"], 1, "{summary:#}");
+    let body = check_report(&summary, steps);
+    // Resumed from a checkpoint (normally step 3; a slow machine may let the
+    // worker reach a later one before the kill lands), never from scratch.
+    let resumed = body["resumed_from"].as_u64().expect("resumed_from");
+    assert!(resumed > 0 && resumed.is_multiple_of(3), "{body}");
+    assert!(
+        all.contains(&format!("restarting from checkpoint at step {resumed}")),
+        "{all}"
+    );
+    assert_eq!(body["restart"], 1, "{body}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn worker_that_keeps_crashing_ends_the_attempt_retryable() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("crashloop");
+    // `false` exits 1 at once, every time.
+    let mut cmd = Command::new(RUN_MANAGER);
+    cmd.env("NO_COLOR", "1")
+        .arg("--work-dir")
+        .arg(dir.join("work2"))
+        .args([
+            "--worker-cmd",
+            "false",
+            "--device",
+            "cpu",
+            "--log-format",
+            "json",
+            "--local",
+            "--json",
+        ])
+        .args([
+            "--max-restarts",
+            "2",
+            "--restart-backoff-ms",
+            "10",
+            "--python",
+        ])
+        .arg(&py)
+        .arg("--spec")
+        .arg(write_spec(&dir, serde_json::json!({})));
+    let out = cmd.output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    // The coordinator requeues RETRYABLE attempts until its attempt limit, then fails the job.
+    assert_eq!(out.status.code(), Some(3), "{}", show(&out));
+    assert!(err.contains("worker failed 3 time(s)"), "{err}");
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary");
+    assert_eq!(summary["jobs"][0]["state"], "failed", "{summary:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn version_mismatch_exits_10_and_approval_lets_it_run() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("version");
+    let spec = write_spec(
+        &dir,
+        serde_json::json!({"required_client_version": "9.9.9"}),
+    );
+    let out = run_manager(&dir.join("work"))
+        .args(["--local", "--python"])
+        .arg(&py)
+        .arg("--spec")
+        .arg(&spec)
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(10), "{}", show(&out));
+    assert!(
+        err.contains("upgrade required") && err.contains("`9.9.9`") && err.contains("hint:"),
+        "{err}"
+    );
+
+    // The run admin approves this native client's version: with
+    // --native-client-version the same run requirement is accepted.
+    let version = run_manager::version::CLIENT_VERSION;
+    let spec = write_spec(
+        &dir,
+        serde_json::json!({"required_client_version": "9.9.9", "approve_native_versions": [version],
+                           "spec": {"stages": ["noop"], "noop": {"steps": 2, "step_seconds": 0.0}}}),
+    );
+    let out = run_manager(&dir.join("work"))
+        .args([
+            "--local",
+            "--json",
+            "--native-client-version",
+            version,
+            "--python",
+        ])
+        .arg(&py)
+        .arg("--spec")
+        .arg(&spec)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary");
+    check_report(&summary, 2);
+
+    // Declaring a version the native client is not is a user error, before any network call.
+    let out = run_manager(&dir.join("work"))
+        .args(["--local", "--native-client-version", "9.9.9", "--python"])
+        .arg(&py)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cancel_directive_stops_the_worker_with_a_checkpoint() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("cancel");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    // Channels are created inside the runtime (tonic spawns onto it).
+    let _guard = rt.enter();
+    let work = dir.join("work");
+    std::fs::create_dir_all(work.join("jobs")).expect("mkdir");
+    let coordinator = rt
+        .block_on(EmbeddedCoordinator::start(
+            &py,
+            &dir.join("coord"),
+            &work.join("jobs"),
+        ))
+        .expect("coordinator");
+    let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
+    let (token, run) = rt.block_on(async {
+        let token = admin
+            .create_provider(CreateProviderRequest { name: "it".into() })
+            .await
+            .expect("provider")
+            .into_inner()
+            .token;
+        let run = admin
+            .create_run(CreateRunRequest {
+                spec: Some(RunSpec {
+                    name: "cancel-me".into(),
+                    spec_json: r#"{"stages":["noop"],"noop":{"steps":200,"step_seconds":0.05,"checkpoint_every":1000}}"#.into(),
+                    required_client_version: run_manager::version::CLIENT_VERSION.into(),
+                    checkpoint_policy: "durable".into(),
+                    max_local_ranks: 1,
+                    num_jobs: 1,
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("run")
+            .into_inner()
+            .run
+            .expect("run");
+        (token, run)
+    });
+    let mut cmd = run_manager(&work);
+    cmd.args([
+        "--coordinator",
+        &coordinator.address,
+        "--token",
+        &token,
+        "--max-jobs",
+        "1",
+    ]);
+    let (child, rx) = spawn_watched(cmd);
+    let mut seen = Vec::new();
+    wait_for(&rx, &mut seen, "training progress", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("stage `noop` starting"))
+    });
+    let job_id = rt.block_on(async {
+        let r = admin
+            .get_run(GetRunRequest {
+                run_id: run.run_id.clone(),
+            })
+            .await
+            .expect("get")
+            .into_inner();
+        r.jobs[0].job_id.clone()
+    });
+    // CHECKPOINT_NOW -> SIGUSR1 -> the worker commits a checkpoint it would not
+    // otherwise write (checkpoint_every is larger than the run) and keeps going.
+    rt.block_on(admin.request_checkpoint(RequestCheckpointRequest {
+        job_id: job_id.clone(),
+    }))
+    .expect("request checkpoint");
+    let ck = wait_for(&rx, &mut seen, "requested checkpoint", |v| {
+        v["message"] == "artifact reported" && v["kind"] == "checkpoint"
+    });
+    assert!(seen
+        .iter()
+        .any(|l| l.contains("CHECKPOINT_NOW from the coordinator")));
+    let requested_step = ck["artifact"].as_str().expect("artifact name").to_string();
+    rt.block_on(admin.cancel_job(CancelJobRequest {
+        job_id: job_id.clone(),
+    }))
+    .expect("cancel");
+    let (code, _stdout, seen) = finish(child, rx, seen);
+    let all = seen.join("\n");
+    assert_eq!(code, Some(0), "{all}");
+    assert!(all.contains("CANCEL from the coordinator"), "{all}");
+    let final_state = rt.block_on(async {
+        admin
+            .get_run(GetRunRequest {
+                run_id: run.run_id.clone(),
+            })
+            .await
+            .expect("get")
+            .into_inner()
+    });
+    let job = &final_state.jobs[0];
+    assert_eq!(job.job_id, job_id);
+    assert_eq!(job.state, "cancelled", "{all}");
+    // Two checkpoints, neither on the regular schedule (checkpoint_every is larger
+    // than the run): one on CHECKPOINT_NOW, a later one on SIGTERM before exiting.
+    let mut ckpts: Vec<(String, u64)> = job
+        .artifacts
+        .iter()
+        .filter(|a| a.kind == "checkpoint")
+        .map(|a| (a.name.clone(), a.step))
+        .collect();
+    ckpts.sort_by_key(|c| c.1);
+    assert_eq!(ckpts.len(), 2, "{ckpts:?}\n{all}");
+    assert_eq!(ckpts[0].0, requested_step);
+    assert!(
+        0 < ckpts[0].1 && ckpts[0].1 < ckpts[1].1 && ckpts[1].1 < 200,
+        "{ckpts:?}"
+    );
+    assert!(
+        all.contains("worker stopped after committing a checkpoint"),
+        "{all}"
+    );
+    rt.block_on(coordinator.stop());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sigterm_to_run_manager_stops_the_worker_and_exits_143() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("sigterm");
+    let spec = write_spec(
+        &dir,
+        serde_json::json!({"spec": {"stages": ["noop"], "noop": {"steps": 200, "step_seconds": 0.05, "checkpoint_every": 1000}}}),
+    );
+    let mut cmd = run_manager(&dir.join("work"));
+    cmd.args(["--local", "--python"])
+        .arg(&py)
+        .arg("--spec")
+        .arg(&spec);
+    let (child, rx) = spawn_watched(cmd);
+    let mut seen = Vec::new();
+    wait_for(&rx, &mut seen, "stage start", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("stage `noop` starting"))
+    });
+    let pid = child.id() as i32;
+    // SAFETY: kill(2) on our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let (code, _stdout, seen) = finish(child, rx, seen);
+    let all = seen.join("\n");
+    assert_eq!(code, Some(143), "{all}");
+    // The worker checkpointed before exiting, and the attempt was handed back.
+    assert!(
+        all.contains("worker stopped after committing a checkpoint"),
+        "{all}"
+    );
+    let finished = json_lines(&all)
+        .into_iter()
+        .find(|l| l["message"] == "attempt finished")
+        .unwrap_or_else(|| panic!("no `attempt finished` line:\n{all}"));
+    assert_eq!(finished["outcome"], "Retryable", "{all}");
+    assert_eq!(finished["job_state"], "queued", "{all}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn local_run_this_machine_cannot_take_fails_after_the_idle_timeout() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("idle");
+    // The coordinator never leases ephemeral runs to native providers.
+    let spec = write_spec(&dir, serde_json::json!({"checkpoint_policy": "ephemeral"}));
+    let out = run_manager(&dir.join("work"))
+        .args([
+            "--local",
+            "--idle-timeout",
+            "1",
+            "--poll-wait",
+            "1",
+            "--python",
+        ])
+        .arg(&py)
+        .arg("--spec")
+        .arg(&spec)
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    assert!(
+        err.contains("this provider cannot take them") && err.contains("checkpoint_policy"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn native_client_maps_python_failures_to_exit_codes() {
+    if python().is_none() {
+        return;
+    }
+    let dir = temp_dir("native");
+    let spec = serde_json::json!({"schema_version": 1, "spec": {"stages": ["warp_drive"]}});
+    std::fs::write(dir.join("spec.json"), spec.to_string()).expect("write");
+    let run = |home: &Path| {
+        Command::new(NATIVE_CLIENT)
+            .env_remove("VIRTUAL_ENV")
+            .arg("--job-dir")
+            .arg(&dir)
+            .arg("--python-home")
+            .arg(home)
+            .output()
+            .expect("run")
+    };
+    // A bad spec: the job reports a non-retryable error event and exits 1.
+    let out = run(&venv_dir());
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let last = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .to_string();
+    let ev = run_manager::events::parse_event(&last).expect("event");
+    assert!(
+        matches!(ev, run_manager::events::WorkerEvent::Error { retryable: false, ref message } if message.contains("warp_drive")),
+        "{ev:?}"
+    );
+    // No usable environment: exit 2 with a hint, never a crash.
+    let out = run(&dir.join("no-such-env"));
+    assert_eq!(out.status.code(), Some(2), "{}", show(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("hint:"),
+        "{}",
+        show(&out)
+    );
+    // A job directory without spec.json is a user error before Python starts.
+    let out = Command::new(NATIVE_CLIENT)
+        .arg("--job-dir")
+        .arg(dir.join("missing"))
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn stale_lease_kills_the_worker_and_abandons_the_attempt() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("stale");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    let _guard = rt.enter();
+    let work = dir.join("work");
+    std::fs::create_dir_all(work.join("jobs")).expect("mkdir");
+    let coordinator = rt
+        .block_on(EmbeddedCoordinator::start_with_args(
+            &py,
+            &dir.join("coord"),
+            &work.join("jobs"),
+            &["--lease-ttl", "1"],
+        ))
+        .expect("coordinator");
+    let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
+    let token = rt.block_on(async {
+        let token = admin
+            .create_provider(CreateProviderRequest { name: "it".into() })
+            .await
+            .expect("provider")
+            .into_inner()
+            .token;
+        admin
+            .create_run(CreateRunRequest {
+                spec: Some(RunSpec {
+                    name: "stale".into(),
+                    spec_json: r#"{"stages":["noop"],"noop":{"steps":200,"step_seconds":0.05}}"#
+                        .into(),
+                    required_client_version: run_manager::version::CLIENT_VERSION.into(),
+                    checkpoint_policy: "durable".into(),
+                    max_local_ranks: 1,
+                    num_jobs: 1,
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("run");
+        token
+    });
+    let mut cmd = run_manager(&work);
+    cmd.args([
+        "--coordinator",
+        &coordinator.address,
+        "--token",
+        &token,
+        "--max-jobs",
+        "1",
+    ]);
+    let (child, rx) = spawn_watched(cmd);
+    let mut seen = Vec::new();
+    wait_for(&rx, &mut seen, "stage start", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("stage `noop` starting"))
+    });
+    // Freeze the run-manager past the lease TTL: the coordinator expires the
+    // lease, and the run-manager's next write is refused ABORTED.
+    let pid = child.id() as i32;
+    // SAFETY: kill(2) on our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    std::thread::sleep(Duration::from_millis(2500));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let (code, _stdout, seen) = finish(child, rx, seen);
+    let all = seen.join("\n");
+    assert_eq!(code, Some(0), "{all}");
+    assert!(all.contains("lease is stale"), "{all}");
+    assert!(all.contains("killed by signal 9 (SIGKILL)"), "{all}");
+    assert!(!all.contains("attempt finished"), "{all}");
+    rt.block_on(coordinator.stop());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn help_snapshot() {
+    let out = Command::new(RUN_MANAGER)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .arg("--help")
+        .output()
+        .expect("run");
+    assert!(out.status.success());
+    let got = String::from_utf8(out.stdout).expect("utf8");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/help.txt");
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+        std::fs::write(&path, &got).expect("write snapshot");
+        return;
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        got == want,
+        "`run-manager --help` changed; if intended, rerun with UPDATE_SNAPSHOTS=1 and review the diff of `{}`\n--- got\n{got}",
+        path.display()
+    );
+}

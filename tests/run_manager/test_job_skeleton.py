@@ -1,0 +1,160 @@
+"""The stage-runner skeleton (`dflash_worker.job`) speaks the worker event protocol.
+
+Runs `python -m dflash_worker.job` as a real child process (the run-manager's
+Rust integration tests run it through the native client); checks the event
+lines, the artifacts' bytes and hashes, resume, SIGTERM and bad input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_worker.job import noop_final_state
+
+
+def write_spec(job_dir: Path, spec: dict, **extra) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"schema_version": 1, "spec": spec, "restart": 0, "resume_checkpoint": None, **extra}
+    (job_dir / "spec.json").write_text(json.dumps(doc))
+
+
+def run_job(job_dir: Path, timeout: float = 60) -> tuple[int, list[dict], str]:
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job_dir)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    events = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    return p.returncode, events, p.stderr
+
+
+def noop(steps: int, every: int = 2, step_seconds: float = 0.0) -> dict:
+    return {"stages": ["noop"], "noop": {"steps": steps, "checkpoint_every": every, "step_seconds": step_seconds}}
+
+
+def test_noop_emits_progress_checkpoints_report_and_done(tmp_path):
+    rc, events, stderr = run_job(_prepare(tmp_path, noop(5)))
+    assert rc == 0, stderr
+    assert events[0] == {"event": "progress", "phase": "starting", "step": 0, "total_steps": 0}
+    assert events[-1] == {"event": "done"}
+    train = [e for e in events if e["event"] == "progress" and e["phase"] == "train"]
+    assert [e["step"] for e in train] == [1, 2, 3, 4, 5]
+    assert [e["committed_step"] for e in train] == [0, 2, 2, 4, 4]
+    arts = [e for e in events if e["event"] == "artifact"]
+    assert [(a["kind"], a["step"]) for a in arts] == [("checkpoint", 2), ("checkpoint", 4), ("report", 5)]
+    for a in arts:
+        data = Path(a["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == a["sha256"]
+        assert len(data) == a["size_bytes"]
+        assert Path(a["path"]).is_relative_to(tmp_path / "job")
+    report = json.loads(Path(arts[-1]["path"]).read_text())
+    assert report["state"] == noop_final_state(5)
+    # Logs are JSON lines on stderr.
+    logs = [json.loads(line) for line in stderr.splitlines()]
+    assert any(entry["message"] == "stage `noop` starting" and entry["level"] == "info" for entry in logs)
+
+
+def _prepare(tmp_path: Path, spec: dict, **extra) -> Path:
+    job = tmp_path / "job"
+    write_spec(job, spec, **extra)
+    return job
+
+
+def test_resume_from_checkpoint_reaches_the_same_state(tmp_path):
+    job = _prepare(tmp_path, noop(6, every=2))
+    rc, events, _ = run_job(job)
+    assert rc == 0
+    ck = next(e for e in events if e["event"] == "artifact" and e["step"] == 4)
+    full = json.loads((job / "export/noop-report.json").read_text())
+
+    job2 = tmp_path / "job2"
+    write_spec(job2, noop(6, every=2), resume_checkpoint=ck["path"], restart=1)
+    rc, events2, stderr = run_job(job2)
+    assert rc == 0, stderr
+    steps = [e["step"] for e in events2 if e["event"] == "progress" and e["phase"] == "train"]
+    assert steps == [5, 6]
+    resumed = json.loads((job2 / "export/noop-report.json").read_text())
+    assert resumed["state"] == full["state"] == noop_final_state(6)
+    assert resumed["resumed_from"] == 4
+
+
+def test_sigterm_commits_a_checkpoint_and_stops(tmp_path):
+    job = _prepare(tmp_path, noop(400, every=1000, step_seconds=0.02))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        events = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            events.append(json.loads(p.stdout.readline()))
+            if events[-1].get("phase") == "train":
+                break
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    events += [json.loads(line) for line in out.splitlines()]
+    assert p.returncode == 0
+    stopped = events[-1]
+    assert stopped["event"] == "stopped"
+    ck = [e for e in events if e["event"] == "artifact" and e["kind"] == "checkpoint"]
+    assert len(ck) == 1 and ck[0]["step"] == stopped["committed_step"] < 400
+    assert not any(e["event"] == "done" for e in events)
+
+
+@pytest.mark.parametrize(
+    ("spec", "extra", "needle"),
+    [
+        ({"stages": ["launch"]}, {}, "unknown stage"),
+        ({"stages": []}, {}, "non-empty list"),
+        (noop(-1), {}, "spec.noop.steps"),
+        ({"stages": ["noop"], "noop": {"steps": True}}, {}, "spec.noop.steps"),
+        (noop(3), {"schema_version": 99}, "schema_version"),
+        (noop(3), {"resume_checkpoint": "/nonexistent/ckpt.json"}, "cannot resume"),
+    ],
+)
+def test_bad_input_is_a_non_retryable_error_event(tmp_path, spec, extra, needle):
+    job = tmp_path / "job"
+    write_spec(job, spec)
+    if extra:
+        doc = json.loads((job / "spec.json").read_text())
+        doc.update(extra)
+        (job / "spec.json").write_text(json.dumps(doc))
+    rc, events, stderr = run_job(job)
+    assert rc == 1, stderr
+    assert events[-1]["event"] == "error" and events[-1]["retryable"] is False
+    assert needle in events[-1]["message"]
+
+
+@pytest.mark.parametrize("content", [b"", b"{", b"\xff\xfe", b"[]", b'{"spec": 3}'])
+def test_corrupt_spec_json_is_reported_not_a_traceback(tmp_path, content):
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "spec.json").write_bytes(content)
+    rc, events, stderr = run_job(job)
+    assert rc == 1
+    assert events[-1]["event"] == "error" and events[-1]["retryable"] is False
+    assert "Traceback" not in stderr
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"step": "x"}')
+    job = tmp_path / "job"
+    write_spec(job, noop(3), resume_checkpoint=str(bad))
+    rc, events, _ = run_job(job)
+    assert rc == 1
+    assert "cannot resume" in events[-1]["message"]
