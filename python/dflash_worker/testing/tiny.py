@@ -81,3 +81,126 @@ def save_tiny_target(
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
     return model
+
+
+def tiny_dflash2_draft_config(target_config, **overrides: Any) -> dict[str, Any]:
+    """config.json contents of a tiny DFlash2 draft for `target_config` (a transformers config).
+
+    Qwen3-style top level plus `dflash_config`; `overrides` replace top-level
+    keys, except keys of `dflash_config`, which go there.
+    """
+    dflash_keys = {
+        "target_layer_ids",
+        "block_size",
+        "mask_token_id",
+        "selector_rank",
+        "selector_top_k",
+        "conv_kernel_size",
+        "conv_group_size",
+    }
+    n_target = target_config.num_hidden_layers
+    cfg: dict[str, Any] = {
+        "architectures": ["DFlash2DraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": target_config.hidden_size,
+        "intermediate_size": 2 * target_config.hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": target_config.hidden_size // 4,
+        "vocab_size": target_config.vocab_size,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "dflash_config": {
+            "target_layer_ids": sorted({1, n_target // 2, n_target - 2} & set(range(n_target))) or [0],
+            "block_size": 4,
+            "mask_token_id": target_config.vocab_size - 1,
+            "selector_rank": 8,
+            "selector_top_k": 4,
+            "conv_kernel_size": 3,
+            "conv_group_size": 16,
+        },
+    }
+    for key, value in overrides.items():
+        if key in dflash_keys:
+            cfg["dflash_config"][key] = value
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def dflash2_draft_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a DFlash2 draft checkpoint with draft config `config` (a dict)."""
+    dc = config.get("dflash_config", {})
+
+    def val(name: str) -> Any:
+        return dc.get(name, config.get(name))
+
+    H = config["hidden_size"]
+    I = config["intermediate_size"]
+    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or H // nq
+    n_ids = len(val("target_layer_ids"))
+    r, k, g = val("selector_rank"), val("conv_kernel_size"), val("conv_group_size")
+    V = config["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (H, n_ids * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (nq * hd, H),
+                p + "self_attn.k_proj.weight": (nkv * hd, H),
+                p + "self_attn.v_proj.weight": (nkv * hd, H),
+                p + "self_attn.o_proj.weight": (H, nq * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+            }
+        )
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[p + f"{conv}.base_kernel"] = (2, k, H)
+            shapes[p + f"{conv}.kernel_projection.weight"] = (2 * k * (H // g), H)
+    shapes["candidate_selector.predecessor_codebook"] = (V, r)
+    shapes["candidate_selector.successor_codebook"] = (V, r)
+    shapes["candidate_selector.hidden_projection.weight"] = (r, H)
+    return shapes
+
+
+def save_tiny_dflash2_draft(
+    path: str | Path,
+    target_config,
+    *,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Write a tiny DFlash2 draft (config.json + model.safetensors, random tensors) for `target_config`.
+
+    `overrides` go to the draft config (see `tiny_dflash2_draft_config`);
+    `shapes` replaces the tensor layout (to build deliberately broken drafts).
+    Returns the config dict written.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_dflash2_draft_config(target_config, **overrides)
+    layout = dflash2_draft_shapes(cfg) if shapes is None else shapes
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {n: (torch.randn(s, generator=gen) * 0.02).to(getattr(torch, dtype)) for n, s in layout.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return cfg

@@ -1,0 +1,497 @@
+"""Target families (dense Qwen3, Qwen3-MoE) and target/draft pair validation.
+
+A family says which target checkpoints we can train drafts against: how to
+recognise them (``model_type``), how to load them (`dflash_worker.weights.load_model`),
+which released DFlash2 drafts seed them, and what a draft must agree on.
+
+Validation reads only ``config.json`` files and safetensors headers, never
+tensor data, so it is cheap enough to run before any download finishes
+loading. Problems are collected and raised together as one `FamilyError`
+whose lines each name the field at fault.
+
+Released-draft facts: there is no model hub here, so revisions and geometry we
+could not check are recorded as ``None`` with a note; validation always uses the
+configs actually found on disk, never these records.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import FamilyError
+from .weights.checkpoint import TensorEntry, list_tensors, read_config_json
+from .weights.header import INTEGER_DTYPES
+
+UNVERIFIED = "unverified: recorded without hub access; validation uses the config.json found on disk"
+
+
+@dataclass(frozen=True)
+class ReleasedDraft:
+    """A released target + DFlash2 draft pair used as a training seed.
+
+    Fields set to ``None`` are facts we could not verify offline.
+    """
+
+    target: str
+    draft: str
+    target_revision: str | None = None
+    draft_revision: str | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    vocab_size: int | None = None
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    block_size: int | None = None
+    note: str = UNVERIFIED
+
+
+@dataclass(frozen=True)
+class Family:
+    """A target family: recognised by ``model_type``; `moe` targets carry routed experts."""
+
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    moe: bool
+    description: str
+    released: tuple[ReleasedDraft, ...] = ()
+
+    @property
+    def loader(self) -> Callable[..., Any]:
+        """`load_model(path, *, device="cpu", dtype=None)` for this family."""
+        from .weights.loader import load_model
+
+        return load_model
+
+    def load(self, path: str | os.PathLike[str], *, device: str = "cpu", dtype: Any = None):
+        return self.loader(path, device=device, dtype=dtype)
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family(
+        name="qwen3",
+        model_types=("qwen3",),
+        architectures=("Qwen3ForCausalLM",),
+        moe=False,
+        description="dense Qwen3 decoder",
+        released=(ReleasedDraft(target="Qwen/Qwen3.8-27B", draft="incoai/Qwen3.8-27B-DFlash2"),),
+    ),
+    "qwen3_moe": Family(
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        architectures=("Qwen3MoeForCausalLM",),
+        moe=True,
+        description="Qwen3 mixture-of-experts decoder (routers and experts stay frozen)",
+        released=(ReleasedDraft(target="Qwen/Qwen3.6-35B-A3B", draft="incoai/Qwen3.6-35B-A3B-DFlash2"),),
+    ),
+}
+
+
+def get_family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise FamilyError(f"unknown target family `{name}`\nhint: known families: {', '.join(FAMILIES)}") from None
+
+
+def detect_family(config: dict[str, Any], *, where: str = "config.json") -> Family:
+    """The family of a target from its config.json contents."""
+    mt = config.get("model_type")
+    for fam in FAMILIES.values():
+        if mt in fam.model_types:
+            return fam
+    raise FamilyError(
+        f"`{where}`: field `model_type`: `{mt}` is not a supported target family"
+        f"\nhint: supported: {', '.join(t for f in FAMILIES.values() for t in f.model_types)}"
+    )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"field `{self.field}`: {self.message}"
+
+
+@dataclass
+class CheckpointInfo:
+    """config.json and tensor headers of a checkpoint directory."""
+
+    path: Path
+    config: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+
+    @property
+    def config_path(self) -> Path:
+        return (self.path if self.path.is_dir() else self.path.parent) / "config.json"
+
+
+def read_checkpoint_info(path: str | os.PathLike[str], *, need_config: bool = True) -> CheckpointInfo:
+    """Read config.json (if present or needed) and every shard header of `path`."""
+    p = Path(path)
+    tensors = list_tensors(p)
+    cfg_file = (p if p.is_dir() else p.parent) / "config.json"
+    config: dict[str, Any] = {}
+    if need_config or cfg_file.is_file():
+        config = read_config_json(p)
+    return CheckpointInfo(path=p, config=config, tensors=tensors)
+
+
+def draft_value(config: dict[str, Any], name: str, default: Any = None) -> Any:
+    """A draft config field: `dflash_config` first, then the top level."""
+    dc = config.get("dflash_config")
+    if isinstance(dc, dict) and name in dc:
+        return dc[name]
+    return config.get(name, default)
+
+
+def is_draft(info: CheckpointInfo) -> bool:
+    cfg = info.config
+    return isinstance(cfg.get("dflash_config"), dict) or (
+        "fc.weight" in info.tensors and any(n.startswith("candidate_selector.") for n in info.tensors)
+    ) or any("DFlash" in str(a) for a in cfg.get("architectures") or [])
+
+
+def _num_experts(cfg: dict[str, Any]) -> int | None:
+    for key in ("num_experts", "num_local_experts"):
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return None
+
+
+def _as_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+_QUANT_SUFFIXES = (".scales", ".biases", ".qweight", ".qzeros", ".g_idx", ".weight_scale", ".weight_scale_inv", ".input_scale")
+
+
+def quantization_problems(info: CheckpointInfo, role: str) -> list[Problem]:
+    """Quantized inputs cannot be trained against: config, packed integer or fp8 weights, scale tensors."""
+    out: list[Problem] = []
+    if "quantization_config" in info.config:
+        qc = info.config["quantization_config"]
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        out.append(
+            Problem(
+                "quantization_config",
+                f"{role} `{info.config_path}` is quantized" + (f" (`{method}`)" if method else "")
+                + "; training needs unquantized (BF16/FP32) weights",
+            )
+        )
+    for name, t in info.tensors.items():
+        if name.endswith(_QUANT_SUFFIXES):
+            out.append(Problem(name, f"{role} tensor `{name}` in `{t.file}` is a quantization tensor"))
+            break
+    for name, t in info.tensors.items():
+        if name.endswith(".weight") and (t.dtype in INTEGER_DTYPES or t.dtype.startswith("F8_")):
+            out.append(
+                Problem(name, f"{role} weight `{name}` in `{t.file}` is `{t.dtype}` (packed or quantized weights)")
+            )
+            break
+    return out
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass
+class TargetReport:
+    family: str
+    hidden_size: int | None
+    num_hidden_layers: int | None
+    vocab_size: int | None
+    num_experts: int | None
+    num_experts_per_tok: int | None
+    expert_storage: str | None  # "packed", "per-expert", "mixed" or None (dense)
+    tensors: int
+    bytes: int
+
+
+def _moe_layers(cfg: dict[str, Any]) -> list[int]:
+    n_layers = _as_int(cfg.get("num_hidden_layers")) or 0
+    n_exp = _num_experts(cfg) or 0
+    step = _as_int(cfg.get("decoder_sparse_step")) or 1
+    only = set(cfg.get("mlp_only_layers") or [])
+    return [l for l in range(n_layers) if l not in only and n_exp > 0 and (l + 1) % step == 0]
+
+
+def target_problems(info: CheckpointInfo) -> tuple[Family | None, list[Problem], str | None]:
+    cfg = info.config
+    probs: list[Problem] = []
+    try:
+        fam = detect_family(cfg, where=str(info.config_path))
+    except FamilyError as exc:
+        return None, [Problem("model_type", str(exc).split(": ", 1)[-1])], None
+    probs += quantization_problems(info, "target")
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        v = _as_int(cfg.get(key))
+        if v is None or v <= 0:
+            probs.append(Problem(key, f"target config `{info.config_path}` has no valid `{key}` (found `{cfg.get(key)}`)"))
+    storage = None
+    if fam.moe:
+        n_exp = _num_experts(cfg)
+        k = _as_int(cfg.get("num_experts_per_tok"))
+        if not _as_int(n_exp) or n_exp <= 0:
+            probs.append(Problem("num_experts", f"MoE target config `{info.config_path}` has no valid `num_experts`"))
+            return fam, probs, None
+        if k is None or not 0 < k <= n_exp:
+            probs.append(Problem("num_experts_per_tok", f"`{cfg.get('num_experts_per_tok')}` is not in 1..`{n_exp}`"))
+        missing: list[str] = []
+        kinds: set[str] = set()
+        names = info.tensors
+        for l in _moe_layers(cfg):
+            base = f"model.layers.{l}.mlp"
+            if f"{base}.gate.weight" not in names:
+                missing.append(f"{base}.gate.weight")
+            packed = [f"{base}.experts.gate_up_proj", f"{base}.experts.down_proj"]
+            if all(p in names for p in packed):
+                kinds.add("packed")
+                for p in packed:
+                    if names[p].shape[:1] != (n_exp,):
+                        probs.append(Problem(p, f"packed experts tensor `{p}` has shape `{list(names[p].shape)}`, expected `{n_exp}` experts"))
+                continue
+            kinds.add("per-expert")
+            for e in range(n_exp):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    key = f"{base}.experts.{e}.{proj}.weight"
+                    if key not in names:
+                        missing.append(key)
+        if missing:
+            probs.append(
+                Problem(
+                    "experts",
+                    f"MoE target checkpoint `{info.path}` lacks expert weights: `{missing[0]}`"
+                    + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""),
+                )
+            )
+        storage = "mixed" if len(kinds) > 1 else (kinds.pop() if kinds else None)
+    return fam, probs, storage
+
+
+def validate_target(path: str | os.PathLike[str]) -> TargetReport:
+    """Check a target checkpoint (config.json + headers): supported family, not quantized, experts complete."""
+    info = read_checkpoint_info(path)
+    fam, probs, storage = target_problems(info)
+    _raise(probs, f"target `{info.path}`")
+    assert fam is not None
+    return _target_report(info, fam, storage)
+
+
+def _target_report(info: CheckpointInfo, fam: Family, storage: str | None) -> TargetReport:
+    cfg = info.config
+    return TargetReport(
+        family=fam.name,
+        hidden_size=cfg.get("hidden_size"),
+        num_hidden_layers=cfg.get("num_hidden_layers"),
+        vocab_size=cfg.get("vocab_size"),
+        num_experts=_num_experts(cfg) if fam.moe else None,
+        num_experts_per_tok=cfg.get("num_experts_per_tok") if fam.moe else None,
+        expert_storage=storage,
+        tensors=len(info.tensors),
+        bytes=sum(t.nbytes for t in info.tensors.values()),
+    )
+
+
+# --------------------------------------------------------------------------- drafts
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def _strip_model_prefix(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    # Some exporters prefix draft tensors with `model.`; the DFlash2 layout has none.
+    if tensors and all(n.startswith("model.") for n in tensors):
+        return {n[len("model.") :]: t for n, t in tensors.items()}
+    return tensors
+
+
+@dataclass
+class DraftGeometry:
+    hidden_size: int | None
+    vocab_size: int | None
+    num_hidden_layers: int | None
+    target_layer_ids: list[int] | None
+    block_size: int | None
+    mask_token_id: int | None
+    selector_rank: int | None
+    selector_top_k: int | None
+    conv_kernel_size: int | None
+    conv_group_size: int | None
+    num_experts: int | None
+    num_experts_per_tok: int | None
+
+
+def draft_geometry(info: CheckpointInfo) -> DraftGeometry:
+    c = info.config
+    ids = draft_value(c, "target_layer_ids")
+    ne = draft_value(c, "num_experts")
+    if ne is None:
+        ne = draft_value(c, "num_local_experts")
+    return DraftGeometry(
+        hidden_size=c.get("hidden_size"),
+        vocab_size=c.get("vocab_size"),
+        num_hidden_layers=c.get("num_hidden_layers"),
+        target_layer_ids=list(ids) if isinstance(ids, list) else ids,
+        block_size=draft_value(c, "block_size"),
+        mask_token_id=draft_value(c, "mask_token_id"),
+        selector_rank=draft_value(c, "selector_rank"),
+        selector_top_k=draft_value(c, "selector_top_k"),
+        conv_kernel_size=draft_value(c, "conv_kernel_size"),
+        conv_group_size=draft_value(c, "conv_group_size"),
+        num_experts=ne,
+        num_experts_per_tok=draft_value(c, "num_experts_per_tok"),
+    )
+
+
+def draft_problems(info: CheckpointInfo) -> list[Problem]:
+    """Self-consistency of a DFlash2 draft (config vs tensor shapes), without a target."""
+    probs = quantization_problems(info, "draft")
+    g = draft_geometry(info)
+    t = _strip_model_prefix(info.tensors)
+    H = _as_int(g.hidden_size)
+    if H is None or H <= 0:
+        probs.append(Problem("hidden_size", f"draft config `{info.config_path}` has no valid `hidden_size` (found `{g.hidden_size}`)"))
+    ids = g.target_layer_ids
+    if not (isinstance(ids, list) and ids and all(_as_int(i) is not None for i in ids)):
+        probs.append(Problem("target_layer_ids", f"draft config must list integer `target_layer_ids`, found `{ids}`"))
+        ids = None
+    fc = t.get("fc.weight")
+    if fc is None:
+        probs.append(Problem("fc.weight", f"draft checkpoint `{info.path}` has no `fc.weight`"))
+    elif H is not None and ids is not None:
+        if len(fc.shape) != 2 or fc.shape[1] != len(ids) * H:
+            probs.append(
+                Problem(
+                    "fc.weight",
+                    f"`fc.weight` has shape `{list(fc.shape)}`: input width must be len(target_layer_ids) x hidden_size "
+                    f"= `{len(ids)}` x `{H}` = `{len(ids) * H}`",
+                )
+            )
+        elif fc.shape[0] != H:
+            probs.append(Problem("fc.weight", f"`fc.weight` has shape `{list(fc.shape)}`: output width must be hidden_size `{H}`"))
+    r = _as_int(g.selector_rank)
+    V = _as_int(g.vocab_size)
+    for cb in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+        e = t.get(cb) or t.get(cb + ".weight")
+        if e is None:
+            probs.append(Problem(cb, f"draft checkpoint `{info.path}` has no `{cb}`"))
+            continue
+        if len(e.shape) != 2 or (r is not None and e.shape[1] != r) or (V is not None and e.shape[0] != V):
+            probs.append(Problem(cb, f"`{cb}` has shape `{list(e.shape)}`, expected [vocab_size `{V}`, selector_rank `{r}`]"))
+    hp = t.get("candidate_selector.hidden_projection.weight")
+    if hp is None:
+        probs.append(Problem("candidate_selector.hidden_projection.weight", f"draft checkpoint `{info.path}` has no selector hidden projection"))
+    elif H is not None and (len(hp.shape) != 2 or hp.shape[1] != H or (r is not None and hp.shape[0] != r)):
+        probs.append(
+            Problem(
+                "candidate_selector.hidden_projection.weight",
+                f"shape `{list(hp.shape)}`, expected [selector_rank `{r}`, hidden_size `{H}`]",
+            )
+        )
+    k = _as_int(g.conv_kernel_size)
+    for name, e in t.items():
+        if name.endswith("_conv.base_kernel") and H is not None:
+            if len(e.shape) != 3 or e.shape[0] != 2 or e.shape[2] != H or (k is not None and e.shape[1] != k):
+                probs.append(Problem(name, f"`{name}` has shape `{list(e.shape)}`, expected [2, conv_kernel_size `{k}`, hidden_size `{H}`]"))
+                break
+    n_layers = _as_int(g.num_hidden_layers)
+    if n_layers is not None:
+        seen = {int(m.group(1)) for n in t if (m := _LAYER.match(n))}
+        if seen and seen != set(range(n_layers)):
+            probs.append(Problem("num_hidden_layers", f"config says `{n_layers}` draft layers, checkpoint has layers `{sorted(seen)}`"))
+    return probs
+
+
+# --------------------------------------------------------------------------- pairs
+
+
+@dataclass
+class PairReport:
+    family: str
+    target: TargetReport
+    draft: DraftGeometry
+    notes: list[str] = field(default_factory=list)
+
+
+def pair_problems(target: CheckpointInfo, draft: CheckpointInfo) -> tuple[Family | None, list[Problem], str | None]:
+    fam, probs, storage = target_problems(target)
+    probs = probs + draft_problems(draft)
+    tc = target.config
+    g = draft_geometry(draft)
+    tH = _as_int(tc.get("hidden_size"))
+    tL = _as_int(tc.get("num_hidden_layers"))
+    tV = _as_int(tc.get("vocab_size"))
+    if g.hidden_size is not None and tH is not None and g.hidden_size != tH:
+        probs.append(Problem("hidden_size", f"draft hidden_size `{g.hidden_size}` != target hidden_size `{tH}`"))
+    if g.vocab_size is not None and tV is not None and g.vocab_size != tV:
+        probs.append(Problem("vocab_size", f"draft vocab_size `{g.vocab_size}` != target vocab_size `{tV}`"))
+    ids = g.target_layer_ids
+    if isinstance(ids, list) and tL is not None:
+        bad = [i for i in ids if _as_int(i) is not None and not 0 <= i < tL]
+        if bad:
+            probs.append(
+                Problem("target_layer_ids", f"`{bad}` out of range: the target has `{tL}` layers (valid ids 0..{tL - 1})")
+            )
+    mask = g.mask_token_id
+    if mask is None:
+        probs.append(Problem("mask_token_id", "draft config has no `mask_token_id`"))
+    elif _as_int(mask) is None or (tV is not None and not 0 <= mask < tV):
+        probs.append(Problem("mask_token_id", f"`{mask}` is outside the target vocabulary (0..{(tV or 0) - 1})"))
+    # Routing geometry: a draft that records experts must match the target's.
+    t_exp = _num_experts(tc) if fam is not None and fam.moe else None
+    t_k = tc.get("num_experts_per_tok") if fam is not None and fam.moe else None
+    if g.num_experts is not None and g.num_experts != t_exp:
+        probs.append(Problem("num_experts", f"draft records `{g.num_experts}` experts, target has `{t_exp}`"))
+    if g.num_experts_per_tok is not None and g.num_experts_per_tok != t_k:
+        probs.append(Problem("num_experts_per_tok", f"draft records top-`{g.num_experts_per_tok}` routing, target has `{t_k}`"))
+    return fam, probs, storage
+
+
+def validate_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str]) -> PairReport:
+    """Check that `draft` can be trained against `target` (config.json + headers only); raises `FamilyError`."""
+    ti = read_checkpoint_info(target)
+    di = read_checkpoint_info(draft)
+    fam, probs, storage = pair_problems(ti, di)
+    _raise(probs, f"target `{ti.path}` and draft `{di.path}` do not fit")
+    assert fam is not None
+    return PairReport(family=fam.name, target=_target_report(ti, fam, storage), draft=draft_geometry(di))
+
+
+def _raise(probs: list[Problem], what: str) -> None:
+    if not probs:
+        return
+    lines = "\n".join(f"  {p}" for p in probs)
+    raise FamilyError(f"{what}: {probs[0]}" + (f"\nall problems ({len(probs)}):\n{lines}" if len(probs) > 1 else ""))
+
+
+__all__ = [
+    "FAMILIES",
+    "DraftGeometry",
+    "Family",
+    "PairReport",
+    "Problem",
+    "ReleasedDraft",
+    "TargetReport",
+    "detect_family",
+    "draft_geometry",
+    "draft_problems",
+    "get_family",
+    "is_draft",
+    "pair_problems",
+    "quantization_problems",
+    "read_checkpoint_info",
+    "target_problems",
+    "validate_pair",
+    "validate_target",
+]

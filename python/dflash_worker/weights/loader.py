@@ -1,0 +1,127 @@
+"""Load a target model (Qwen3 dense or Qwen3-MoE) from a local checkpoint by streaming.
+
+The model is built from ``config.json`` on the meta device (no memory, no
+random init), then `stream_into` fills it shard by shard. The result equals
+``AutoModelForCausalLM.from_pretrained`` tensor for tensor, without ever holding
+a state dict or memory-mapping the files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from .checkpoint import _config_dir, read_config_json, resolve_checkpoint
+from .stream import TORCH_DTYPES, LoadReport, ProgressFn, Source, stream_into
+
+# model_type values this loader knows how to fill (the families in `dflash_worker.families`)
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """`None`, a torch dtype, or a name (`bfloat16`, `bf16`, `float32`, ...) -> torch dtype or None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).removeprefix("torch.")
+    if key in _DTYPE_NAMES:
+        return _DTYPE_NAMES[key]
+    raise CheckpointError(f"unsupported dtype `{dtype}`\nhint: use one of {', '.join(sorted(_DTYPE_NAMES))}")
+
+
+def build_meta_model(path: str | os.PathLike[str], dtype: torch.dtype | None):
+    """The transformers model for `path`'s config.json, on the meta device, in `dtype` (or the config's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = read_config_json(path)
+    cfg_path = _config_dir(Path(path)) / "config.json"
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"`{cfg_path}`: model_type `{model_type}` is not a supported target"
+            f"\nhint: supported target families: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if "quantization_config" in raw:
+        raise CheckpointError(
+            f"`{cfg_path}`: quantized checkpoint (`quantization_config` present) cannot be a training target"
+            "\nhint: use the BF16 release of the target model"
+        )
+    try:
+        config = AutoConfig.from_pretrained(str(_config_dir(Path(path))), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"`{cfg_path}`: invalid config: {exc}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def _auto_dtype(raw_config: dict, checkpoint: Path | None) -> torch.dtype:
+    """What `from_pretrained(dtype="auto")` picks: config dtype, else the checkpoint's first floating dtype."""
+    name = raw_config.get("dtype") or raw_config.get("torch_dtype")
+    if isinstance(name, str):
+        try:
+            found = parse_dtype(name)
+        except CheckpointError:
+            found = None
+        if found is not None:
+            return found
+    if checkpoint is not None:
+        for h in resolve_checkpoint(checkpoint).shards:
+            for info in h.tensors.values():
+                dt = TORCH_DTYPES[info.dtype]
+                if dt.is_floating_point:
+                    return dt
+    return torch.get_default_dtype()
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    source: Source | None = None,
+    progress: ProgressFn | None = None,
+):
+    """Load the Qwen3 / Qwen3-MoE model at `path` by streaming; returns it in eval mode.
+
+    `path`: checkpoint directory (with config.json), or a ``.safetensors`` file
+    next to its config.json. `dtype`: floating-point dtype of the result;
+    ``None`` follows ``config.json`` like ``from_pretrained(dtype="auto")``.
+    `source`: read tensors from here instead of `path` (e.g. an in-memory
+    mapping, which is not modified); the config still comes from `path`.
+    """
+    path = Path(path)
+    want = parse_dtype(dtype)
+    if want is None:
+        ckpt = path if source is None else (None if isinstance(source, Mapping) else Path(source))
+        want = _auto_dtype(read_config_json(path), ckpt)
+    model = build_meta_model(path, want)
+    report: LoadReport = stream_into(
+        model, path if source is None else source, dtype=None, device=device, progress=progress
+    )
+    model.eval()
+    model.load_report = report  # type: ignore[attr-defined]
+    return model
+
+
+def check_model_checkpoint(path: str | os.PathLike[str]) -> LoadReport:
+    """Check a target checkpoint against the model its config.json describes, reading headers only.
+
+    Raises `CheckpointError` on missing or unexpected keys and on shape or dtype
+    mismatches, exactly as `load_model` would, without reading tensor data.
+    """
+    path = Path(path)
+    model = build_meta_model(path, None)
+    return stream_into(model, path, dtype=None, dry_run=True)

@@ -1,0 +1,256 @@
+"""Family registry and target/draft pair validation (config.json + safetensors headers only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_worker.errors import FamilyError
+from dflash_worker.families import (
+    FAMILIES,
+    UNVERIFIED,
+    detect_family,
+    get_family,
+    validate_pair,
+    validate_target,
+)
+from dflash_worker.testing.tiny import dflash2_draft_shapes, save_tiny_dflash2_draft, tiny_dflash2_draft_config, tiny_qwen3_config, tiny_qwen3_moe_config
+
+from .conftest import rewrite_target
+
+
+def _draft(tmp_path, target_cfg, name="draft", **kw):
+    path = tmp_path / name
+    save_tiny_dflash2_draft(path, target_cfg, **kw)
+    return path
+
+
+def _fails(target, draft, field):
+    with pytest.raises(FamilyError) as info:
+        validate_pair(target, draft)
+    msg = str(info.value)
+    assert f"field `{field}`" in msg, msg
+    return msg
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_records_released_pairs_without_invented_facts():
+    assert set(FAMILIES) == {"qwen3", "qwen3_moe"}
+    dense, moe = get_family("qwen3"), get_family("qwen3_moe")
+    assert not dense.moe and moe.moe
+    assert [(r.target, r.draft) for r in dense.released] == [("Qwen/Qwen3.8-27B", "incoai/Qwen3.8-27B-DFlash2")]
+    assert [(r.target, r.draft) for r in moe.released] == [("Qwen/Qwen3.6-35B-A3B", "incoai/Qwen3.6-35B-A3B-DFlash2")]
+    for fam in (dense, moe):
+        for r in fam.released:
+            assert r.target_revision is None and r.draft_revision is None and r.hidden_size is None
+            assert r.note == UNVERIFIED
+    from dflash_worker.weights import load_model
+
+    assert dense.loader is load_model and moe.loader is load_model
+    with pytest.raises(FamilyError, match="unknown target family `llama`"):
+        get_family("llama")
+    with pytest.raises(FamilyError, match="field `model_type`: `llama`"):
+        detect_family({"model_type": "llama"})
+
+
+def test_family_loader_loads(targets):
+    m = get_family("qwen3_moe").load(targets["qwen3_moe"])
+    assert type(m).__name__ == "Qwen3MoeForCausalLM" and not m.training
+    assert m.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- pairs
+
+
+@pytest.mark.parametrize("fam", ["qwen3", "qwen3_moe"])
+def test_good_pairs(targets, tmp_path, fam):
+    cfg = tiny_qwen3_config() if fam == "qwen3" else tiny_qwen3_moe_config()
+    extra = {} if fam == "qwen3" else {"num_experts": 4, "num_experts_per_tok": 2}
+    rep = validate_pair(targets[fam], _draft(tmp_path, cfg, **extra))
+    assert rep.family == fam
+    assert rep.target.hidden_size == 64 and rep.draft.target_layer_ids == [1, 2]
+    assert rep.target.expert_storage == ("per-expert" if fam == "qwen3_moe" else None)
+
+
+def test_hidden_size_mismatch(targets, tmp_path):
+    d = _draft(tmp_path, tiny_qwen3_config(hidden_size=32, head_dim=8))
+    msg = _fails(targets["qwen3"], d, "hidden_size")
+    assert "`32` != target hidden_size `64`" in msg
+
+
+def test_vocab_mismatch(targets, tmp_path):
+    d = _draft(tmp_path, tiny_qwen3_config(vocab_size=300), mask_token_id=100)
+    _fails(targets["qwen3"], d, "vocab_size")
+
+
+def test_layer_ids_out_of_range(targets, tmp_path):
+    d = _draft(tmp_path, tiny_qwen3_config(), target_layer_ids=[1, 4])
+    msg = _fails(targets["qwen3"], d, "target_layer_ids")
+    assert "`[4]` out of range" in msg and "`4` layers" in msg
+    d = _draft(tmp_path, tiny_qwen3_config(), name="neg", target_layer_ids=[-1, 2])
+    _fails(targets["qwen3"], d, "target_layer_ids")
+
+
+def test_fc_width_mismatch(targets, tmp_path):
+    cfg = tiny_qwen3_config()
+    shapes = dflash2_draft_shapes(tiny_dflash2_draft_config(cfg))
+    shapes["fc.weight"] = (64, 3 * 64)  # three target layers' worth, but the config lists two ids
+    msg = _fails(targets["qwen3"], _draft(tmp_path, cfg, shapes=shapes), "fc.weight")
+    assert "`2` x `64` = `128`" in msg
+
+
+def test_mask_token_outside_vocab(targets, tmp_path):
+    d = _draft(tmp_path, tiny_qwen3_config(), mask_token_id=256)
+    msg = _fails(targets["qwen3"], d, "mask_token_id")
+    assert "`256` is outside the target vocabulary" in msg
+
+
+def test_draft_fields_read_dflash_config_first(targets, tmp_path):
+    # a top-level value that would be wrong is shadowed by dflash_config
+    d = _draft(tmp_path, tiny_qwen3_config())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["mask_token_id"] = 10_000
+    cfg["target_layer_ids"] = [99]
+    (d / "config.json").write_text(json.dumps(cfg))
+    validate_pair(targets["qwen3"], d)
+    # and the top level is used when dflash_config lacks the field
+    del cfg["dflash_config"]["mask_token_id"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    _fails(targets["qwen3"], d, "mask_token_id")
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"num_experts": 8, "num_experts_per_tok": 2}, "num_experts"),
+        ({"num_experts": 4, "num_experts_per_tok": 4}, "num_experts_per_tok"),
+    ],
+)
+def test_routing_geometry_mismatch(targets, tmp_path, extra, field):
+    d = _draft(tmp_path, tiny_qwen3_moe_config(), **extra)
+    _fails(targets["qwen3_moe"], d, field)
+
+
+def test_moe_draft_on_dense_target(targets, tmp_path):
+    d = _draft(tmp_path, tiny_qwen3_config(), num_experts=4, num_experts_per_tok=2)
+    _fails(targets["qwen3"], d, "num_experts")
+
+
+def test_missing_expert_weights(targets, tmp_path):
+    t = rewrite_target(targets["qwen3_moe"], tmp_path / "t", drop={"model.layers.2.mlp.experts.1.down_proj.weight"})
+    msg = _fails(t, _draft(tmp_path, tiny_qwen3_moe_config()), "experts")
+    assert "`model.layers.2.mlp.experts.1.down_proj.weight`" in msg
+    with pytest.raises(FamilyError, match="lacks expert weights"):
+        validate_target(t)
+    t2 = rewrite_target(targets["qwen3_moe"], tmp_path / "t2", drop={"model.layers.0.mlp.gate.weight"})
+    with pytest.raises(FamilyError, match=r"`model.layers.0.mlp.gate.weight`"):
+        validate_target(t2)
+
+
+def test_packed_expert_target_is_valid(targets, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(targets["qwen3_moe"]))
+    sd = ref.state_dict()
+    packed = {k: v for k, v in sd.items() if ".experts.gate_up_proj" in k or ".experts.down_proj" in k}
+    drop = {k for k in __import__("dflash_worker").weights.list_tensors(targets["qwen3_moe"]) if ".experts." in k}
+    t = rewrite_target(targets["qwen3_moe"], tmp_path / "packed", drop=drop, add={k: v.contiguous() for k, v in packed.items()})
+    assert validate_target(t).expert_storage == "packed"
+
+
+@pytest.mark.parametrize(
+    "how,field",
+    [
+        ("config", "quantization_config"),
+        ("scales", "model.layers.0.mlp.down_proj.scales"),
+        ("packed", "model.layers.0.mlp.down_proj.weight"),
+    ],
+)
+def test_quantized_targets_rejected(targets, tmp_path, how, field):
+    src = targets["qwen3"]
+    kw: dict = {}
+    if how == "config":
+        kw["config"] = {"quantization_config": {"quant_method": "mlx", "bits": 4, "group_size": 64}}
+    elif how == "scales":
+        kw["add"] = {"model.layers.0.mlp.down_proj.scales": torch.ones(64, 2, dtype=torch.bfloat16)}
+    else:
+        kw["drop"] = {"model.layers.0.mlp.down_proj.weight"}
+        kw["add"] = {"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 16, dtype=torch.uint32)}
+    t = rewrite_target(src, tmp_path / "q", **kw)
+    _fails(t, _draft(tmp_path, tiny_qwen3_config()), field)
+
+
+def test_quantized_draft_rejected(targets, tmp_path):
+    d = _draft(tmp_path, tiny_qwen3_config())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "affine"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    msg = _fails(targets["qwen3"], d, "quantization_config")
+    assert "draft" in msg
+
+
+def test_all_problems_listed(targets, tmp_path):
+    d = _draft(tmp_path, tiny_qwen3_config(hidden_size=32, head_dim=8), mask_token_id=999, target_layer_ids=[0, 9])
+    msg = _fails(targets["qwen3"], d, "hidden_size")
+    for f in ("hidden_size", "target_layer_ids", "mask_token_id"):
+        assert f"field `{f}`" in msg
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_worker.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+
+
+def test_validate_pair_cli(targets, tmp_path):
+    good = _draft(tmp_path, tiny_qwen3_moe_config(), name="good")
+    ok = _cli("validate-pair", "--target", str(targets["qwen3_moe"]), "--draft", str(good), "--json")
+    assert ok.returncode == 0, ok.stderr
+    doc = json.loads(ok.stdout)
+    assert doc["ok"] and doc["family"] == "qwen3_moe" and doc["problems"] == []
+
+    bad = _draft(tmp_path, tiny_qwen3_moe_config(), name="bad", num_experts=8)
+    proc = _cli("validate-pair", "--target", str(targets["qwen3_moe"]), "--draft", str(bad))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: ") and "field `num_experts`" in proc.stderr
+    proc = _cli("validate-pair", "--target", str(targets["qwen3_moe"]), "--draft", str(bad), "--json")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["problems"][0]["field"] == "num_experts"
+
+    # a corrupt draft file: one clean error naming the file
+    (bad / "model.safetensors").write_bytes(b"\x05\x00")
+    proc = _cli("validate-pair", "--target", str(targets["qwen3_moe"]), "--draft", str(bad))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "model.safetensors" in proc.stderr
+    # missing directory
+    proc = _cli("validate-pair", "--target", str(tmp_path / "nope"), "--draft", str(good))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "nope" in proc.stderr
+
+
+def test_validate_pair_help():
+    proc = _cli("validate-pair", "--help")
+    assert proc.returncode == 0
+    for flag in ("--target", "--draft", "--json"):
+        assert flag in proc.stdout
+
+
+def test_inspect_draft(targets, tmp_path):
+    d = _draft(tmp_path, tiny_qwen3_config())
+    proc = _cli("inspect-checkpoint", str(d), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["kind"] == "draft" and doc["verdict"] == "ok"
+    names = {t["name"] for t in doc["tensors"]}
+    assert {"fc.weight", "candidate_selector.predecessor_codebook", "layers.0.mlp_conv.base_kernel"} <= names
