@@ -1,0 +1,122 @@
+"""Load and save drafts in the released upstream layout.
+
+A draft directory holds `config.json` (Qwen3-style, draft fields under
+`dflash_config`) and safetensors weights (single file or sharded with an
+index). Released DFlash2 checkpoints name the selector codebooks
+`candidate_selector.predecessor_codebook` / `.successor_codebook` without a
+`.weight` suffix; files written by the upstream `save_pretrained` carry the
+suffix. Both load; we always save the released spelling, which the upstream
+`DFlash2DraftModel.from_pretrained` maps back itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, ExportError
+from .config import DraftConfig
+from .draft import DraftModel
+
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def _codebook_alias(key: str) -> str:
+    """Map the `save_pretrained` spelling (`...codebook.weight`) onto our parameter names."""
+    for name in _CODEBOOKS:
+        if key == name + ".weight":
+            return name
+    return key
+
+
+def _checkpoint_dtype(path: Path) -> torch.dtype:
+    from ..weights import resolve_checkpoint
+    from ..weights.stream import TORCH_DTYPES
+
+    for shard in resolve_checkpoint(path).shards:
+        for info in shard.tensors.values():
+            dt = TORCH_DTYPES[info.dtype]
+            if dt.is_floating_point:
+                return dt
+    return torch.float32
+
+
+def load_draft(path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DraftModel:
+    """Load a draft directory by streaming into a model built on the meta device.
+
+    `dtype` None keeps the checkpoint's floating dtype. Raises `ConfigError`
+    for a bad config.json and `CheckpointError` for missing, unexpected,
+    duplicated or mis-shaped tensors. The `LoadReport` is kept as
+    `model.load_report`.
+    """
+    from ..weights import stream_into
+
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"draft checkpoint `{root}` is not a directory\nhint: pass the folder holding config.json and *.safetensors")
+    config = DraftConfig.from_file(root / "config.json")
+    if dtype is None:
+        dtype = _checkpoint_dtype(root)
+    with torch.device("meta"):
+        model = DraftModel(config)
+    report = stream_into(model, root, dtype=dtype, device=device, key_mapping=_codebook_alias, strict=True)
+    model.eval()
+    model.load_report = report  # type: ignore[attr-defined]
+    return model
+
+
+def save_draft(model: DraftModel, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` (released layout) into `out_dir`; returns the directory.
+
+    Files are written to temporaries, fsynced and renamed, so a crash never
+    leaves a half-written file under the final name. `dtype` casts floating
+    tensors (default: as they are).
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if t.is_meta:
+            raise ExportError(f"tensor `{name}` was never loaded (meta device); refusing to save")
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        tensors[name] = t.to("cpu").contiguous()
+    floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    cfg = model.config.to_dict()
+    if len(floats) == 1:
+        cfg["dtype"] = str(next(iter(floats))).removeprefix("torch.")
+    _atomic_write(out / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+    _atomic_write(out / "config.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
+    return out
+
+
+def _atomic_write(final: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=str(final.parent))
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        dfd = os.open(str(final.parent), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
