@@ -1,0 +1,236 @@
+"""`check-data`: render every prepared example with the target's tokenizer, before any weights load.
+
+Only the tokenizer and chat template are read (`AutoTokenizer.from_pretrained`);
+nothing here touches model weights, so training and capture call
+`check_data` first and fail in seconds instead of after a long load.
+
+Failure reasons (stable keys, counted in the report):
+
+- ``special_token_in_text``: a control token string (``<|im_start|>``,
+  ``</think>``, ...) inside message text; it would tokenize as the control
+  token and corrupt the turn structure.
+- ``render_error``: the template failed or does not produce the prompt as a
+  prefix of the conversation.
+- ``no_response``: a prompt-only row while responses are not regenerated.
+- ``empty_loss_mask``: the response renders to no trainable tokens.
+- ``too_long``: the rendered example exceeds ``max_length``; the message
+  says how many response tokens truncation would keep.
+- ``prompt_too_long``: the prompt alone fills ``max_length``; truncation
+  would leave nothing to train on (or nothing to generate with).
+
+Notes (counted, not failures): ``reasoning_dropped`` (thinking off, row has
+reasoning), ``no_reasoning`` (thinking on, final turn has no reasoning).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import CheckpointError, DataError
+from .dataset import Example, PreparedData
+from .prepare import SPLIT_NAMES
+from .render import control_tokens, render_example, render_prompt, special_tokens_in_text
+
+MAX_LISTED_FAILURES = 20
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed example, located in the prepared split file and in the original input."""
+
+    split: str
+    file: str
+    line: int
+    id: str
+    reason: str
+    message: str
+    origin: dict[str, Any]
+
+    def describe(self) -> str:
+        org = f" (input `{self.origin.get('file')}` line {self.origin.get('line')})" if self.origin else ""
+        return f"`{self.file}` line {self.line}{org}: {self.reason}: {self.message}"
+
+
+@dataclass
+class CheckReport:
+    """Summary of a check: counts, token statistics and the first failures."""
+
+    thinking: str
+    max_length: int
+    regenerate: bool
+    examples: int = 0
+    examples_by_split: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    loss_tokens: int = 0
+    longest: int = 0
+    failure_counts: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, int] = field(default_factory=dict)
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failure_counts.values())
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0 and self.examples > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "thinking": self.thinking,
+            "max_length": self.max_length,
+            "regenerate": self.regenerate,
+            "examples": self.examples,
+            "examples_by_split": self.examples_by_split,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+            "longest": self.longest,
+            "failed": self.failed,
+            "failure_counts": self.failure_counts,
+            "notes": self.notes,
+            "failures": [f.__dict__ | {"file": str(f.file)} for f in self.failures],
+        }
+
+    def raise_if_failed(self) -> None:
+        """DataError listing the first failures (used by capture and training before loading weights)."""
+        if self.ok:
+            return
+        if self.examples == 0:
+            raise DataError("no examples to check in the prepared data")
+        lines = [f.describe() for f in self.failures[:5]]
+        counts = ", ".join(f"{k} `{v}`" for k, v in sorted(self.failure_counts.items()))
+        raise DataError(
+            f"`{self.failed}` of `{self.examples}` examples failed the data check ({counts}):\n  "
+            + "\n  ".join(lines)
+            + "\nhint: run `dflash-worker check-data` for the full report"
+        )
+
+
+def load_tokenizer(target_dir: str | Path) -> Any:
+    """The target's tokenizer and chat template, without reading any weights."""
+    target_dir = Path(target_dir)
+    if not target_dir.is_dir():
+        raise CheckpointError(f"target dir `{target_dir}` does not exist")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+    except Exception as exc:  # transformers raises OSError/ValueError/KeyError variously
+        raise CheckpointError(
+            f"cannot load the tokenizer from `{target_dir}`: {type(exc).__name__}: {exc}\n"
+            "hint: the target dir needs `tokenizer.json` / `tokenizer_config.json`"
+        ) from None
+    if not getattr(tok, "chat_template", None):
+        raise CheckpointError(
+            f"the tokenizer in `{target_dir}` has no chat template\n"
+            "hint: add `chat_template.jinja` (or `chat_template` in `tokenizer_config.json`)"
+        )
+    return tok
+
+
+def check_example(
+    tokenizer: Any,
+    ex: Example,
+    *,
+    thinking: str,
+    max_length: int,
+    regenerate: bool,
+    tokens: Sequence[str],
+) -> tuple[list[tuple[str, str]], list[str], int, int]:
+    """Check one example: `(failures as (reason, message), notes, length, loss_tokens)`."""
+    fails: list[tuple[str, str]] = []
+    notes: list[str] = []
+    for i, key, tok in special_tokens_in_text(ex.messages, tokens):
+        fails.append(
+            ("special_token_in_text", f"`messages[{i}].{key}` ({ex.messages[i]['role']}) contains control token `{tok}`")
+        )
+    if fails:
+        return fails, notes, 0, 0
+    final = ex.messages[-1]
+    if thinking == "off" and any(m.get("reasoning_content") for m in ex.messages):
+        notes.append("reasoning_dropped")
+    if thinking == "on" and ex.has_response and not final.get("reasoning_content") and not regenerate:
+        notes.append("no_reasoning")
+    try:
+        if regenerate:
+            ids = render_prompt(tokenizer, ex.prompt_messages, thinking=thinking)
+            if len(ids) >= max_length:
+                fails.append(
+                    ("prompt_too_long", f"prompt is `{len(ids)}` tokens, leaving no room to generate within max_length `{max_length}`")
+                )
+            return fails, notes, len(ids), 0
+        if not ex.has_response:
+            fails.append(("no_response", "prompt-only row\nhint: set `regenerate = true` in `[capture]` to generate responses"))
+            return fails, notes, 0, 0
+        r = render_example(tokenizer, ex.messages, thinking=thinking)
+    except DataError as exc:
+        fails.append(("render_error", str(exc)))
+        return fails, notes, 0, 0
+    n, loss = len(r.input_ids), r.response_tokens
+    if loss == 0:
+        fails.append(("empty_loss_mask", "the response renders to no trainable tokens"))
+    elif r.prompt_length >= max_length:
+        fails.append(
+            ("prompt_too_long", f"prompt is `{r.prompt_length}` tokens >= max_length `{max_length}`; truncation would keep no response tokens")
+        )
+    elif n > max_length:
+        kept = sum(r.loss_mask[:max_length])
+        fails.append(
+            ("too_long", f"`{n}` tokens > max_length `{max_length}`; truncation would keep `{kept}` of `{loss}` response tokens")
+        )
+    return fails, notes, n, loss
+
+
+def check_data(
+    data: str | Path | PreparedData,
+    tokenizer: Any,
+    *,
+    thinking: str,
+    max_length: int,
+    regenerate: bool = False,
+    splits: Sequence[str] = SPLIT_NAMES,
+    on_progress: Callable[[int], None] | None = None,
+) -> CheckReport:
+    """Check every example of `splits`; `tokenizer` is a tokenizer or a target dir path.
+
+    Never loads weights. Returns a report; call `report.raise_if_failed()` to turn
+    failures into a DataError.
+    """
+    if thinking not in ("on", "off"):
+        raise DataError(f"thinking mode is `{thinking}`\nhint: use `on` or `off`")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
+        raise DataError(f"max_length must be a positive integer, found `{max_length}`")
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(tokenizer)
+    prepared = data if isinstance(data, PreparedData) else PreparedData(data)
+    tokens = control_tokens(tokenizer)
+    report = CheckReport(thinking=thinking, max_length=max_length, regenerate=regenerate)
+    fcounts: Counter[str] = Counter()
+    ncounts: Counter[str] = Counter()
+    by_split: Counter[str] = Counter()
+    for ex in prepared.examples(splits):
+        report.examples += 1
+        by_split[ex.split] += 1
+        fails, notes, n, loss = check_example(
+            tokenizer, ex, thinking=thinking, max_length=max_length, regenerate=regenerate, tokens=tokens
+        )
+        report.tokens += n
+        report.loss_tokens += loss
+        report.longest = max(report.longest, n)
+        ncounts.update(notes)
+        for reason, message in fails:
+            fcounts[reason] += 1
+            if len(report.failures) < MAX_LISTED_FAILURES:
+                report.failures.append(
+                    Failure(split=ex.split, file=str(ex.file), line=ex.line, id=ex.id, reason=reason, message=message, origin=ex.origin)
+                )
+        if on_progress is not None:
+            on_progress(report.examples)
+    report.failure_counts = dict(sorted(fcounts.items()))
+    report.notes = dict(sorted(ncounts.items()))
+    report.examples_by_split = {s: by_split[s] for s in splits}
+    return report

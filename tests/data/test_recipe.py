@@ -1,0 +1,97 @@
+"""Recipe parsing: typed sections, unknown keys named with the file, relative paths, fingerprints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_worker.errors import ConfigError
+from dflash_worker.recipe import SECTIONS, load_recipe
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "recipe.toml"
+
+MINIMAL = """
+[model]
+target = "t"
+draft = "/abs/d"
+family = "qwen3_moe"
+[data]
+dir = "data/p"
+thinking = "on"
+"""
+
+
+def test_example_recipe_loads_and_resolves_relative_paths():
+    r = load_recipe(EXAMPLE)
+    assert r.model.target == EXAMPLE.parent / "models" / "Qwen3-8B"
+    assert r.capture is not None and r.capture.shard_examples == 256 and r.capture.splits == ("train", "val")
+    d = r.resolved()
+    assert set(d) == {"model", "data", "capture"}
+    assert d["capture"]["splits"] == ["train", "val"] and isinstance(d["model"]["target"], str)
+    assert "train" in EXAMPLE.read_text().splitlines()[-1]  # trailing note about later sections
+
+
+def test_minimal_recipe_defaults_and_fingerprint(tmp_path):
+    p = tmp_path / "r.toml"
+    p.write_text(MINIMAL)
+    r = load_recipe(p)
+    assert r.model.target == tmp_path / "t" and r.model.draft == Path("/abs/d")
+    assert r.data.max_length == 4096 and r.capture is None
+    with pytest.raises(ConfigError, match=r"no `\[capture\]` section"):
+        r.require("capture")
+    f1 = r.fingerprint()
+    assert len(f1) == 64 and f1 == load_recipe(p).fingerprint()
+    p.write_text(MINIMAL.replace('thinking = "on"', 'thinking = "off"'))
+    assert load_recipe(p).fingerprint() != f1
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ("[serve]\nport = 1\n", r"unknown section `\[serve\]`"),
+        ("[capture]\noutput = \"o\"\nshard_size = 3\n", r"unknown key `shard_size` in `\[capture\]`"),
+        ("[capture]\noutput = \"o\"\ndtype = \"int8\"\n", r"`\[capture\].dtype` is `int8`"),
+        ("[capture]\noutput = \"o\"\nmax_new_tokens = true\n", "must be int"),
+        ("[capture]\noutput = \"o\"\nshard_examples = 2\nshard_tokens = 5\n", "both"),
+        ("[capture]\noutput = \"o\"\ntop_p = 0\n", "top_p"),
+        ("[capture]\noutput = \"o\"\ndevice = \"tpu\"\n", "device"),
+        ("[capture]\noutput = \"o\"\nsplits = [\"train\", \"train\"]\n", "repeats"),
+    ],
+)
+def test_bad_recipes_name_key_and_file(tmp_path, extra, match):
+    p = tmp_path / "bad.toml"
+    p.write_text(MINIMAL + extra)
+    with pytest.raises(ConfigError, match=match) as exc:
+        load_recipe(p)
+    assert "bad.toml" in str(exc.value)
+
+
+def test_missing_and_wrong_sections(tmp_path):
+    p = tmp_path / "r.toml"
+    p.write_text(MINIMAL.replace('thinking = "on"\n', ""))
+    with pytest.raises(ConfigError, match="missing `thinking`"):
+        load_recipe(p)
+    p.write_text('[model]\ntarget = "t"\ndraft = "d"\nfamily = "llama"\n[data]\ndir = "x"\nthinking = "on"\n')
+    with pytest.raises(ConfigError, match="family"):
+        load_recipe(p)
+    p.write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_recipe(p)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_recipe(tmp_path / "nope.toml")
+
+
+def test_later_sections_plug_in_without_breaking(tmp_path, monkeypatch):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True, kw_only=True)
+    class TrainConfig:
+        lr: float = 1e-4
+
+    monkeypatch.setitem(SECTIONS, "train", TrainConfig)
+    p = tmp_path / "r.toml"
+    p.write_text(MINIMAL + "[train]\nlr = 0.5\n")
+    r = load_recipe(p)
+    assert r.train == TrainConfig(lr=0.5)
+    assert r.resolved()["train"] == {"lr": 0.5}
