@@ -18,6 +18,13 @@ from .errors import DflashError
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect-checkpoint": ("inspect_checkpoint", "list tensors, dtypes and family of a checkpoint (headers only)"),
     "validate-pair": ("validate_pair", "check that a draft fits a target (headers only)"),
+    "prepare-data": ("prepare_data", "normalise, deduplicate and split JSONL data into train/val/test"),
+    "check-data": ("check_data", "render prepared data with the target's chat template (no weights) and report failures"),
+    "capture": ("capture", "run the frozen teacher over prepared data and cache the draft's features (resumable)"),
+    "preflight": ("preflight", "one near-max-length training step: peak memory of capture and optimization, go/no-go"),
+    "train": ("train", "train the released draft on captured features; checkpoint, validate, select, export (resumable)"),
+    "export": ("export", "export a finished run's selected checkpoint as BF16 or AF4G64 with a provenance manifest"),
+    "evaluate": ("evaluate", "speculative generation on held-out prompts: released vs trained draft, report + plot"),
 }
 
 

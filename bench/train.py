@@ -1,0 +1,150 @@
+"""Training throughput: our batched anchored-block step vs a naive per-block loop over the reference.
+
+Measured in one run, on the same weights, features, anchors and labels:
+
+- ours: `DraftModel.forward_blocks` over all M blocks of a sequence in one pass,
+  logits through the frozen head, the training objectives of
+  `dflash_worker.train.objectives`, backward, AdamW (what `Trainer.train_step` runs);
+- naive baseline: the upstream reference `DFlash2DraftModel` (dflash==0.1.0)
+  run one block at a time (context = features before the anchor, then the
+  block), the same losses, backward per block, one AdamW step.
+
+Two recipes: `full` (every draft tensor, weighted CE + selector objective) and
+`selector` (the three selector tensors, selector objective). Prints tokens/s
+(block positions trained per second), the ratio ours / naive, and the peak
+RSS of each (process VmHWM, reset before each measurement; labelled peak).
+
+Usage: .venv/bin/python bench/train.py [--steps N] [--length L] [--blocks M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.nn import functional as F
+
+from dflash_worker.model import DraftConfig, build_draft
+from dflash_worker.testing.tiny import tiny_qwen3_config
+from dflash_worker.testing.tiny_draft import tiny_dflash2_config
+from dflash_worker.train.objectives import block_labels, position_weights, selector_loss_sum, token_loss_sum, weight_total
+from dflash_worker.train.preflight import _PeakRSS
+from dflash_worker.train.scopes import scope_names
+
+
+def setup(args):
+    tcfg = tiny_qwen3_config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096)
+    raw = tiny_dflash2_config(tcfg, num_hidden_layers=2, block_size=16, selector_rank=32, selector_top_k=32,
+                              conv_group_size=64, layer_types=["full_attention", "full_attention"], use_sliding_window=False,
+                              sliding_window=None)
+    cfg = DraftConfig.from_dict(raw)
+    g = torch.Generator().manual_seed(0)
+    L, M = args.length, args.blocks
+    data = {
+        "ids": torch.randint(0, tcfg.vocab_size - 1, (L,), generator=g),
+        "mask": torch.ones(L, dtype=torch.bool),
+        "feats": torch.randn(1, L, cfg.context_width, generator=g),
+        "embed": torch.randn(tcfg.vocab_size, tcfg.hidden_size, generator=g) * 0.02,
+        "head": torch.randn(tcfg.vocab_size, tcfg.hidden_size, generator=g) * 0.02,
+        "anchors": torch.randperm(L - cfg.block_size - 1, generator=g)[:M].add(1).sort().values,
+    }
+    data["mask"][: L // 8] = False
+    return raw, cfg, data
+
+
+def ours_step(model, opt, d, pw, scope):
+    a = d["anchors"]
+    labels, valid = block_labels(d["ids"], d["mask"], a, model.block_size)
+    emb = model.embed(model.make_blocks(d["ids"][None], a[None]), d["embed"])
+    hidden = model.forward_blocks(d["feats"], a[None], emb)
+    h = hidden[0, :, 1:]
+    logits = model.logits(h, d["head"])
+    sel = selector_loss_sum(model.candidate_selector, h, logits, d["ids"][a], labels, valid, pw)
+    loss = sel if scope == "selector" else token_loss_sum(logits, labels, valid, pw, "weighted_ce") + sel
+    (loss / weight_total(valid, pw)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def naive_step(ref, opt, d, pw, scope, T):
+    a_all = d["anchors"]
+    labels_all, valid_all = block_labels(d["ids"], d["mask"], a_all, T)
+    denom = weight_total(valid_all, pw)
+    head = d["head"]
+    sel_mod = ref.candidate_selector
+    for m, a in enumerate(a_all.tolist()):
+        block = torch.full((1, T), ref.mask_token_id, dtype=torch.long)
+        block[0, 0] = d["ids"][a]
+        noise = F.embedding(block, d["embed"])
+        h = ref(position_ids=torch.arange(a + T)[None], noise_embedding=noise, target_hidden=d["feats"][:, :a])[:, 1:]
+        logits = ref.compute_logits(h, lambda x: x @ head.T)[0]
+        labels, valid = labels_all[m : m + 1], valid_all[m : m + 1]
+        unary, cand = torch.topk(logits, sel_mod.top_k, dim=-1, sorted=False)
+        prev = torch.cat((block[0, :1], labels[0, :-1]))
+        q = sel_mod.hidden_projection(h[0]) * sel_mod.predecessor_codebook(prev)
+        scores = unary + (sel_mod.successor_codebook(cand) @ q.unsqueeze(-1)).squeeze(-1)
+        hit = cand == labels[0].unsqueeze(-1)
+        w = (valid[0] & hit.any(-1)).float() * pw
+        loss = (w * F.cross_entropy(scores, hit.float().argmax(-1), reduction="none")).sum()
+        if scope != "selector":
+            loss = loss + token_loss_sum(logits[None], labels, valid, pw, "weighted_ce")
+        (loss / denom).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def bench(name, fn, steps):
+    fn()  # warm-up (allocations, kernels)
+    with _PeakRSS() as peak:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        secs = time.perf_counter() - t0
+    return secs, peak.peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant (after one warm-up)")
+    ap.add_argument("--length", type=int, default=1024, help="sequence length (context tokens)")
+    ap.add_argument("--blocks", type=int, default=16, help="anchored blocks per sequence")
+    args = ap.parse_args()
+    from dflash.model import DFlash2DraftModel
+    from transformers import Qwen3Config
+
+    raw, cfg, d = setup(args)
+    T = cfg.block_size
+    pw = position_weights(T, None)
+    tokens = args.blocks * T * args.steps
+    print(f"config: hidden {cfg.hidden_size}, {cfg.num_layers} draft layers, vocab {cfg.vocab_size}, block {T}, "
+          f"sequence {args.length}, {args.blocks} blocks/step, {args.steps} timed steps, torch threads {torch.get_num_threads()}")
+    for scope in ("selector", "full"):
+        ours = build_draft(cfg, seed=0)
+        ref = DFlash2DraftModel(Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")}))
+        ref_sd = {k[: -len(".weight")] if k.endswith("_codebook.weight") else k: v for k, v in ref.state_dict().items()}
+        with torch.no_grad():
+            for n, p in ours.named_parameters():
+                ref_sd[n].copy_(p)
+        ref.train()
+        names = set(scope_names(scope, [n for n, _ in ours.named_parameters()]))
+        for n, p in ours.named_parameters():
+            p.requires_grad_(n in names)
+        ref_params = []
+        for k, p in ref.named_parameters():
+            key = k[: -len(".weight")] if k.endswith("_codebook.weight") else k
+            p.requires_grad_(key in names)
+            if key in names:
+                ref_params.append(p)
+        opt_o = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-4)
+        opt_r = torch.optim.AdamW(ref_params, lr=1e-4)
+        s_n, rss_n = bench("naive", lambda: naive_step(ref, opt_r, d, pw, scope, T), args.steps)
+        s_o, rss_o = bench("ours", lambda: ours_step(ours, opt_o, d, pw, scope), args.steps)
+        print(f"{scope:>8}: ours {tokens / s_o:9.1f} tok/s (peak rss {rss_o / 2**20:7.1f} MiB) | "
+              f"naive reference per block {tokens / s_n:9.1f} tok/s (peak rss {rss_n / 2**20:7.1f} MiB) | "
+              f"speedup {s_n / s_o:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""`dflash-worker evaluate`: released vs trained draft with real speculative generation on held-out prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, metavar="DIR", help="run directory of a completed `dflash-worker train`")
+    parser.add_argument("--split", choices=("train", "val", "test"), default=None,
+                        help="prepared split whose prompts are evaluated (default: `[evaluate].split`, else `test`)")
+    parser.add_argument("--max-prompts", type=int, default=None, metavar="N",
+                        help="evaluate at most N prompts (default: `[evaluate].max_prompts`, else 32)")
+    parser.add_argument("--output", metavar="DIR", default=None,
+                        help="report directory for report.json, report.md, acceptance.png (default: `RUN/evaluate-SPLIT`)")
+    parser.add_argument("--json", action="store_true", help="print report.json on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..evaluate.report import evaluate_run
+
+    bar = None
+
+    def on_event(e: dict) -> None:
+        nonlocal bar
+        if e.get("event") == "progress":
+            if bar is None:
+                bar = tqdm(total=e["total_steps"], unit="prompt", disable=not sys.stderr.isatty())
+            bar.update(1)
+
+    try:
+        report = evaluate_run(args.run, split=args.split, out_dir=args.output, max_prompts=args.max_prompts, on_event=on_event)
+    finally:
+        if bar is not None:
+            bar.close()
+    b, t = report["baseline"]["tau_mean"], report["trained"]["tau_mean"]
+    print(f"evaluate: {report['prompts']} prompts, acceptance length baseline {b:.3f} -> trained {t:.3f}: {report['verdict']}",
+          file=sys.stderr)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    return 0

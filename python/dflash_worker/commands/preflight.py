@@ -1,0 +1,32 @@
+"""`dflash-worker preflight`: one near-max-length step; capture and optimization memory peaks; go/no-go."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", required=True, metavar="RECIPE.toml", help="recipe with `[model]`, `[data]` and `[train]`")
+    parser.add_argument("--length", type=int, default=None, metavar="TOKENS",
+                        help="sequence length to test (default: `[data].max_length`)")
+    parser.add_argument("--json", action="store_true", help="print the preflight report as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..recipe import load_recipe
+    from ..train.preflight import preflight
+
+    report = preflight(load_recipe(args.recipe), length=args.length)
+    gib = 2**30
+    print(
+        f"preflight: {report['sequence_length']} tokens, {report['blocks']} blocks on {report['device']['device']}\n"
+        f"  capture peak:      {report['capture_peak']['bytes'] / gib:.3f} GiB ({report['capture_peak']['what']})\n"
+        f"  optimization peak: {report['optimization_peak']['bytes'] / gib:.3f} GiB ({report['optimization_peak']['what']})\n"
+        f"  {report['verdict']}: {report['reason']}",
+        file=sys.stderr,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    return 0 if report["verdict"] == "go" else 1

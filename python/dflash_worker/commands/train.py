@@ -1,0 +1,59 @@
+"""`dflash-worker train`: train the released draft on captured features, validate, select, export."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", required=True, metavar="RECIPE.toml",
+                        help="recipe with `[model]`, `[data]`, `[capture]` (already run) and `[train]`")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest committed checkpoint in the run directory; on a completed run, "
+                        "verify its selection and export instead of retraining")
+    parser.add_argument("--run-dir", metavar="DIR", default=None,
+                        help="run directory for checkpoints, metrics.jsonl, selection.json and the export "
+                        "(default: `[train].output`)")
+    parser.add_argument("--json", action="store_true", help="print the result (status, steps, selection, export) as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..recipe import load_recipe
+    from ..train import train
+
+    recipe = load_recipe(args.recipe)
+    tty = sys.stderr.isatty()
+    bar = None
+
+    def on_event(e: dict) -> None:
+        nonlocal bar
+        if e["event"] == "progress":
+            if bar is None:
+                bar = tqdm(total=e["total_steps"], initial=e["step"] - 1, unit="step", disable=not tty)
+            bar.update(1)
+            bar.set_postfix(loss=f"{e['metrics']['loss']:.4f}", lr=f"{e['metrics']['lr']:.2e}")
+        elif e["event"] == "log":
+            print(f"train: {e['message']}", file=sys.stderr)
+
+    try:
+        result = train(recipe, run_dir=args.run_dir, resume=args.resume, on_event=on_event)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"train: {result.message}", file=sys.stderr)
+    if args.json:
+        out = {
+            "status": result.status,
+            "run_dir": str(result.run_dir),
+            "step": result.step,
+            "total_steps": result.total_steps,
+            "selection": result.selection,
+            "export_dir": str(result.export_dir) if result.export_dir else None,
+            "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+        }
+        print(json.dumps(out, indent=2, sort_keys=True))
+    return 0

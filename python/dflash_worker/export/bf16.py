@@ -1,0 +1,201 @@
+"""BF16 export of a trained draft in the released upstream layout.
+
+``write_bf16(released_dir, trained, out_dir)`` writes ``model.safetensors`` +
+``config.json`` + ``manifest.json``:
+
+- tensor names, order and spelling follow the released draft (selector
+  codebooks without ``.weight``, which the upstream
+  ``DFlash2DraftModel.from_pretrained`` maps itself; a released file using the
+  ``.weight`` spelling is written in the released spelling too);
+- every tensor in `trained` (BF16, produced by
+  `dflash_worker.train.params.export_values`) replaces the released tensor of
+  the same name; every other tensor is copied byte for byte from the released
+  file (same dtype, same bytes), so tensors outside the trained scope are
+  identical to the released draft;
+- ``config.json`` is the released draft's file, byte for byte;
+- every floating tensor is checked finite first; a NaN or Inf raises
+  `ExportError` naming the tensor, and nothing is written;
+- ``manifest.json`` holds sha256 and size per file, sha256 per tensor (so
+  "untouched" is checkable against the released file) and the caller's
+  provenance;
+- the directory is written to a temporary sibling, fsynced and renamed into
+  place; an existing `out_dir` is replaced only when `overwrite` is set, and
+  only after the new one is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import ExportError
+from ..manifest import _fsync_dir, pretty_json, sha256_file, software_versions
+
+FORMAT = "dflash-worker/export-bf16/v1"
+WEIGHTS = "model.safetensors"
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+@dataclass(frozen=True)
+class BF16Export:
+    out_dir: Path
+    manifest: dict[str, Any]
+
+
+def _our_name(released_key: str) -> str:
+    for name in _CODEBOOKS:
+        if released_key == name + ".weight":
+            return name
+    return released_key
+
+
+def _released_tensors(released_dir: Path):
+    """[(released key, TensorInfo, file path)] in file order across shards."""
+    from ..weights import resolve_checkpoint
+
+    out = []
+    for shard in resolve_checkpoint(released_dir).shards:
+        for key, info in shard.tensors.items():
+            out.append((key, info, shard.path))
+    return out
+
+
+def _read(path: Path, begin: int, end: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(begin)
+        data = f.read(end - begin)
+    if len(data) != end - begin:
+        raise ExportError(f"released draft file `{path}` is truncated")
+    return data
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ExportError(
+            f"refusing to export: tensor `{name}` has `{bad}` non-finite values (NaN or Inf)\n"
+            "hint: the run diverged; lower `[train].lr` or select an earlier checkpoint"
+        )
+
+
+def write_bf16(
+    released_dir: str | Path,
+    trained: Mapping[str, torch.Tensor],
+    out_dir: str | Path,
+    *,
+    manifest_extra: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    _fault: Any = None,
+) -> BF16Export:
+    """Write the export (see module docstring). `trained`: our parameter name -> BF16 tensor."""
+    from ..weights.stream import TORCH_DTYPES
+
+    released_dir, out_dir = Path(released_dir), Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"export directory `{out_dir}` already exists\nhint: pass `overwrite=True` (CLI: `--overwrite`)")
+    entries = _released_tensors(released_dir)
+    released_names = {_our_name(k) for k, _, _ in entries}
+    unknown = sorted(set(trained) - released_names)
+    if unknown:
+        raise ExportError(f"trained tensors `{unknown[:5]}` do not exist in the released draft `{released_dir}`")
+
+    # Plan and check every tensor before writing anything.
+    plan = []  # (key, dtype str, shape, source) source = bytes or (path, begin, end)
+    for key, info, path in entries:
+        name = _our_name(key)
+        if name in trained:
+            t = trained[name].detach().to("cpu")
+            if t.dtype != torch.bfloat16:
+                raise ExportError(f"trained tensor `{name}` is `{t.dtype}`, expected `torch.bfloat16`")
+            if tuple(t.shape) != tuple(info.shape):
+                raise ExportError(f"trained tensor `{name}` has shape `{tuple(t.shape)}`, released `{tuple(info.shape)}`")
+            _check_finite(name, t)
+            plan.append((key, "BF16", list(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes()))
+        else:
+            raw = _read(path, info.begin, info.end)
+            dt = TORCH_DTYPES[info.dtype]
+            if dt.is_floating_point and info.numel:
+                _check_finite(name, torch.frombuffer(bytearray(raw), dtype=dt).float())
+            plan.append((key, info.dtype, list(info.shape), raw))
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, dtype, shape, data in plan:
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-len(hbytes) % 8)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        tensor_sha = {}
+        with open(tmp / WEIGHTS, "wb") as f:
+            f.write(struct.pack("<Q", len(hbytes)))
+            f.write(hbytes)
+            for i, (key, _, _, data) in enumerate(plan):
+                if _fault is not None:
+                    _fault(i, key)
+                f.write(data)
+                tensor_sha[key] = hashlib.sha256(data).hexdigest()
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.copyfile(released_dir / "config.json", tmp / "config.json")
+        files = {name: {"sha256": sha256_file(tmp / name), "size": (tmp / name).stat().st_size} for name in (WEIGHTS, "config.json")}
+        manifest = {
+            "format": FORMAT,
+            "files": files,
+            "tensors": tensor_sha,
+            "trained": sorted(k for k, *_ in plan if _our_name(k) in trained),
+            "released": {
+                "dir": str(released_dir),
+                "files": {p.name: sha256_file(p) for p in sorted({p for _, _, p in entries})},
+                "config_sha256": sha256_file(released_dir / "config.json"),
+            },
+            "software": software_versions(),
+            **dict(manifest_extra or {}),
+        }
+        (tmp / "manifest.json").write_bytes(pretty_json(manifest))
+        for name in ("config.json", "manifest.json"):
+            fd = os.open(tmp / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(tmp)
+        if out_dir.exists():
+            trash = out_dir.parent / f".tmp-old-{out_dir.name}-{os.getpid()}"
+            os.replace(out_dir, trash)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+        _fsync_dir(out_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BF16Export(out_dir, manifest)
+
+
+def verify_bf16(out_dir: str | Path) -> dict[str, Any]:
+    """Check an export directory against its manifest (file sha256s); returns the manifest."""
+    out_dir = Path(out_dir)
+    try:
+        manifest = json.loads((out_dir / "manifest.json").read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"export `{out_dir}` has no readable `manifest.json`: {exc}") from None
+    for name, want in (manifest.get("files") or {}).items():
+        p = out_dir / name
+        if not p.is_file() or sha256_file(p) != want.get("sha256"):
+            raise ExportError(f"export file `{p}` is missing or does not match its manifest sha256")
+    return manifest

@@ -1,0 +1,205 @@
+"""Exact resume: runs killed (SIGKILL, real subprocesses) or interrupted (SIGINT) and resumed
+equal an uninterrupted run bit for bit: trained parameters, optimizer state, export hash, and
+metrics steps 1..N exactly once. Also the refusals of incompatible resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_worker.errors import ResumeError
+from dflash_worker.manifest import sha256_file
+from dflash_worker.recipe import load_recipe
+from dflash_worker.train import checkpoint as ckpt
+from dflash_worker.train import train
+
+N = 8
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_worker.cli", *args]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # same thread count in every process, so CPU kernels reduce in the same order
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _steps(run: Path) -> list[int]:
+    p = run / "metrics.jsonl"
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_bytes().splitlines():
+        try:
+            out.append(json.loads(line)["step"])
+        except ValueError:
+            pass
+    return out
+
+
+def _run_to_end(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
+    res = subprocess.run(_cli("train", "--recipe", str(recipe), *extra), env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def _start_and_signal(recipe: Path, run: Path, at_step: int, sig: int, *extra: str) -> subprocess.CompletedProcess:
+    """Start a training process and send `sig` once `at_step` metric lines exist."""
+    proc = subprocess.Popen(_cli("train", "--recipe", str(recipe), *extra), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if len(_steps(run)) >= at_step:
+            proc.send_signal(sig)
+            break
+        time.sleep(0.02)
+    out, err = proc.communicate(timeout=240)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _final(run: Path) -> dict:
+    """Bytes that must agree: final checkpoint tensors, optimizer state, export."""
+    path = run / ckpt.CHECKPOINTS / ckpt.step_name(N)
+    loaded = ckpt.load(path)
+    sel = json.loads((run / "selection.json").read_text())
+    export_dir = run / sel["export"]["dir"]
+    return {
+        "trainable_sha": sha256_file(path / "trainable.safetensors"),
+        "optimizer": loaded.optimizer,
+        "export_weights_sha": sha256_file(export_dir / "model.safetensors"),
+        "selected": sel["step"],
+        "history": sel["history"],
+    }
+
+
+def _same_optimizer(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for name, va in a["state"][k].items():
+            vb = b["state"][k][name]
+            if isinstance(va, torch.Tensor):
+                assert va.dtype == vb.dtype and torch.equal(va, vb), (k, name)
+            else:
+                assert va == vb
+
+
+def _assert_identical(ref: dict, got: dict, run: Path) -> None:
+    assert got["trainable_sha"] == ref["trainable_sha"]
+    _same_optimizer(ref["optimizer"], got["optimizer"])
+    assert got["export_weights_sha"] == ref["export_weights_sha"]
+    assert got["selected"] == ref["selected"] and got["history"] == ref["history"]
+    assert _steps(run) == list(range(1, N + 1))
+
+
+def _recipe(pipeline, name: str, **kw) -> Path:
+    base = dict(steps=N, checkpoint_every=2, val_every=4, grad_accum=2, blocks_per_sequence=4, lr=5e-3)
+    base.update(kw)
+    return pipeline.recipe(name, **base)
+
+
+@pytest.fixture(scope="module")
+def reference(pipeline):
+    recipe = _recipe(pipeline, "resume-ref")
+    _run_to_end(recipe)
+    return _final(pipeline.root / "resume-ref")
+
+
+def test_sigkill_at_random_steps_then_resume_is_bit_identical(pipeline, reference):
+    rng = random.Random(int(os.environ.get("DFLASH_TEST_SEED", "1234")))
+    first = rng.randint(1, 3)
+    second = rng.randint(first + 2, N - 1)
+    recipe = _recipe(pipeline, "resume-kill")
+    run = pipeline.root / "resume-kill"
+    r1 = _start_and_signal(recipe, run, first, signal.SIGKILL)
+    assert r1.returncode == -signal.SIGKILL, f"not killed (kill point {first}): {r1.stderr[-2000:]}"
+    r2 = _start_and_signal(recipe, run, second, signal.SIGKILL, "--resume")
+    assert r2.returncode == -signal.SIGKILL, f"not killed (kill point {second}): {r2.stderr[-2000:]}"
+    _run_to_end(recipe, "--resume")
+    _assert_identical(reference, _final(run), run)
+
+
+def test_sigint_checkpoints_exits_zero_and_resumes_bit_identical(pipeline, reference):
+    recipe = _recipe(pipeline, "resume-int")
+    run = pipeline.root / "resume-int"
+    r1 = _start_and_signal(recipe, run, 3, signal.SIGINT)
+    assert r1.returncode == 0, r1.stderr
+    assert "stopped by SIGINT" in r1.stderr and "--resume" in r1.stderr
+    stopped_at = max(_steps(run))
+    assert ckpt.latest(run).name == ckpt.step_name(stopped_at)  # committed at the step boundary
+    _run_to_end(recipe, "--resume")
+    _assert_identical(reference, _final(run), run)
+
+
+def test_resume_of_completed_run_verifies_instead_of_retraining(pipeline, reference):
+    recipe = _recipe(pipeline, "resume-ref")
+    run = pipeline.root / "resume-ref"
+    before = (run / "metrics.jsonl").read_bytes()
+    res = train(load_recipe(recipe), resume=True)
+    assert res.status == "verified"
+    assert (run / "metrics.jsonl").read_bytes() == before
+    # a damaged export is detected, not silently accepted
+    export = run / "export" / "model.safetensors"
+    data = bytearray(export.read_bytes())
+    data[-1] ^= 1
+    os.chmod(export, 0o644)
+    export.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="does not match its manifest"):
+        train(load_recipe(recipe), resume=True)
+    data[-1] ^= 1
+    export.write_bytes(bytes(data))
+
+
+def test_incompatible_resume_names_the_differing_fields(pipeline):
+    train(load_recipe(_recipe(pipeline, "resume-bad", steps=4, val_every=2, checkpoint_every=1)),
+          flags=_stop_after_first_step())
+    with pytest.raises(ResumeError) as err:
+        train(load_recipe(_recipe(pipeline, "resume-bad", steps=4, lr=1e-3, seed=7, checkpoint_every=1, val_every=2)), resume=True)
+    assert "`train.lr`" in str(err.value) and "`train.seed`" in str(err.value)
+    # other draft bytes: the draft fingerprint names the file
+    run = pipeline.root / "resume-bad"
+    state = json.loads((ckpt.latest(run) / "state.json").read_text())
+    from dflash_worker.train.loop import compare_for_resume
+
+    changed = dict(state, draft_fingerprint={"model.safetensors": "0" * 64, "config.json": state["draft_fingerprint"]["config.json"]})
+    with pytest.raises(ResumeError, match="draft file `model.safetensors`"):
+        compare_for_resume(changed, {k: state[k] for k in ("recipe_view", "data_fingerprint", "draft_fingerprint")})
+    with pytest.raises(ResumeError, match="data fingerprint"):
+        compare_for_resume(state, {**{k: state[k] for k in ("recipe_view", "draft_fingerprint")}, "data_fingerprint": "x"})
+    # a fresh run into a directory that holds checkpoints is refused without --resume
+    with pytest.raises(ResumeError, match="--resume"):
+        train(load_recipe(_recipe(pipeline, "resume-bad", steps=4, val_every=2, checkpoint_every=1)))
+
+
+def _stop_after_first_step():
+    """Flags as a job runner sets them: stop (and commit) at the first step boundary."""
+    from dflash_worker.train import StopFlags
+
+    flags = StopFlags()
+    flags.request_stop("test")
+    return flags
+
+
+def test_corrupt_checkpoint_is_refused(pipeline, tmp_path):
+    recipe = _recipe(pipeline, "resume-corrupt", steps=2, val_every=2, checkpoint_every=1)
+    train(load_recipe(recipe), flags=_stop_after_first_step())
+    latest = ckpt.latest(pipeline.root / "resume-corrupt")
+    opt = latest / "optimizer.pt"
+    os.chmod(opt, 0o644)
+    opt.write_bytes(opt.read_bytes()[:-7] + b"garbage")
+    from dflash_worker.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="optimizer.pt"):
+        train(load_recipe(recipe), resume=True)
