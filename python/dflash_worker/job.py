@@ -1,9 +1,5 @@
 """Stage runner for one coordinator job: ``dflash_worker.job.main(["--job-dir", DIR])``.
 
-SKELETON. This is the minimal stage runner the run-manager's tests need; the
-pipeline engineer extends it with the real stages (prepare, check, capture,
-train, export, evaluate) in ``STAGES``. Only the ``noop`` stage exists now.
-
 The native client (``dflash-native-client --job-dir DIR``) calls ``main``;
 ``python -m dflash_worker.job --job-dir DIR`` does the same without Rust.
 The run-manager writes ``DIR/spec.json`` (job spec, lease facts, device,
@@ -11,6 +7,24 @@ downgrades, resume checkpoint). This module talks back with the event
 protocol of ``docs/worker-events.md``: one JSON object per line on stdout
 (``progress``, ``artifact``, ``done``, ``error``, ``stopped``); logs are JSON
 lines on stderr.
+
+Stages (``spec.stages``, run in order; each is idempotent, so a restarted
+attempt re-runs the list and finished work is verified or skipped):
+
+- ``prepare``: ``prepare-data`` of ``spec.inputs`` into ``DIR/data``;
+- ``check``: ``check-data`` against the target's tokenizer (no weights);
+- ``capture``: teacher features into ``DIR/capture`` (resumes by shard);
+- ``train``: ``DIR/run``; resumes from its newest committed checkpoint, or
+  from the lease's ``resume_checkpoint`` when this directory has none; exports
+  the selected checkpoint in ``[export].format``;
+- ``export``: further formats listed in ``spec.export_formats``;
+- ``evaluate``: released vs trained draft on held-out prompts, ``DIR/eval``;
+- ``noop``: a counting stage the run-manager's tests use (below).
+
+``spec.recipe`` is a recipe as a JSON object (the TOML sections of
+``docs/examples/recipe.toml``); the runner owns the output locations
+(``data.dir``, ``capture.output``, ``train.output``) and refuses a spec that
+sets them.
 
 Signals: SIGTERM -> commit a checkpoint at the next step boundary, emit
 ``stopped`` and return 0. SIGUSR1 -> commit a checkpoint at the next step
@@ -204,8 +218,197 @@ def run_noop(ctx: JobContext) -> None:
     ctx.artifact(report, name="export/noop-report.json", kind="report", step=steps)
 
 
-# Stage name -> runner. The pipeline engineer adds the real stages here.
-STAGES: dict[str, Callable[[JobContext], None]] = {"noop": run_noop}
+# ----------------------------------------------------------------- pipeline
+
+# Output locations the runner owns, relative to the job directory.
+DATA_DIR, CAPTURE_DIR, RUN_DIR, EVAL_DIR = "data", "capture", "run", "eval"
+_OWNED = {("data", "dir"), ("capture", "output"), ("train", "output")}
+
+
+def job_recipe(ctx: JobContext):
+    """The job's recipe with the runner's output locations filled in."""
+    from .recipe import recipe_from_dict
+
+    raw = ctx.spec.get("recipe")
+    if not isinstance(raw, dict):
+        raise ConfigError("`spec.recipe` must be an object with the recipe's sections (see docs/examples/recipe.toml)")
+    raw = json.loads(json.dumps(raw))  # a private deep copy: the spec stays as it was
+    for section, key in sorted(_OWNED):
+        table = raw.get(section)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise ConfigError(f"`spec.recipe.{section}` must be an object")
+        if key in table:
+            raise ConfigError(f"`spec.recipe.{section}.{key}` is set by the job runner; remove it from the spec")
+    raw.setdefault("data", {})["dir"] = str(ctx.job_dir / DATA_DIR)
+    if "capture" in raw:
+        raw["capture"]["output"] = str(ctx.job_dir / CAPTURE_DIR)
+    if "train" in raw:
+        raw["train"]["output"] = str(ctx.job_dir / RUN_DIR)
+    return recipe_from_dict(raw, base=ctx.job_dir, source="spec.recipe")
+
+
+def _progress(ctx: JobContext, phase: str, step: int, total: int, **metrics: float) -> None:
+    ctx.emit({"event": "progress", "phase": phase, "step": step, "total_steps": total, "metrics": metrics})
+
+
+def _report_path(ctx: JobContext, path: Path, kind: str, step: int = 0) -> None:
+    """Report a file, or every file under a directory, as artifacts named relative to the job dir."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        ctx.artifact(f, name=str(f.resolve().relative_to(ctx.job_dir)), kind=kind, step=step)
+
+
+def run_prepare(ctx: JobContext) -> None:
+    from .data import prepare_data
+
+    inputs = ctx.spec.get("inputs")
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(p, str) for p in inputs):
+        raise ConfigError("`spec.inputs` must be a non-empty list of JSONL paths")
+    cfg = ctx.spec.get("prepare", {})
+    if not isinstance(cfg, dict) or set(cfg) - {"seed", "val_fraction", "test_fraction", "skip_invalid"}:
+        raise ConfigError("`spec.prepare` may hold only `seed`, `val_fraction`, `test_fraction`, `skip_invalid`")
+    _progress(ctx, "prepare", 0, 1)
+    manifest = prepare_data([Path(p) for p in inputs], ctx.job_dir / DATA_DIR, **cfg)
+    _report_path(ctx, ctx.job_dir / DATA_DIR / "manifest.json", "manifest")
+    counts = manifest.get("counts", {}).get("split", {}) if isinstance(manifest.get("counts"), dict) else {}
+    _progress(ctx, "prepare", 1, 1, **{f"rows_{k}": float(v) for k, v in counts.items() if isinstance(v, int)})
+
+
+def run_check(ctx: JobContext) -> None:
+    from .data import check_data
+
+    recipe = job_recipe(ctx)
+    cap = recipe.capture
+    report = check_data(
+        recipe.data.dir,
+        recipe.model.target,
+        thinking=recipe.data.thinking,
+        max_length=recipe.data.max_length,
+        regenerate=bool(cap and cap.regenerate),
+    )
+    report.raise_if_failed()
+    _progress(ctx, "check", 1, 1, examples=float(report.examples))
+
+
+def run_capture_stage(ctx: JobContext) -> None:
+    from .capture import run_capture
+
+    recipe = job_recipe(ctx)
+
+    def on_event(e: dict) -> None:
+        if e.get("event") == "example":
+            _progress(ctx, "capture", int(e["index"]) + 1, int(e["total"]))
+        if ctx.stop_requested:
+            # capture commits whole shards; an interrupted shard is redone on resume
+            raise Stopped(0)
+
+    run_capture(recipe, on_event=on_event)
+    _report_path(ctx, ctx.job_dir / CAPTURE_DIR / "manifest.json", "capture")
+
+
+def _seed_from_resume_checkpoint(ctx: JobContext, run_dir: Path) -> None:
+    """Copy the lease's resume checkpoint into an empty run dir (attempt on a new work dir)."""
+    from .train import checkpoint as ckpt
+
+    resume = ctx.doc.get("resume_checkpoint")
+    if not resume or ckpt.latest(run_dir) is not None:
+        return
+    src = Path(resume)
+    src = src.parent if src.is_file() else src
+    if not (src / "manifest.json").is_file():
+        log.warning("resume checkpoint `%s` is not a training checkpoint directory; starting fresh", resume)
+        return
+    loaded = ckpt.load(src)  # verifies every file's hash before anything is copied
+    dest = run_dir / ckpt.CHECKPOINTS / ckpt.step_name(loaded.step)
+    import shutil
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.copy-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    os.replace(tmp, dest)
+    write_atomic(run_dir / ckpt.CHECKPOINTS / ckpt.LATEST, dest.name.encode())
+    log.info("seeded run from resume checkpoint `%s` (step %d)", src, loaded.step)
+
+
+def run_train(ctx: JobContext) -> None:
+    from .train import checkpoint as ckpt
+    from .train import train
+    from .train.signals import StopFlags
+
+    recipe = job_recipe(ctx)
+    run_dir = ctx.job_dir / RUN_DIR
+    _seed_from_resume_checkpoint(ctx, run_dir)
+    resume = ckpt.latest(run_dir) is not None or (run_dir / "selection.json").is_file()
+    flags = StopFlags()
+
+    def on_event(e: dict) -> None:
+        kind = e.get("event")
+        if kind == "progress":
+            ctx.emit(e)
+        elif kind == "artifact":
+            _report_path(ctx, Path(e["path"]), e["kind"], int(e.get("step") or 0))
+        elif kind == "log":
+            log.info("%s", e.get("message"))
+        if ctx.stop_requested:
+            flags.request_stop("SIGTERM")
+        if ctx.checkpoint_requested:
+            ctx.checkpoint_requested = False
+            flags.request_checkpoint()
+
+    result = train(recipe, run_dir=run_dir, resume=resume, on_event=on_event, flags=flags)
+    if result.status == "stopped":
+        raise Stopped(result.step)
+    if result.status == "verified" and result.export_dir is not None:
+        _report_path(ctx, result.export_dir, "export", result.step)
+
+
+def run_export(ctx: JobContext) -> None:
+    from .train.export_run import export_run
+
+    recipe = job_recipe(ctx)
+    formats = ctx.spec.get("export_formats", [])
+    if not isinstance(formats, list) or not all(f in ("bf16", "af4g64") for f in formats):
+        raise ConfigError("`spec.export_formats` must be a list of `bf16` / `af4g64`")
+    for i, fmt in enumerate(formats, 1):
+        result = export_run(ctx.job_dir / RUN_DIR, fmt=fmt, recipe=recipe)
+        _report_path(ctx, result.out_dir, "export")
+        _progress(ctx, "export", i, len(formats))
+
+
+def run_evaluate(ctx: JobContext) -> None:
+    from .evaluate.report import evaluate_run
+
+    cfg = ctx.spec.get("evaluate", {})
+    if not isinstance(cfg, dict) or set(cfg) - {"split", "max_prompts"}:
+        raise ConfigError("`spec.evaluate` may hold only `split` and `max_prompts`")
+    out = ctx.job_dir / EVAL_DIR
+
+    def on_event(e: dict) -> None:
+        if e.get("event") == "progress":
+            ctx.emit(e)
+
+    report = evaluate_run(
+        ctx.job_dir / RUN_DIR, split=cfg.get("split"), out_dir=out, max_prompts=cfg.get("max_prompts"), on_event=on_event
+    )
+    _report_path(ctx, out, "report")
+    n = int(report["prompts"])
+    _progress(ctx, "evaluate", n, n, tau_baseline=report["baseline"]["tau_mean"], tau_trained=report["trained"]["tau_mean"])
+
+
+# Stage name -> runner.
+STAGES: dict[str, Callable[[JobContext], None]] = {
+    "prepare": run_prepare,
+    "check": run_check,
+    "capture": run_capture_stage,
+    "train": run_train,
+    "export": run_export,
+    "evaluate": run_evaluate,
+    "noop": run_noop,
+}
 
 
 def load_spec(job_dir: Path) -> dict:

@@ -1,0 +1,90 @@
+"""A whole tiny world on disk: target + tokenizer, a "released" DFlash2 draft, own data.
+
+Used by the demo (`make demo`), the job end-to-end tests and the training tests.
+Everything is real: a real Qwen3 checkpoint (random weights) with a trained BPE
+tokenizer and a Qwen3-style chat template, a DFlash2 draft saved in the
+released upstream layout (BF16), and JSONL rows in the `prompt`/`response`
+schema.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+WORDS = (
+    "the draft model learns to predict the teacher tokens in each block after the anchor and "
+    "the target verifies the block then accepts the longest matching prefix plus one bonus token"
+).split()
+
+
+@dataclass(frozen=True)
+class World:
+    root: Path
+    target: Path
+    draft: Path
+    rows: Path
+
+
+def target_config(target: Path):
+    """The saved target's config.json as a `Qwen3Config`."""
+    from transformers import Qwen3Config
+
+    raw = json.loads((Path(target) / "config.json").read_text())
+    for k in ("architectures", "model_type", "transformers_version"):
+        raw.pop(k, None)
+    return Qwen3Config(**raw)
+
+
+def write_rows(path: Path, *, examples: int, seed: int) -> Path:
+    """Own-data rows: short prompts, repetitive responses a draft can learn quickly."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(examples):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
+        start = rng.randrange(len(WORDS))
+        response = " ".join(WORDS[(start + j) % len(WORDS)] for j in range(rng.randint(10, 16)))
+        rows.append({"prompt": f"q{i} {prompt}", "response": response})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def build_world(root: str | Path, *, examples: int = 24, seed: int = 0, block_size: int = 4) -> World:
+    """Write target, released draft and own-data rows under `root`."""
+    import torch
+
+    from ..model import DraftConfig, build_draft, save_draft
+    from .tiny_draft import tiny_dflash2_config
+    from .tokenizer import save_tiny_target_with_tokenizer
+
+    root = Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / "target"
+    save_tiny_target_with_tokenizer(target, seed=seed)
+    cfg = tiny_dflash2_config(target_config(target), block_size=block_size, selector_top_k=64)
+    draft = root / "draft"
+    save_draft(build_draft(DraftConfig.from_dict(cfg), seed=seed), draft, dtype=torch.bfloat16)
+    rows = write_rows(root / "rows.jsonl", examples=examples, seed=seed)
+    return World(root, target, draft, rows)
+
+
+def job_spec(world: World, *, steps: int = 6, checkpoint_every: int = 2, stages: list[str] | None = None) -> dict:
+    """A job spec (see `dflash_worker.job`) that adapts the world's draft to its rows."""
+    return {
+        "stages": stages or ["prepare", "check", "capture", "train", "evaluate"],
+        "inputs": [str(world.rows)],
+        "prepare": {"seed": 0, "val_fraction": 0.2, "test_fraction": 0.2},
+        "recipe": {
+            "model": {"target": str(world.target), "draft": str(world.draft), "family": "qwen3"},
+            "data": {"thinking": "off", "max_length": 256},
+            "capture": {"dtype": "float32", "splits": ["train", "val"], "device": "cpu"},
+            "train": {
+                "scope": "full", "steps": steps, "lr": 3e-3, "blocks_per_sequence": 4, "val_every": 3,
+                "checkpoint_every": checkpoint_every, "val_examples": 4, "device": "cpu", "warmup_steps": 1,
+            },
+            "evaluate": {"max_new_tokens": 24},
+        },
+        "evaluate": {"split": "test", "max_prompts": 4},
+    }
