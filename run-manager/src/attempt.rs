@@ -24,6 +24,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::backoff::Backoff;
 use crate::client::{retry, ProviderClient, RetryPolicy};
+use crate::docker::{self, Container, DockerConfig};
 use crate::error::{Error, Result};
 use crate::events::{ArtifactEvent, Progress, WorkerEvent};
 use crate::jobdir::{hash_file, parse_spec, JobSpecFile};
@@ -40,6 +41,8 @@ use crate::worker::{self, describe_exit, LogTags, WorkerCommand};
 pub struct AttemptConfig {
     pub work_dir: PathBuf,
     pub worker: WorkerCommand,
+    /// Docker launch mode: run each worker in a container (`worker` is then unused).
+    pub docker: Option<DockerConfig>,
     pub policy: PolicyContext,
     /// Restarts of a crashed worker before the attempt ends RETRYABLE.
     pub max_restarts: u32,
@@ -423,6 +426,21 @@ pub async fn run_attempt(
         }
     };
 
+    // Docker launch mode: the image this lease runs in.
+    let image = match cfg
+        .docker
+        .as_ref()
+        .map(|d| docker::image_for_lease(&lease, &d.repository))
+    {
+        None => None,
+        Some(Ok(image)) => Some(image),
+        Some(Err(message)) => {
+            tracing::error!(job_id = %job_id, "refusing the lease: {message}");
+            let state = finish(client, &cfg.rpc, &lease, AttemptOutcome::Failed, &message).await?;
+            return Ok(done(Some(AttemptOutcome::Failed), message, state, None));
+        }
+    };
+
     // Job directory.
     let job_dir = cfg.work_dir.join("jobs").join(&lease.job_id);
     std::fs::create_dir_all(&job_dir)
@@ -477,7 +495,15 @@ pub async fn run_attempt(
         downgrades,
     );
     let mut restarts = 0u32;
+    // Docker: pull the image once per attempt (heartbeats keep the lease alive meanwhile).
+    let mut pulled = match (&cfg.docker, &image) {
+        (Some(d), Some(img)) => pull_image(d, img, &job_id, &mut hb_rx, shutdown).await,
+        _ => None,
+    };
     let end = loop {
+        if let Some(end) = pulled.take() {
+            break end;
+        }
         spec_file.restart = restarts;
         spec_file.resume_checkpoint = sup.resume.as_ref().map(|r| r.0.clone());
         spec_file.resume_step = sup.resume.as_ref().map(|r| r.1).unwrap_or(0);
@@ -487,6 +513,7 @@ pub async fn run_attempt(
             cfg,
             &lease,
             &job_dir,
+            image.as_deref(),
             restarts,
             &progress_tx,
             &mut hb_rx,
@@ -565,6 +592,78 @@ async fn wait_shutdown(shutdown: &mut watch::Receiver<Option<i32>>) -> i32 {
     }
 }
 
+/// Pull `image`, still obeying CANCEL, a stale lease and shutdown signals.
+/// Returns how the attempt ends when it cannot go on, None when pulled.
+async fn pull_image(
+    d: &DockerConfig,
+    image: &str,
+    job_id: &str,
+    hb_rx: &mut mpsc::Receiver<HbSignal>,
+    shutdown: &mut watch::Receiver<Option<i32>>,
+) -> Option<RunEnd> {
+    tracing::info!(job_id = %job_id, %image, "pulling the image");
+    let pull = docker::pull(d, image);
+    tokio::pin!(pull);
+    loop {
+        tokio::select! {
+            r = &mut pull => return match r {
+                Ok(()) => None,
+                // Another provider (or a later try) may reach the registry: RETRYABLE.
+                Err(m) => Some(RunEnd::Crashed(m)),
+            },
+            Some(s) = hb_rx.recv() => match s {
+                HbSignal::Cancel => return Some(RunEnd::Cancelled),
+                HbSignal::Aborted(m) => return Some(RunEnd::Stale(m)),
+                HbSignal::CheckpointNow => {}
+            },
+            sig = wait_shutdown(shutdown) => return Some(RunEnd::Signalled(sig)),
+        }
+    }
+}
+
+/// The `docker run` command for one worker start, and the container it names.
+fn docker_command(
+    d: &DockerConfig,
+    image: &str,
+    lease: &Lease,
+    job_dir: &Path,
+    restart: u32,
+    resume: Option<&Path>,
+) -> (WorkerCommand, Container) {
+    let name = docker::container_name(&lease.job_id, lease.attempt, restart);
+    // A resume checkpoint from elsewhere on this machine must be visible inside too.
+    let extra_file = resume.filter(|p| !p.starts_with(job_dir)).filter(|p| {
+        let ok = docker::check_mount_path(p).is_ok();
+        if !ok {
+            tracing::warn!(job_id = %lease.job_id, "cannot mount resume checkpoint `{}` into the container", p.display());
+        }
+        ok
+    });
+    let req = docker::RunRequest {
+        name: &name,
+        image,
+        job_dir,
+        run_id: &lease.run_id,
+        job_id: &lease.job_id,
+        attempt: lease.attempt,
+        extra_file,
+    };
+    let args = docker::run_args(d, &req)
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    (
+        WorkerCommand {
+            program: d.program.clone(),
+            args,
+        },
+        Container {
+            program: d.program.clone(),
+            name,
+        },
+    )
+}
+
 /// Start the worker once and supervise it until it exits.
 #[allow(clippy::too_many_arguments)]
 async fn run_worker_once(
@@ -572,6 +671,7 @@ async fn run_worker_once(
     cfg: &AttemptConfig,
     lease: &Lease,
     job_dir: &Path,
+    image: Option<&str>,
     restart: u32,
     progress_tx: &watch::Sender<HeartbeatRequest>,
     hb_rx: &mut mpsc::Receiver<HbSignal>,
@@ -585,14 +685,49 @@ async fn run_worker_once(
         rank: 0,
     };
     let job_id = &lease.job_id;
-    let w = match worker::spawn(&cfg.worker, job_dir, tags) {
+    let (command, container) = match (&cfg.docker, image) {
+        (Some(d), Some(img)) => {
+            let resume = sup.resume.as_ref().map(|r| r.0.as_path());
+            let (c, k) = docker_command(d, img, lease, job_dir, restart, resume);
+            // A container of this name left by a run-manager that died would block the start.
+            k.remove().await;
+            (c, Some(k))
+        }
+        _ => (cfg.worker.clone(), None),
+    };
+    // `docker stop` SIGKILLs after the grace period itself; allow it time to do so.
+    let grace = match &container {
+        Some(_) => cfg.grace + Duration::from_secs(10),
+        None => cfg.grace,
+    };
+    let w = match worker::spawn(&command, job_dir, tags) {
         Ok(w) => w,
         // A worker that cannot even start will not start on a retry either,
         // but the job itself is fine: hand it back for another provider.
         Err(e) => return Ok(RunEnd::Crashed(e.to_string())),
     };
     let pid = w.pid;
-    tracing::info!(job_id = %job_id, pid, restart, "worker started: {}", cfg.worker.program.display());
+    match &container {
+        Some(k) => {
+            tracing::info!(job_id = %job_id, pid, restart, container = %k.name, image = image.unwrap_or(""), "worker started: container `{}`", k.name)
+        }
+        None => {
+            tracing::info!(job_id = %job_id, pid, restart, "worker started: {}", command.program.display())
+        }
+    }
+    // Signals reach a container through docker, a native worker directly.
+    let terminate = |container: &Option<Container>| match container {
+        Some(k) => k.stop(cfg.grace),
+        None => {
+            let _ = worker::signal(pid, libc::SIGTERM);
+        }
+    };
+    let kill = |container: &Option<Container>| {
+        if let Some(k) = container {
+            k.kill();
+        }
+        let _ = worker::kill_group(pid);
+    };
     let mut w = w;
     let mut saw_done = false;
     let mut error_event: Option<(String, bool)> = None;
@@ -639,7 +774,7 @@ async fn run_worker_once(
                         ArtifactOutcome::Reported | ArtifactOutcome::Rejected => {}
                         ArtifactOutcome::Stale(m) => {
                             sup.stale = Some(m);
-                            let _ = worker::kill_group(pid);
+                            kill(&container);
                         }
                     }
                     if a.kind == "checkpoint" {
@@ -655,29 +790,32 @@ async fn run_worker_once(
                     if !sup.cancel_requested {
                         tracing::info!(job_id = %job_id, "CANCEL from the coordinator: asking the worker to checkpoint and stop (SIGTERM)");
                         sup.cancel_requested = true;
-                        let _ = worker::signal(pid, libc::SIGTERM);
-                        kill_at = Some(tokio::time::Instant::now() + cfg.grace);
+                        terminate(&container);
+                        kill_at = Some(tokio::time::Instant::now() + grace);
                     }
                 }
                 HbSignal::CheckpointNow => {
                     tracing::info!(job_id = %job_id, "CHECKPOINT_NOW from the coordinator (SIGUSR1)");
-                    let _ = worker::signal(pid, libc::SIGUSR1);
+                    match &container {
+                        Some(k) => k.checkpoint(),
+                        None => { let _ = worker::signal(pid, libc::SIGUSR1); }
+                    }
                 }
                 HbSignal::Aborted(m) => {
                     tracing::warn!(job_id = %job_id, "lease is stale: killing the worker");
                     sup.stale = Some(m);
-                    let _ = worker::kill_group(pid);
+                    kill(&container);
                 }
             },
             sig = wait_shutdown(shutdown), if sup.shutdown_signal.is_none() => {
                 tracing::warn!(job_id = %job_id, "received {}: asking the worker to checkpoint and stop (SIGTERM)", worker::signal_name(sig));
                 sup.shutdown_signal = Some(sig);
-                let _ = worker::signal(pid, libc::SIGTERM);
-                kill_at = Some(tokio::time::Instant::now() + cfg.grace);
+                terminate(&container);
+                kill_at = Some(tokio::time::Instant::now() + grace);
             }
             _ = kill_sleep => {
                 tracing::warn!(job_id = %job_id, grace_s = cfg.grace.as_secs_f64(), "worker did not exit after SIGTERM; killing it");
-                let _ = worker::kill_group(pid);
+                kill(&container);
                 kill_at = None;
             }
         }
@@ -703,6 +841,10 @@ async fn run_worker_once(
         }
     }
     w.finish_logs(Duration::from_secs(2)).await;
+    if let Some(k) = &container {
+        // `--rm` normally removed it already; a stopped or killed one may linger.
+        k.remove().await;
+    }
     let how = describe_exit(&status);
     tracing::info!(job_id = %job_id, pid, "worker {how}");
 

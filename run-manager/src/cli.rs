@@ -10,9 +10,12 @@ use crate::env_vars;
 /// How the worker is launched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LaunchModeArg {
+    /// `docker` on Linux when `nvidia-smi` lists GPUs (except with `--local`, or when a native
+    /// client or worker command was given), else `native`.
+    Auto,
     /// The native client (embeds CPython) on this machine's Python environment.
     Native,
-    /// A Docker + CUDA image chosen from the run's client version (not implemented yet).
+    /// A Docker + CUDA container per worker, image from the lease (or the run's client version).
     Docker,
 }
 
@@ -47,6 +50,12 @@ holds `spec.json`; it reports progress as JSON lines on stdout
 (docs/worker-events.md) and logs JSON lines on stderr, which are re-emitted
 tagged with run id and rank. SIGINT/SIGTERM: the worker gets SIGTERM, writes a
 checkpoint and exits; the attempt is handed back RETRYABLE.
+
+Docker launch mode (the default on Linux with NVIDIA GPUs, except `--local`): the child is
+`docker run --rm --gpus all --cap-drop ALL --read-only ... IMAGE --job-dir DIR`
+with the job directory mounted at the same path; IMAGE is the run's image, else
+`--image-repository`:<run's client version>. CANCEL and shutdown become
+`docker stop --time <grace>`, CHECKPOINT_NOW `docker kill --signal USR1`.
 
 Exit codes:
   0    ok (`--local`: every job succeeded)
@@ -105,8 +114,22 @@ pub struct Cli {
     pub name: Option<String>,
 
     /// How workers are launched.
-    #[arg(long, env = env_vars::LAUNCH_MODE, value_enum, default_value_t = LaunchModeArg::Native)]
+    #[arg(long, env = env_vars::LAUNCH_MODE, value_enum, default_value_t = LaunchModeArg::Auto)]
     pub launch_mode: LaunchModeArg,
+
+    /// Docker launch mode: the docker executable (a path, or a name looked up on PATH).
+    #[arg(long, env = env_vars::DOCKER, value_name = "PATH", default_value = crate::docker::DOCKER_PROGRAM)]
+    pub docker: PathBuf,
+
+    /// Docker launch mode: image repository for runs that name no image; the tag is the run's
+    /// required client version.
+    #[arg(long, env = env_vars::IMAGE_REPOSITORY, value_name = "REPO", default_value = crate::docker::DEFAULT_IMAGE_REPOSITORY)]
+    pub image_repository: String,
+
+    /// Docker launch mode: also mount this host directory read-only at the same path in the
+    /// container (models, datasets); repeatable.
+    #[arg(long, value_name = "DIR")]
+    pub docker_mount: Vec<PathBuf>,
 
     /// Run workers with the native client binary at PATH (without PATH: the
     /// `dflash-native-client` next to this binary, which is also the default worker).

@@ -9,8 +9,12 @@ pub const PROVIDER_TOKEN: &str = "DFLASH_PROVIDER_TOKEN";
 pub const WORK_DIR: &str = "DFLASH_WORK_DIR";
 /// Name this machine registers under (default: the host name).
 pub const PROVIDER_NAME: &str = "DFLASH_PROVIDER_NAME";
-/// Launch mode: `native` (default) or `docker` (not implemented yet).
+/// Launch mode: `auto` (default: `docker` on Linux with NVIDIA GPUs, else `native`), `native` or `docker`.
 pub const LAUNCH_MODE: &str = "DFLASH_LAUNCH_MODE";
+/// Docker launch mode: the docker executable, a path or a name looked up on `PATH` (default `docker`).
+pub const DOCKER: &str = "DFLASH_DOCKER";
+/// Docker launch mode: image repository for leases that name no image (tag = the run's client version).
+pub const IMAGE_REPOSITORY: &str = "DFLASH_IMAGE_REPOSITORY";
 /// Path of the native client binary (`--native-client`).
 pub const NATIVE_CLIENT: &str = "DFLASH_NATIVE_CLIENT";
 /// Native client version to ask the coordinator to accept (`--native-client-version`).
@@ -57,6 +61,10 @@ pub const NO_COLOR: &str = "NO_COLOR";
 /// Set by the native client and read by it: a Python prefix or virtual
 /// environment whose site-packages the embedded interpreter should import from.
 pub const PYTHON_HOME: &str = "DFLASH_PYTHON_HOME";
+/// Read at BUILD time (`option_env!` in `src/bin/native_client.rs`, which must
+/// spell the same name): the environment a standalone native client imports
+/// from when nothing else names one. Set by `scripts/build-native-*.sh`.
+pub const BUILD_PYTHON_HOME: &str = "DFLASH_BUILD_PYTHON_HOME";
 /// The active virtual environment (set by `activate`); the native client
 /// imports from its site-packages.
 pub const VIRTUAL_ENV: &str = "VIRTUAL_ENV";

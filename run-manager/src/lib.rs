@@ -12,6 +12,7 @@ pub mod cli;
 pub mod client;
 pub mod commands;
 pub mod device;
+pub mod docker;
 pub mod env_vars;
 pub mod error;
 pub mod events;

@@ -10,9 +10,10 @@ use crate::backoff::Backoff;
 use crate::cli::{Cli, LaunchModeArg};
 use crate::client::RetryPolicy;
 use crate::device;
+use crate::docker::{self, DockerConfig};
 use crate::error::{Error, Result};
 use crate::policy::PolicyContext;
-use crate::proto::LaunchMode;
+use crate::proto::{DeviceCapabilities, LaunchMode};
 use crate::provider::ProviderConfig;
 use crate::version::CLIENT_VERSION;
 use crate::worker::WorkerCommand;
@@ -63,13 +64,69 @@ pub fn probe_native_version(path: &Path) -> Result<String> {
     }
 }
 
-/// The worker command and the version it counts as.
-pub fn worker_command(cli: &Cli) -> Result<(WorkerCommand, String)> {
-    if cli.launch_mode == LaunchModeArg::Docker {
+/// The launch mode `--launch-mode` resolves to on a machine with `caps`:
+/// `auto` is Docker on Linux with CUDA GPUs, except with `--local` (the
+/// one-machine default runs this environment's own worker: no image needed)
+/// or when a native client, a worker command or a native client version was
+/// given explicitly.
+pub fn resolve_launch_mode(cli: &Cli, caps: &DeviceCapabilities) -> LaunchMode {
+    match cli.launch_mode {
+        LaunchModeArg::Native => LaunchMode::Native,
+        LaunchModeArg::Docker => LaunchMode::Docker,
+        LaunchModeArg::Auto => {
+            let native_asked = cli.local
+                || cli.native_client.is_some()
+                || cli.worker_cmd.is_some()
+                || cli.native_client_version.is_some();
+            if cfg!(target_os = "linux") && caps.backend == "cuda" && !native_asked {
+                LaunchMode::Docker
+            } else {
+                LaunchMode::Native
+            }
+        }
+    }
+}
+
+/// Docker launch mode's configuration from the command line.
+pub fn docker_config(
+    cli: &Cli,
+    caps: &DeviceCapabilities,
+    work_dir: &Path,
+) -> Result<DockerConfig> {
+    if cli.native_client.is_some()
+        || cli.worker_cmd.is_some()
+        || cli.native_client_version.is_some()
+    {
         return Err(Error::Usage(
-            "`--launch-mode docker` is not implemented yet\nhint: use `--launch-mode native` (the default) with the native client".into(),
+            "`--native-client`, `--worker-cmd` and `--native-client-version` are for native launch mode, not `--launch-mode docker`\nhint: drop them, or pass `--launch-mode native`".into(),
         ));
     }
+    let program = docker::find_docker(Some(&cli.docker))?;
+    let jobs = work_dir.join("jobs");
+    docker::check_mount_path(&jobs)
+        .map_err(|e| Error::Usage(format!("docker launch mode: {e}")))?;
+    let mut ro_mounts = Vec::new();
+    for m in &cli.docker_mount {
+        let real = m
+            .canonicalize()
+            .map_err(|e| Error::Usage(format!("`--docker-mount {}`: {e}", m.display())))?;
+        docker::check_mount_path(&real)
+            .map_err(|e| Error::Usage(format!("`--docker-mount`: {e}")))?;
+        ro_mounts.push(real);
+    }
+    // SAFETY: getuid/getgid cannot fail and have no preconditions.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    Ok(DockerConfig {
+        program,
+        repository: cli.image_repository.clone(),
+        gpus: caps.backend == "cuda",
+        user: format!("{uid}:{gid}"),
+        ro_mounts,
+    })
+}
+
+/// The worker command and the version it counts as.
+pub fn worker_command(cli: &Cli) -> Result<(WorkerCommand, String)> {
     if let Some(line) = &cli.worker_cmd {
         return Ok((WorkerCommand::parse(line)?, CLIENT_VERSION.to_string()));
     }
@@ -112,7 +169,21 @@ fn seconds(flag: &str, v: f64) -> Result<Duration> {
 
 /// Everything the provider loop needs, from the command line.
 pub fn provider_config(cli: &Cli, work_dir: &Path) -> Result<ProviderConfig> {
-    let (worker, worker_version) = worker_command(cli)?;
+    let capabilities = device::detect(cli.device)?;
+    let launch_mode = resolve_launch_mode(cli, &capabilities);
+    let (worker, worker_version, docker) = if launch_mode == LaunchMode::Docker {
+        let d = docker_config(cli, &capabilities, work_dir)?;
+        // The image is the run's own version (or the image its admin named):
+        // the version that counts is this run-manager's, as the coordinator sees it.
+        let cmd = WorkerCommand {
+            program: d.program.clone(),
+            args: Vec::new(),
+        };
+        (cmd, CLIENT_VERSION.to_string(), Some(d))
+    } else {
+        let (w, v) = worker_command(cli)?;
+        (w, v, None)
+    };
     if let Some(declared) = &cli.native_client_version {
         if declared != &worker_version {
             return Err(Error::Usage(format!(
@@ -121,7 +192,6 @@ pub fn provider_config(cli: &Cli, work_dir: &Path) -> Result<ProviderConfig> {
             )));
         }
     }
-    let capabilities = device::detect(cli.device)?;
     let rpc = RetryPolicy {
         retries: cli.rpc_retries,
         backoff: Backoff::doubling(
@@ -140,7 +210,7 @@ pub fn provider_config(cli: &Cli, work_dir: &Path) -> Result<ProviderConfig> {
     };
     Ok(ProviderConfig {
         name: cli.name.clone().unwrap_or_else(host_name),
-        launch_mode: LaunchMode::Native,
+        launch_mode,
         native_client_version: cli.native_client_version.clone(),
         poll_wait: cli.poll_wait,
         max_jobs: cli.max_jobs,
@@ -149,8 +219,9 @@ pub fn provider_config(cli: &Cli, work_dir: &Path) -> Result<ProviderConfig> {
         attempt: AttemptConfig {
             work_dir: work_dir.to_path_buf(),
             worker,
+            docker,
             policy: PolicyContext {
-                launch_mode: LaunchMode::Native,
+                launch_mode,
                 capabilities,
                 worker_version,
                 declared_native_version: cli.native_client_version.clone(),
@@ -203,11 +274,106 @@ mod tests {
     }
 
     #[test]
-    fn docker_mode_is_a_clear_error() {
-        let cli = Cli::try_parse_from(["run-manager", "--launch-mode", "docker"]).expect("parse");
-        let err = worker_command(&cli).expect_err("docker");
+    fn launch_mode_auto_is_docker_only_on_linux_cuda() {
+        let cuda = device::cuda_capabilities(&device::parse_nvidia_smi("81559, 9.0"));
+        let cpu = device::detect(device::DeviceChoice::Cpu).expect("cpu");
+        let parse = |args: &[&str]| {
+            let mut v = vec!["run-manager"];
+            v.extend_from_slice(args);
+            Cli::try_parse_from(v).expect("parse")
+        };
+        let auto = parse(&[]);
+        let want = if cfg!(target_os = "linux") {
+            LaunchMode::Docker
+        } else {
+            LaunchMode::Native
+        };
+        assert_eq!(resolve_launch_mode(&auto, &cuda), want);
+        assert_eq!(resolve_launch_mode(&auto, &cpu), LaunchMode::Native);
+        // An explicit native client or worker command keeps auto native.
+        let nc = parse(&["--native-client", "/x/nc"]);
+        assert_eq!(resolve_launch_mode(&nc, &cuda), LaunchMode::Native);
+        // `--local` runs this environment's worker unless Docker is asked for.
+        assert_eq!(
+            resolve_launch_mode(&parse(&["--local"]), &cuda),
+            LaunchMode::Native
+        );
+        let local_docker = parse(&["--local", "--launch-mode", "docker"]);
+        assert_eq!(
+            resolve_launch_mode(&local_docker, &cuda),
+            LaunchMode::Docker
+        );
+        let explicit = parse(&["--launch-mode", "docker"]);
+        assert_eq!(resolve_launch_mode(&explicit, &cpu), LaunchMode::Docker);
+        assert_eq!(
+            resolve_launch_mode(&parse(&["--launch-mode", "native"]), &cuda),
+            LaunchMode::Native
+        );
+    }
+
+    #[test]
+    fn docker_mode_errors_are_clear() {
+        let work = std::env::temp_dir();
+        let cpu = device::detect(device::DeviceChoice::Cpu).expect("cpu");
+        let cli = Cli::try_parse_from([
+            "run-manager",
+            "--launch-mode",
+            "docker",
+            "--docker",
+            "/nonexistent/docker",
+        ])
+        .expect("parse");
+        let err = docker_config(&cli, &cpu, &work).expect_err("no docker");
         assert_eq!(err.exit_code(), 1);
-        assert!(err.to_string().contains("not implemented yet"), "{err}");
+        assert!(err.to_string().contains("hint:"), "{err}");
+        let mixed = Cli::try_parse_from([
+            "run-manager",
+            "--launch-mode",
+            "docker",
+            "--worker-cmd",
+            "sh",
+        ])
+        .expect("parse");
+        let err = docker_config(&mixed, &cpu, &work).expect_err("mixed");
+        assert!(err.to_string().contains("native launch mode"), "{err}");
+        // `sh` stands in for docker: the configuration is built and GPUs follow the backend.
+        let ok = Cli::try_parse_from(["run-manager", "--launch-mode", "docker", "--docker", "sh"])
+            .expect("parse");
+        let d = docker_config(&ok, &cpu, &work).expect("config");
+        assert!(!d.gpus);
+        assert!(d.program.is_absolute());
+        assert_eq!(d.repository, docker::DEFAULT_IMAGE_REPOSITORY);
+        // Extra read-only mounts must exist; they are resolved to absolute paths.
+        let tmp = std::env::temp_dir();
+        let tmp_s = tmp.to_str().expect("utf8");
+        let mounts = Cli::try_parse_from([
+            "run-manager",
+            "--launch-mode",
+            "docker",
+            "--docker",
+            "sh",
+            "--docker-mount",
+            tmp_s,
+        ])
+        .expect("parse");
+        let d = docker_config(&mounts, &cpu, &work).expect("config");
+        assert_eq!(d.ro_mounts, vec![tmp.canonicalize().expect("tmp")]);
+        let missing = Cli::try_parse_from([
+            "run-manager",
+            "--launch-mode",
+            "docker",
+            "--docker",
+            "sh",
+            "--docker-mount",
+            "/nonexistent/models",
+        ])
+        .expect("parse");
+        let err = docker_config(&missing, &cpu, &work).expect_err("missing mount");
+        assert!(
+            err.to_string()
+                .contains("--docker-mount /nonexistent/models"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -745,3 +745,361 @@ fn help_snapshot() {
         path.display()
     );
 }
+
+// ---------------------------------------------------------------------------
+// Docker launch mode, against a stand-in `docker` (no Docker engine is needed):
+// a shell script placed first on PATH that records every call and, for `run`,
+// checks the job directory is bind-mounted and runs the entrypoint (the real
+// native client) natively on it. A stand-in `nvidia-smi` makes this a "CUDA"
+// machine, so the default launch mode picks Docker and `--gpus all` is passed.
+
+const FAKE_DOCKER: &str = r#"#!/usr/bin/env bash
+# Stand-in for the docker CLI: records its arguments (one call per line,
+# separated by \x1f), and for `run` executes the entrypoint natively.
+set -u
+state=$FAKE_DOCKER_STATE
+{ printf '%s\037' "$@"; printf '\n'; } >> "$state/calls.log"
+cmd=$1; shift
+pid_of() { cat "$state/$1.pid" 2>/dev/null; }
+case "$cmd" in
+  pull|image) exit 0 ;;
+  kill)
+    [ "$1" = --signal ] || { echo "fake docker: unexpected kill args $*" >&2; exit 125; }
+    pid=$(pid_of "$3") || { echo "Error response from daemon: No such container: $3" >&2; exit 1; }
+    kill -"$2" "$pid"; exit 0 ;;
+  stop)
+    [ "$1" = --time ] || { echo "fake docker: unexpected stop args $*" >&2; exit 125; }
+    pid=$(pid_of "$3") || { echo "Error response from daemon: No such container: $3" >&2; exit 1; }
+    kill -TERM "$pid"
+    for _ in $(seq $(( $2 * 10 ))); do kill -0 "$pid" 2>/dev/null || exit 0; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null; exit 0 ;;
+  rm)
+    [ "$1" = -f ] || { echo "fake docker: unexpected rm args $*" >&2; exit 125; }
+    pid=$(pid_of "$2") || { echo "Error response from daemon: No such container: $2" >&2; exit 1; }
+    kill -KILL "$pid" 2>/dev/null; rm -f "$state/$2.pid"; exit 0 ;;
+  run) ;;
+  *) echo "fake docker: unknown command $cmd" >&2; exit 125 ;;
+esac
+name=""; workdir=""; mounts=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rm|--init|--read-only|--sig-proxy=false) shift ;;
+    --name) name=$2; shift 2 ;;
+    --mount) mounts+=("$2"); shift 2 ;;
+    --workdir) workdir=$2; shift 2 ;;
+    --env) export "${2?}"; shift 2 ;;
+    --gpus|--cap-drop|--security-opt|--tmpfs|--shm-size|--user|--label) shift 2 ;;
+    -*) echo "fake docker: unknown run option $1" >&2; exit 125 ;;
+    *) break ;;
+  esac
+done
+shift  # the image
+[ "$1" = --job-dir ] || { echo "fake docker: entrypoint args are not --job-dir: $*" >&2; exit 125; }
+mounted=no
+for m in "${mounts[@]}"; do
+  [ "$m" = "type=bind,source=$2,target=$2" ] && mounted=yes
+done
+[ "$mounted" = yes ] || { echo "fake docker: job dir $2 is not bind-mounted" >&2; exit 125; }
+[ -z "$workdir" ] || cd "$workdir" || exit 125
+mkdir -p "$HOME"
+"$FAKE_DOCKER_ENTRYPOINT" "$@" &
+pid=$!
+echo "$pid" > "$state/$name.pid"
+wait "$pid"; rc=$?
+rm -f "$state/$name.pid"
+exit "$rc"
+"#;
+
+/// A bin directory holding the stand-in `docker` and `nvidia-smi`, and the state directory.
+fn fake_docker(dir: &Path) -> (PathBuf, PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = dir.join("fake-bin");
+    let state = dir.join("fake-docker-state");
+    std::fs::create_dir_all(&bin).expect("mkdir");
+    std::fs::create_dir_all(&state).expect("mkdir");
+    for (name, body) in [
+        ("docker", FAKE_DOCKER.to_string()),
+        ("nvidia-smi", "#!/bin/sh\necho '81559, 9.0'\n".to_string()),
+    ] {
+        let p = bin.join(name);
+        std::fs::write(&p, body).expect("write");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    (bin, state)
+}
+
+/// A run-manager with the stand-ins first on PATH and no launch-mode or worker flags.
+fn run_manager_docker(work: &Path, bin: &Path, state: &Path) -> Command {
+    let mut c = Command::new(RUN_MANAGER);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("DFLASH_") {
+            c.env_remove(k);
+        }
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut dirs = vec![bin.to_path_buf()];
+    dirs.extend(std::env::split_paths(&path));
+    c.env("PATH", std::env::join_paths(dirs).expect("PATH"))
+        .env("VIRTUAL_ENV", venv_dir())
+        .env("FAKE_DOCKER_STATE", state)
+        .env("FAKE_DOCKER_ENTRYPOINT", NATIVE_CLIENT)
+        .env("NO_COLOR", "1")
+        .arg("--work-dir")
+        .arg(work)
+        .args(["--log-format", "json", "--grace-period", "5"])
+        .args([
+            "--restart-backoff-ms",
+            "50",
+            "--rpc-backoff-ms",
+            "50",
+            "--heartbeat-interval",
+            "0.2",
+        ]);
+    c
+}
+
+/// The stand-in's recorded calls, each as its argument list.
+fn docker_calls(state: &Path) -> Vec<Vec<String>> {
+    std::fs::read_to_string(state.join("calls.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            l.split('\x1f')
+                .filter(|a| !a.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .collect()
+}
+
+/// The value after `flag` in `args`, for every occurrence.
+fn values<'a>(args: &'a [String], flag: &str) -> Vec<&'a str> {
+    args.windows(2)
+        .filter(|w| w[0] == flag)
+        .map(|w| w[1].as_str())
+        .collect()
+}
+
+/// Check one recorded `docker run` call: hardening flags, the job directory's
+/// bind mount, the container name and the entrypoint arguments.
+fn check_docker_run(run: &[String], image: &str, job_dir: &Path, name: &str) {
+    let shown = run.join(" ");
+    let job = job_dir.to_str().expect("utf8");
+    assert_eq!(run[0], "run", "{shown}");
+    assert!(run.contains(&"--rm".to_string()), "{shown}");
+    assert!(run.contains(&"--read-only".to_string()), "{shown}");
+    assert!(!shown.contains("--privileged"), "{shown}");
+    assert_eq!(values(run, "--gpus"), ["all"], "{shown}");
+    assert_eq!(values(run, "--cap-drop"), ["ALL"], "{shown}");
+    assert_eq!(
+        values(run, "--security-opt"),
+        ["no-new-privileges"],
+        "{shown}"
+    );
+    assert_eq!(values(run, "--name"), [name], "{shown}");
+    assert_eq!(
+        values(run, "--mount"),
+        [format!("type=bind,source={job},target={job}").as_str()],
+        "{shown}"
+    );
+    assert!(
+        values(run, "--tmpfs")
+            .iter()
+            .any(|t| t.starts_with("/tmp:")),
+        "{shown}"
+    );
+    // The image, then the entrypoint's own arguments.
+    let n = run.len();
+    assert_eq!(&run[n - 3..], [image, "--job-dir", job], "{shown}");
+}
+
+#[test]
+fn docker_mode_runs_the_image_with_a_hardened_container() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("docker-local");
+    let (bin, state) = fake_docker(&dir);
+    let spec = write_spec(
+        &dir,
+        serde_json::json!({"spec": {"stages": ["noop"], "noop": {"steps": 3, "step_seconds": 0.02, "checkpoint_every": 2}}}),
+    );
+    let work = dir.join("work");
+    let out = run_manager_docker(&work, &bin, &state)
+        // `--local` defaults to native; Docker is asked for explicitly.
+        .args(["--local", "--launch-mode", "docker", "--json", "--python"])
+        .arg(&py)
+        .arg("--spec")
+        .arg(&spec)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary json");
+    check_report(&summary, 3);
+    let job_id = summary["jobs"][0]["job_id"].as_str().expect("job id");
+    let job_dir = work.canonicalize().expect("work").join("jobs").join(job_id);
+    let name = format!("dflash-{job_id}-a1-r0");
+    // No image in the run: the default repository, tagged with the run's client version.
+    let image = format!(
+        "{}:{}",
+        run_manager::docker::DEFAULT_IMAGE_REPOSITORY,
+        run_manager::version::CLIENT_VERSION
+    );
+    let calls = docker_calls(&state);
+    let verbs: Vec<&str> = calls.iter().map(|c| c[0].as_str()).collect();
+    assert_eq!(verbs, ["pull", "rm", "run", "rm"], "{calls:?}");
+    assert_eq!(calls[0], ["pull", image.as_str()]);
+    assert_eq!(calls[1], ["rm", "-f", name.as_str()]);
+    check_docker_run(&calls[2], &image, &job_dir, &name);
+    assert_eq!(calls[3], ["rm", "-f", name.as_str()]);
+    // Worker logs come through the docker CLI and are re-emitted tagged.
+    let logs = json_lines(&String::from_utf8_lossy(&out.stderr));
+    assert!(
+        logs.iter().any(|l| l["message"] == "stage `noop` starting"
+            && l["rank"] == 0
+            && l["job_id"] == job_id
+            && l["run_id"].is_string()),
+        "{}",
+        show(&out)
+    );
+    assert!(
+        logs.iter().any(|l| l["container"] == name.as_str()),
+        "{}",
+        show(&out)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn docker_mode_cancel_stops_and_removes_the_container() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("docker-cancel");
+    let (bin, state) = fake_docker(&dir);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    let _guard = rt.enter();
+    let work = dir.join("work");
+    std::fs::create_dir_all(work.join("jobs")).expect("mkdir");
+    let coordinator = rt
+        .block_on(EmbeddedCoordinator::start(
+            &py,
+            &dir.join("coord"),
+            &work.join("jobs"),
+        ))
+        .expect("coordinator");
+    let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
+    let image = format!("registry.example:5000/dflash@sha256:{}", "0f".repeat(32));
+    let (token, run) = rt.block_on(async {
+        let token = admin
+            .create_provider(CreateProviderRequest { name: "it".into() })
+            .await
+            .expect("provider")
+            .into_inner()
+            .token;
+        let run = admin
+            .create_run(CreateRunRequest {
+                spec: Some(RunSpec {
+                    name: "docker-cancel".into(),
+                    spec_json: r#"{"stages":["noop"],"noop":{"steps":200,"step_seconds":0.05,"checkpoint_every":1000}}"#.into(),
+                    required_client_version: run_manager::version::CLIENT_VERSION.into(),
+                    checkpoint_policy: "durable".into(),
+                    max_local_ranks: 1,
+                    num_jobs: 1,
+                    image: image.clone(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("run")
+            .into_inner()
+            .run
+            .expect("run");
+        (token, run)
+    });
+    // No `--launch-mode`: with (stand-in) NVIDIA GPUs on Linux, Docker is the default.
+    let mut cmd = run_manager_docker(&work, &bin, &state);
+    if !cfg!(target_os = "linux") {
+        cmd.args(["--launch-mode", "docker"]);
+    }
+    cmd.args([
+        "--coordinator",
+        &coordinator.address,
+        "--token",
+        &token,
+        "--max-jobs",
+        "1",
+    ]);
+    let (child, rx) = spawn_watched(cmd);
+    let mut seen = Vec::new();
+    wait_for(&rx, &mut seen, "stage start", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("stage `noop` starting"))
+    });
+    let job_id = rt.block_on(async {
+        admin
+            .get_run(GetRunRequest {
+                run_id: run.run_id.clone(),
+            })
+            .await
+            .expect("get")
+            .into_inner()
+            .jobs[0]
+            .job_id
+            .clone()
+    });
+    let name = format!("dflash-{job_id}-a1-r0");
+    // CHECKPOINT_NOW reaches the container as `docker kill --signal USR1`.
+    rt.block_on(admin.request_checkpoint(RequestCheckpointRequest {
+        job_id: job_id.clone(),
+    }))
+    .expect("request checkpoint");
+    wait_for(&rx, &mut seen, "requested checkpoint", |v| {
+        v["message"] == "artifact reported" && v["kind"] == "checkpoint"
+    });
+    rt.block_on(admin.cancel_job(CancelJobRequest {
+        job_id: job_id.clone(),
+    }))
+    .expect("cancel");
+    let (code, _stdout, seen) = finish(child, rx, seen);
+    let all = seen.join("\n");
+    assert_eq!(code, Some(0), "{all}");
+    let job = rt.block_on(async {
+        admin
+            .get_run(GetRunRequest {
+                run_id: run.run_id.clone(),
+            })
+            .await
+            .expect("get")
+            .into_inner()
+            .jobs
+            .remove(0)
+    });
+    assert_eq!(job.state, "cancelled", "{all}");
+    // The worker committed a checkpoint on SIGTERM (from `docker stop`) before exiting.
+    assert!(
+        all.contains("worker stopped after committing a checkpoint"),
+        "{all}"
+    );
+    let calls = docker_calls(&state);
+    let verbs: Vec<&str> = calls.iter().map(|c| c[0].as_str()).collect();
+    assert_eq!(
+        verbs,
+        ["pull", "rm", "run", "kill", "stop", "rm"],
+        "{calls:?}\n{all}"
+    );
+    assert_eq!(calls[0], ["pull", image.as_str()]);
+    let job_dir = work
+        .canonicalize()
+        .expect("work")
+        .join("jobs")
+        .join(&job_id);
+    check_docker_run(&calls[2], &image, &job_dir, &name);
+    assert_eq!(calls[3], ["kill", "--signal", "USR1", name.as_str()]);
+    assert_eq!(calls[4], ["stop", "--time", "5", name.as_str()]);
+    assert_eq!(calls[5], ["rm", "-f", name.as_str()]);
+    // Nothing of the container is left running.
+    assert!(!state.join(format!("{name}.pid")).exists());
+    rt.block_on(coordinator.stop());
+    let _ = std::fs::remove_dir_all(&dir);
+}

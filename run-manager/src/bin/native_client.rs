@@ -26,6 +26,9 @@ const VERSION: &str = concat!(
     ")"
 );
 
+/// `env_vars::BUILD_PYTHON_HOME` at build time (`option_env!` needs the literal name).
+const BUILD_PYTHON_HOME: Option<&str> = option_env!("DFLASH_BUILD_PYTHON_HOME");
+
 /// Run one dflash-worker job in an embedded Python interpreter.
 ///
 /// Exit codes: 0 done; 1 the job failed on bad input (DflashError); 2 an unexpected Python
@@ -38,7 +41,8 @@ struct Args {
     job_dir: PathBuf,
 
     /// Python environment (virtual environment or prefix) to import dflash_worker and torch from
-    /// (default: `$VIRTUAL_ENV`, else the environment this binary is installed in).
+    /// (default: `$VIRTUAL_ENV`, else the environment this binary is installed in, else the one
+    /// recorded at build time by scripts/build-native-*.sh).
     #[arg(long, env = env_vars::PYTHON_HOME, value_name = "DIR")]
     python_home: Option<PathBuf>,
 }
@@ -53,11 +57,14 @@ fn main() -> ExitCode {
         return ExitCode::from(EXIT_USER);
     }
     let exe = std::env::current_exe().ok();
+    // A binary built by scripts/build-native-*.sh lives outside any environment
+    // and runs with an empty environment: it falls back to the one it was built against.
     let home = native::find_python_home(
         args.python_home.as_deref(),
         std::env::var_os(env_vars::VIRTUAL_ENV).as_deref(),
         exe.as_deref(),
-    );
+    )
+    .or_else(|| BUILD_PYTHON_HOME.map(PathBuf::from));
     let code = Python::attach(|py| {
         let code = run(py, &args.job_dir, home.as_deref());
         flush_stdio(py);
@@ -206,4 +213,16 @@ fn handle_exception(py: Python<'_>, err: PyErr) -> u8 {
     err.print(py);
     emit_error_event(py, &format!("{type_name}: {message}"), true);
     EXIT_UNEXPECTED
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn build_time_variable_is_the_documented_one() {
+        // `option_env!` above cannot take the constant; keep the two spellings together.
+        assert_eq!(
+            run_manager::env_vars::BUILD_PYTHON_HOME,
+            "DFLASH_BUILD_PYTHON_HOME"
+        );
+    }
 }

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Build standalone `dflash-native-client` and `run-manager` binaries (Linux)
+# against a chosen Python environment, so they run with an empty environment:
+#
+#   - the Python must import torch (its version and CUDA availability are reported);
+#   - `cargo build --release` with PYO3_PYTHON set to it;
+#   - link-time rpaths (RUNPATH) to Python's LIBDIR (libpython) and to torch/lib;
+#   - the environment's prefix is recorded in the native client at build time
+#     (DFLASH_BUILD_PYTHON_HOME), so it finds the site-packages without VIRTUAL_ENV;
+#   - verified with `readelf -d` and by running a `noop` job under `env -i PATH=...`.
+#
+# Output: DIR/dflash-native-client, DIR/run-manager, DIR/build-info.json
+# (DIR defaults to dist/native/). The binaries keep working while the Python
+# environment stays where it was at build time.
+#
+# Usage: scripts/build-native-linux.sh [--python PATH] [--out DIR]
+# Environment: PYTHON (default .venv/bin/python), CARGO_TARGET_DIR (reused when set).
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-$root/.venv/bin/python}
+out=$root/dist/native
+
+die() {
+  printf 'build-native-linux: error: %s\n' "$1" >&2
+  [ -z "${2:-}" ] || printf 'hint: %s\n' "$2" >&2
+  exit 1
+}
+log() { printf 'build-native-linux: %s\n' "$*" >&2; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --python) [ $# -ge 2 ] || die "\`--python\` needs a path"; python=$2; shift 2 ;;
+    --out) [ $# -ge 2 ] || die "\`--out\` needs a directory"; out=$2; shift 2 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument \`$1\`" "see \`$0 --help\`" ;;
+  esac
+done
+
+[ "$(uname -s)" = Linux ] || die "this script builds for Linux; this is \`$(uname -s)\`" \
+  "on macOS arm64 use scripts/build-native-silicon.sh"
+command -v cargo >/dev/null || die "\`cargo\` is not on PATH" "install Rust with rustup (https://rustup.rs)"
+command -v readelf >/dev/null || die "\`readelf\` is not on PATH" "install binutils"
+[ -x "$python" ] || die "Python \`$python\` does not exist or is not executable" \
+  "create the environment with \`make install\`, or pass \`--python PATH\`"
+python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
+
+# One line of facts from the chosen Python (tab-separated), or a clear failure.
+facts=$("$python" - <<'EOF'
+import sys, sysconfig
+try:
+    import torch
+except Exception as exc:  # report any import failure, not only ImportError
+    sys.exit(f"cannot import torch: {type(exc).__name__}: {exc}")
+import os
+libdir = sysconfig.get_config_var("LIBDIR") or ""
+shared = sysconfig.get_config_var("Py_ENABLE_SHARED") or 0
+torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+print("\t".join([
+    "%d.%d.%d" % sys.version_info[:3], sys.prefix, libdir, str(int(shared)),
+    torch.__version__, str(torch.cuda.is_available()), torch.version.cuda or "none", torch_lib,
+]))
+EOF
+) || die "\`$python\` cannot import torch (see above)" "install the project's environment with \`make install\`"
+
+IFS=$'\t' read -r pyver prefix libdir shared torch_version cuda_available cuda_version torch_lib <<<"$facts"
+log "python $pyver at $python (environment $prefix)"
+log "torch $torch_version, CUDA build $cuda_version, CUDA available: $cuda_available"
+[ "$shared" = 1 ] || die "\`$python\` has no shared libpython (Py_ENABLE_SHARED=0); the native client embeds it" \
+  "use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared pyenv install 3.11)"
+[ -d "$libdir" ] || die "Python's LIBDIR \`$libdir\` does not exist"
+[ -d "$torch_lib" ] || die "torch's library directory \`$torch_lib\` does not exist"
+case "$libdir$torch_lib$prefix" in
+  *[[:space:],]*) die "paths with spaces or commas cannot be rpaths here: \`$libdir\`, \`$torch_lib\`, \`$prefix\`" ;;
+esac
+
+cd "$root"
+export PYO3_PYTHON=$python
+# The native client records the environment it was built against; option_env!
+# is tracked by cargo, so a different environment rebuilds only this binary.
+export DFLASH_BUILD_PYTHON_HOME=$prefix
+log "cargo build --release (PYO3_PYTHON=$python)"
+cargo build --release --locked -p run-manager --bin run-manager
+# `cargo rustc` passes the rpath flags to the final binary only, so the
+# dependencies stay shared with any other release build in CARGO_TARGET_DIR.
+cargo rustc --release --locked -p run-manager --bin dflash-native-client -- \
+  -C "link-arg=-Wl,-rpath,$libdir" -C "link-arg=-Wl,-rpath,$torch_lib"
+
+target_dir=${CARGO_TARGET_DIR:-$root/target}
+mkdir -p "$out"
+for bin in dflash-native-client run-manager; do
+  cp -f "$target_dir/release/$bin" "$out/$bin.tmp"
+  mv -f "$out/$bin.tmp" "$out/$bin"
+done
+nc=$out/dflash-native-client
+
+# Verify the rpaths.
+dyn=$(readelf -d "$nc")
+runpath=$(printf '%s\n' "$dyn" | sed -n 's/.*(R\(UN\)\{0,1\}PATH).*\[\(.*\)\]/\2/p' | tr '\n' ':')
+for want in "$libdir" "$torch_lib"; do
+  case ":$runpath:" in
+    *":$want:"*) ;;
+    *) die "\`readelf -d $nc\` has no RUNPATH/RPATH entry \`$want\` (found \`$runpath\`)" ;;
+  esac
+done
+log "rpaths: $runpath"
+
+# Verify it runs a `noop` job with nothing in the environment but PATH.
+job=$(mktemp -d)
+trap 'rm -rf "$job"' EXIT
+printf '%s\n' '{"schema_version": 1, "spec": {"stages": ["noop"], "noop": {"steps": 2, "step_seconds": 0}}}' >"$job/spec.json"
+if ! env -i PATH=/usr/bin:/bin "$nc" --job-dir "$job" >"$job/events.jsonl" 2>"$job/stderr.log"; then
+  cat "$job/stderr.log" >&2
+  die "\`env -i PATH=/usr/bin:/bin $nc --job-dir DIR\` did not run the noop job"
+fi
+grep -q '"event": *"done"' "$job/events.jsonl" || die "the noop job ended without a \`done\` event"
+version=$(env -i PATH=/usr/bin:/bin "$nc" --version)
+log "verified: $version runs a noop job with an empty environment"
+
+commit=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+"$python" - "$out/build-info.json" "$version" "$commit" "linux-$(uname -m)" "$python" "$pyver" \
+  "$prefix" "$libdir" "$torch_version" "$cuda_version" "$cuda_available" "$runpath" <<'EOF'
+import json, sys
+out, version, commit, platform, python, pyver, home, libdir, torch_v, cuda_v, cuda_ok, rpaths = sys.argv[1:]
+info = {
+    "native_client_version": version, "commit": commit, "platform": platform,
+    "python": python, "python_version": pyver, "python_home": home, "python_libdir": libdir,
+    "torch_version": torch_v, "torch_cuda": cuda_v, "cuda_available": cuda_ok == "True",
+    "rpaths": [p for p in rpaths.split(":") if p],
+}
+with open(out, "w") as f:
+    json.dump(info, f, indent=2, sort_keys=True)
+    f.write("\n")
+EOF
+log "wrote $out/dflash-native-client, $out/run-manager and $out/build-info.json"

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Build standalone `dflash-native-client` and `run-manager` binaries on macOS
+# arm64 (Apple Silicon) against a chosen Python environment:
+#
+#   - the Python must be arm64 and import torch; its version, MPS availability
+#     and an MPS bfloat16 probe are reported (DFLASH_MPS_BF16 overrides the probe
+#     in the run-manager; see docs/native-silicon.md);
+#   - `cargo build --release` with PYO3_PYTHON set to it;
+#   - `install_name_tool -add_rpath` for Python's LIBDIR (libpython) and torch/lib,
+#     verified with `otool -l` (LC_RPATH);
+#   - the environment's prefix is recorded in the native client at build time
+#     (DFLASH_BUILD_PYTHON_HOME), so it finds the site-packages without VIRTUAL_ENV;
+#   - verified by running a `noop` job under `env -i PATH=/usr/bin:/bin`.
+#
+# Output: DIR/dflash-native-client, DIR/run-manager, DIR/build-info.json
+# (DIR defaults to dist/native/).
+#
+# Usage: scripts/build-native-silicon.sh [--python PATH] [--out DIR]
+# Environment: PYTHON (default .venv/bin/python), CARGO_TARGET_DIR (reused when set).
+# Not run in this project's CI (it needs a Mac); .github/workflows/native-silicon.yml
+# runs it on a self-hosted Apple Silicon runner.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-$root/.venv/bin/python}
+out=$root/dist/native
+
+die() {
+  printf 'build-native-silicon: error: %s\n' "$1" >&2
+  [ -z "${2:-}" ] || printf 'hint: %s\n' "$2" >&2
+  exit 1
+}
+log() { printf 'build-native-silicon: %s\n' "$*" >&2; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --python) [ $# -ge 2 ] || die "\`--python\` needs a path"; python=$2; shift 2 ;;
+    --out) [ $# -ge 2 ] || die "\`--out\` needs a directory"; out=$2; shift 2 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument \`$1\`" "see \`$0 --help\`" ;;
+  esac
+done
+
+os=$(uname -s)
+arch=$(uname -m)
+[ "$os" = Darwin ] && [ "$arch" = arm64 ] || die "this script builds for macOS on Apple Silicon (Darwin arm64); this is \`$os $arch\`" \
+  "on Linux use scripts/build-native-linux.sh; under Rosetta, run it from an arm64 shell (\`arch -arm64 bash\`)"
+for tool in cargo install_name_tool otool; do
+  command -v "$tool" >/dev/null || die "\`$tool\` is not on PATH" "install Rust with rustup and the Xcode command line tools (\`xcode-select --install\`)"
+done
+[ -x "$python" ] || die "Python \`$python\` does not exist or is not executable" \
+  "create the environment with \`make install\`, or pass \`--python PATH\`"
+python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
+
+facts=$("$python" - <<'EOF'
+import os, platform, sys, sysconfig
+if platform.machine() != "arm64":
+    sys.exit(f"this Python is built for `{platform.machine()}`, not arm64 (an x86_64 Python runs under Rosetta without MPS)")
+try:
+    import torch
+except Exception as exc:  # report any import failure, not only ImportError
+    sys.exit(f"cannot import torch: {type(exc).__name__}: {exc}")
+mps = torch.backends.mps.is_available()
+try:
+    # The worker's own probe (a bfloat16 matmul on MPS), ignoring any override.
+    from dflash_worker.device import mps_bf16_supported
+    ok, how = mps_bf16_supported({})
+    bf16 = f"{ok} ({how})"
+except Exception as exc:
+    bf16 = f"unknown ({type(exc).__name__}: {exc})"
+libdir = sysconfig.get_config_var("LIBDIR") or ""
+torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+print("\t".join([
+    "%d.%d.%d" % sys.version_info[:3], sys.prefix, libdir, str(int(sysconfig.get_config_var("Py_ENABLE_SHARED") or 0)),
+    str(int(sysconfig.get_config_var("PYTHONFRAMEWORK") != "")), torch.__version__, str(mps), bf16, torch_lib,
+]))
+EOF
+) || die "\`$python\` is not a usable arm64 Python with torch (see above)" "install the project's environment with \`make install\`"
+
+IFS=$'\t' read -r pyver prefix libdir shared framework torch_version mps bf16 torch_lib <<<"$facts"
+log "python $pyver at $python (environment $prefix)"
+log "torch $torch_version, MPS available: $mps, MPS bfloat16 probe: $bf16"
+[ "$mps" = True ] || log "warning: MPS is not available; jobs will need \`--device cpu\` (DFLASH_REQUIRE_MPS=1 makes them fail instead)"
+[ "$shared" = 1 ] || [ "$framework" = 1 ] || die "\`$python\` has no shared libpython or framework build; the native client embeds it" \
+  "use python.org's installer, Homebrew's python@3.11, or pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared"
+[ -d "$libdir" ] || die "Python's LIBDIR \`$libdir\` does not exist"
+[ -d "$torch_lib" ] || die "torch's library directory \`$torch_lib\` does not exist"
+
+cd "$root"
+export PYO3_PYTHON=$python
+export DFLASH_BUILD_PYTHON_HOME=$prefix
+log "cargo build --release (PYO3_PYTHON=$python)"
+cargo build --release --locked -p run-manager --bin run-manager --bin dflash-native-client
+
+target_dir=${CARGO_TARGET_DIR:-$root/target}
+mkdir -p "$out"
+for bin in dflash-native-client run-manager; do
+  cp -f "$target_dir/release/$bin" "$out/$bin.tmp"
+  mv -f "$out/$bin.tmp" "$out/$bin"
+done
+nc=$out/dflash-native-client
+
+# Add each rpath once (install_name_tool refuses duplicates), then re-sign:
+# arm64 binaries must carry a valid (ad-hoc) signature after being modified.
+rpaths() { otool -l "$1" | awk '/cmd LC_RPATH/ {getline; getline; print $2}'; }
+for want in "$libdir" "$torch_lib"; do
+  if ! rpaths "$nc" | grep -qxF "$want"; then
+    install_name_tool -add_rpath "$want" "$nc"
+  fi
+done
+codesign --force --sign - "$nc" 2>/dev/null || log "warning: ad-hoc codesign failed; macOS may refuse to run the binary"
+found=$(rpaths "$nc" | tr '\n' ':')
+for want in "$libdir" "$torch_lib"; do
+  case ":$found" in
+    *":$want:"*) ;;
+    *) die "\`otool -l $nc\` has no LC_RPATH \`$want\` (found \`$found\`)" ;;
+  esac
+done
+log "rpaths: $found"
+
+job=$(mktemp -d)
+trap 'rm -rf "$job"' EXIT
+printf '%s\n' '{"schema_version": 1, "spec": {"stages": ["noop"], "noop": {"steps": 2, "step_seconds": 0}}}' >"$job/spec.json"
+if ! env -i PATH=/usr/bin:/bin "$nc" --job-dir "$job" >"$job/events.jsonl" 2>"$job/stderr.log"; then
+  cat "$job/stderr.log" >&2
+  die "\`env -i PATH=/usr/bin:/bin $nc --job-dir DIR\` did not run the noop job"
+fi
+grep -q '"event": *"done"' "$job/events.jsonl" || die "the noop job ended without a \`done\` event"
+version=$(env -i PATH=/usr/bin:/bin "$nc" --version)
+log "verified: $version runs a noop job with an empty environment"
+
+commit=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+"$python" - "$out/build-info.json" "$version" "$commit" "macos-arm64" "$python" "$pyver" \
+  "$prefix" "$libdir" "$torch_version" "$mps" "$bf16" "$found" <<'EOF'
+import json, sys
+out, version, commit, platform, python, pyver, home, libdir, torch_v, mps, bf16, rpaths = sys.argv[1:]
+info = {
+    "native_client_version": version, "commit": commit, "platform": platform,
+    "python": python, "python_version": pyver, "python_home": home, "python_libdir": libdir,
+    "torch_version": torch_v, "mps_available": mps == "True", "mps_bf16_probe": bf16,
+    "rpaths": [p for p in rpaths.split(":") if p],
+}
+with open(out, "w") as f:
+    json.dump(info, f, indent=2, sort_keys=True)
+    f.write("\n")
+EOF
+log "wrote $out/dflash-native-client, $out/run-manager and $out/build-info.json"

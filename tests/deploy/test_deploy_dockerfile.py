@@ -1,0 +1,147 @@
+"""docker/Dockerfile installs exactly the pins of requirements/lock.txt (which agree with pyproject.toml).
+
+No Docker engine is available where these tests run, so the image is never
+built here: these tests read the Dockerfile as text and check what it would do.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+LOCK = ROOT / "requirements" / "lock.txt"
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_pins() -> dict[str, str]:
+    pins = {}
+    for n, line in enumerate(LOCK.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==([^\s;]+)", line)
+        assert m, f"{LOCK}:{n}: `{line}` is not `name==version`"
+        pins[norm(m.group(1))] = m.group(3)
+    return pins
+
+
+def pyproject_pins() -> dict[str, str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for dep in project["dependencies"]:
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*==\s*([^\s;]+)", dep)
+        if m:
+            pins[norm(m.group(1))] = m.group(2)
+    return pins
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    out, buf = [], ""
+    for line in text.splitlines():
+        s = line.strip()
+        if not buf and (not s or s.startswith("#")):
+            continue
+        if s.startswith("#"):
+            continue
+        if s.endswith("\\"):
+            buf += s[:-1] + " "
+            continue
+        buf += s
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def pip_installs(text: str) -> list[list[str]]:
+    """Argument lists of every `pip install` the RUN instructions execute."""
+    calls = []
+    for word, rest in instructions(text):
+        if word != "RUN":
+            continue
+        # Tokenize with quotes respected, then cut the command list at shell operators.
+        lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        argv: list[str] = []
+        for tok in [*lexer, ";"]:
+            if tok in ("&&", "||", ";", "|", "&"):
+                if len(argv) > 1 and argv[0].endswith("pip") and argv[1] == "install":
+                    calls.append(argv[2:])
+                argv = []
+            else:
+                argv.append(tok)
+    return calls
+
+
+def test_lock_and_pyproject_agree_on_every_pin():
+    lock, py = lock_pins(), pyproject_pins()
+    assert py, "pyproject.toml pins nothing with `==`"
+    for name, version in py.items():
+        assert lock.get(name) == version, f"pyproject pins `{name}=={version}`, lock has `{lock.get(name)}`"
+    assert (lock["torch"], lock["transformers"]) == ("2.13.0", "5.24.0")
+    assert (py["torch"], py["transformers"]) == ("2.13.0", "5.24.0")
+
+
+def test_dockerfile_installs_exactly_the_lock():
+    text = DOCKERFILE.read_text()
+    copies = [rest.split() for word, rest in instructions(text) if word == "COPY"]
+    # The lock file goes into the runtime stage, and pip installs from that copy.
+    lock_dests = [c[-1] for c in copies if c[:-1] == ["requirements/lock.txt"]]
+    assert lock_dests, copies
+    installs = pip_installs(text)
+    from_lock = [a for a in installs if "-r" in a and a[a.index("-r") + 1] in lock_dests]
+    assert from_lock, installs
+    for args in installs:
+        if args in from_lock:
+            # No extra package names beside the lock, no constraint or index overrides.
+            extra = [a for a in args if not a.startswith("-") and a not in lock_dests]
+            assert not extra, args
+            assert not {"-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-U", "--upgrade"} & set(args), args
+            continue
+        pkgs = [a for a in args if not a.startswith("-")]
+        if "--no-deps" in args:
+            # This package's own wheel, built in the image: brings nothing else.
+            assert all(p.startswith("/tmp/dist/dflash_worker-") for p in pkgs), args
+        else:
+            # Anything else must be pinned to the lock's exact version (e.g. maturin in the build stage).
+            lock = lock_pins()
+            for p in pkgs:
+                m = re.fullmatch(r'"?\$\(grep -i \'\^([a-z0-9_.\-]+)==\' \S+\)"?', p) or re.fullmatch(r"([A-Za-z0-9_.\-]+)==(\S+)", p)
+                assert m, f"unpinned install `{p}` in {args}"
+                name = norm(m.group(1))
+                assert name in lock, name
+                if m.lastindex == 2:
+                    assert lock[name] == m.group(2), (name, m.group(2), lock[name])
+    assert "pip check" in text
+
+
+def test_dockerfile_shape():
+    text = DOCKERFILE.read_text()
+    ins = instructions(text)
+    base = re.search(r"^ARG CUDA_IMAGE=(\S+)$", text, re.M)
+    assert base and re.fullmatch(r"nvidia/cuda:[0-9.]+-runtime-ubuntu[0-9.]+", base.group(1)), base
+    assert all(rest.split()[0] in ("${CUDA_IMAGE}", "python") for w, rest in ins if w == "FROM")
+    assert "python3.11" in text
+    # The runtime stage runs as a non-root user with the native client as entrypoint.
+    last_stage = text[text.rindex("\nFROM ") :]
+    users = [rest for w, rest in instructions(last_stage) if w == "USER"]
+    assert users and users[-1] not in ("root", "0"), users
+    entry = [rest for w, rest in instructions(last_stage) if w == "ENTRYPOINT"]
+    assert entry and entry[-1].endswith('/dflash-native-client"]'), entry
+    assert "maturin build --release --locked" in text
+    # The image never asks for privileges; the run-manager adds the hardening flags.
+    assert "privileged" not in text.replace("no-new-privileges", "")
+
+
+def test_helpers_can_fail():
+    bad = "FROM x\nRUN pip install torch && pip install -r /l.txt\n"
+    assert pip_installs(bad) == [["torch"], ["-r", "/l.txt"]]
+    assert instructions("RUN a \\\n  b\n# c\nUSER me\n") == [("RUN", "a  b"), ("USER", "me")]
