@@ -1,19 +1,42 @@
 #!/usr/bin/env bash
-# `make demo`: the project's main job on its embedded default, on a tiny model
-# built here (no model hub is needed). Grows with the pipeline: it runs the
-# most complete path that exists.
+# `make demo`: the project's main job on its embedded default.
+#
+# Builds a tiny world (no model hub needed): a Qwen3 target with a trained BPE
+# tokenizer and a Qwen3-style chat template, a "released" DFlash2 draft and
+# own-data rows. Then `run-manager --local` starts a loopback coordinator on
+# SQLite, creates a run and a provider token, and runs the job through the
+# native client: prepare-data, check-data, capture, train (full scope), BF16
+# export, evaluate (released vs trained draft with real speculative decoding).
+#
+# Environment: DFLASH_DEMO_DIR (default ./demo-work), DFLASH_DEMO_STEPS (default 40).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=.venv/bin/python
 work=${DFLASH_DEMO_DIR:-$root/demo-work}
+steps=${DFLASH_DEMO_STEPS:-40}
+rm -rf "$work"
 mkdir -p "$work"
 
-echo "demo: building a tiny Qwen3 target in $work/target" >&2
-"$py" - "$work/target" <<'PY'
-import sys
-from dflash_worker.testing import save_tiny_target
-save_tiny_target(sys.argv[1], family="qwen3", dtype="bfloat16", max_shard_size="256KB")
+echo "demo: building a tiny world (target + tokenizer, released draft, own data) in $work/world" >&2
+"$py" - "$work" "$steps" <<'PY'
+import json, sys
+from pathlib import Path
+from dflash_worker.testing.world import build_world, job_spec
+
+work, steps = Path(sys.argv[1]), int(sys.argv[2])
+world = build_world(work / "world", examples=48)
+spec = job_spec(world, steps=steps, checkpoint_every=10, regenerate=True)
+spec["recipe"]["train"]["val_every"] = 10
+(work / "run.json").write_text(json.dumps({"name": "demo", "spec": spec}, indent=2))
 PY
-.venv/bin/run-manager --version
-echo "demo: done; outputs in $work" >&2
+
+echo "demo: run-manager --local (coordinator, provider and worker on this machine)" >&2
+.venv/bin/run-manager --local --spec "$work/run.json" --work-dir "$work/provider"
+
+report=$(find "$work/provider/jobs" -path '*/eval/report.md' | head -n 1)
+if [ -n "$report" ]; then
+  echo
+  cat "$report"
+fi
+echo "demo: done; the job directory is $(dirname "$(dirname "$report")")" >&2

@@ -70,8 +70,17 @@ def build_world(root: str | Path, *, examples: int = 24, seed: int = 0, block_si
     return World(root, target, draft, rows)
 
 
-def job_spec(world: World, *, steps: int = 6, checkpoint_every: int = 2, stages: list[str] | None = None) -> dict:
-    """A job spec (see `dflash_worker.job`) that adapts the world's draft to its rows."""
+def job_spec(
+    world: World, *, steps: int = 6, checkpoint_every: int = 2, stages: list[str] | None = None, regenerate: bool = False
+) -> dict:
+    """A job spec (see `dflash_worker.job`) that adapts the world's draft to its rows.
+
+    `regenerate`: the teacher writes the responses (greedy), so the draft learns the
+    teacher's own continuations, which is what speculative decoding accepts.
+    """
+    capture = {"dtype": "float32", "splits": ["train", "val"], "device": "cpu"}
+    if regenerate:
+        capture.update(regenerate=True, sampling="greedy", max_new_tokens=24)
     return {
         "stages": stages or ["prepare", "check", "capture", "train", "evaluate"],
         "inputs": [str(world.rows)],
@@ -79,7 +88,7 @@ def job_spec(world: World, *, steps: int = 6, checkpoint_every: int = 2, stages:
         "recipe": {
             "model": {"target": str(world.target), "draft": str(world.draft), "family": "qwen3"},
             "data": {"thinking": "off", "max_length": 256},
-            "capture": {"dtype": "float32", "splits": ["train", "val"], "device": "cpu"},
+            "capture": capture,
             "train": {
                 "scope": "full", "steps": steps, "lr": 3e-3, "blocks_per_sequence": 4, "val_every": 3,
                 "checkpoint_every": checkpoint_every, "val_examples": 4, "device": "cpu", "warmup_steps": 1,
