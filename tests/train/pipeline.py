@@ -12,11 +12,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-WORDS = (
-    "the draft model learns to predict the teacher tokens in each block after the anchor and "
-    "the target verifies the block then accepts the longest matching prefix plus one bonus token"
-).split()
-
 
 @dataclass
 class Pipeline:
@@ -55,55 +50,23 @@ def _toml(raw: dict) -> str:
 
 
 def build_pipeline(root: Path, *, examples: int = 24, seed: int = 0) -> Pipeline:
-    import random
-
-    import torch
-
     from dflash_worker.capture import run_capture
     from dflash_worker.data import prepare_data
-    from dflash_worker.model import DraftConfig, build_draft, save_draft
     from dflash_worker.recipe import recipe_from_dict
-    from dflash_worker.testing.tiny_draft import tiny_dflash2_config
-    from dflash_worker.testing.tokenizer import save_tiny_target_with_tokenizer
+    from dflash_worker.testing.world import build_world
 
     root = Path(root)
-    target = root / "target"
-    save_tiny_target_with_tokenizer(target, seed=seed)
-    cfg = tiny_dflash2_config(_target_config(target), block_size=4, selector_top_k=64)
-    draft_model = build_draft(DraftConfig.from_dict(cfg), seed=seed)
-    draft = root / "draft"
-    save_draft(draft_model, draft, dtype=torch.bfloat16)
-
-    rng = random.Random(seed)
-    rows = []
-    for i in range(examples):
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
-        # repetitive responses: the draft can learn them quickly
-        start = rng.randrange(len(WORDS))
-        response = " ".join(WORDS[(start + j) % len(WORDS)] for j in range(rng.randint(10, 16)))
-        rows.append({"prompt": f"q{i} {prompt}", "response": response})
-    src = root / "rows.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    world = build_world(root, examples=examples, seed=seed)
     data = root / "data"
-    prepare_data([src], data, seed=seed, val_fraction=0.2, test_fraction=0.2)
+    prepare_data([world.rows], data, seed=seed, val_fraction=0.2, test_fraction=0.2)
     capture = root / "capture"
     base = {
-        "model": {"target": str(target), "draft": str(draft), "family": "qwen3"},
+        "model": {"target": str(world.target), "draft": str(world.draft), "family": "qwen3"},
         "data": {"dir": str(data), "thinking": "off", "max_length": 256},
         "capture": {"output": str(capture), "dtype": "float32", "splits": ["train", "val"], "device": "cpu"},
     }
     run_capture(recipe_from_dict(base, base=root))
-    return Pipeline(root, target, draft, data, capture, base)
-
-
-def _target_config(target: Path):
-    from transformers import Qwen3Config
-
-    raw = json.loads((target / "config.json").read_text())
-    raw.pop("architectures", None)
-    raw.pop("model_type", None)
-    raw.pop("transformers_version", None)
-    return Qwen3Config(**raw)
+    return Pipeline(root, world.target, world.draft, data, capture, base)
 
 
 _CACHE: dict[str, Pipeline] = {}
