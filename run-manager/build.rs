@@ -42,6 +42,10 @@ fn embed_git_commit() {
     // Rebuild when HEAD moves (best effort: paths relative to the crate).
     println!("cargo:rerun-if-changed=../.git/HEAD");
     println!("cargo:rerun-if-changed=../.git/index");
+    // A commit on the current branch moves the ref, not HEAD.
+    if std::path::Path::new("../.git/refs/heads").is_dir() {
+        println!("cargo:rerun-if-changed=../.git/refs/heads");
+    }
 }
 
 fn generate_grpc() -> Result<(), Box<dyn std::error::Error>> {

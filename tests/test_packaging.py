@@ -59,3 +59,18 @@ def test_versions_agree_between_cargo_and_python():
     import dflash_worker
 
     assert cv == pv == dflash_worker.__version__
+
+
+def test_closed_stdout_pipe_is_not_a_traceback(tmp_path):
+    from dflash_worker.testing import save_tiny_target
+
+    save_tiny_target(tmp_path / "t", max_shard_size="32KB")
+    proc = subprocess.Popen(
+        [str(BIN / "dflash-worker"), "inspect-checkpoint", str(tmp_path / "t")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    proc.stdout.readline()
+    proc.stdout.close()  # like `| head -1`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 1)
+    assert "Traceback" not in err, err
