@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thinking", choices=("on", "off"), required=True,
                         help="render with the chat template's thinking mode on or off (`enable_thinking`)")
     parser.add_argument("--max-length", type=int, default=4096, metavar="N",
-                        help="longest allowed example in tokens (default 4096)")
+                        help="longest allowed example in tokens; use the recipe's `[data].max_length` (default 4096)")
     parser.add_argument("--regenerate", action="store_true",
                         help="responses will be regenerated at capture: check prompts only, and accept prompt-only rows")
     parser.add_argument("--split", action="append", choices=("train", "val", "test"),

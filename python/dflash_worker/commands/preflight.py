@@ -8,7 +8,9 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", required=True, metavar="RECIPE.toml", help="recipe with `[model]`, `[data]` and `[train]`")
+    parser.add_argument("--recipe", required=True, metavar="RECIPE.toml",
+                        help="recipe with `[model]`, `[data]` and `[train]` (`[capture].dtype`, if present, sets the "
+                        "teacher's dtype; default bfloat16). Exit status 1 when the verdict is no-go")
     parser.add_argument("--length", type=int, default=None, metavar="TOKENS",
                         help="sequence length to test (default: `[data].max_length`)")
     parser.add_argument("--json", action="store_true", help="print the preflight report as JSON on stdout")

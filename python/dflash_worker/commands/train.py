@@ -11,8 +11,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", required=True, metavar="RECIPE.toml",
                         help="recipe with `[model]`, `[data]`, `[capture]` (already run) and `[train]`")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest committed checkpoint in the run directory; on a completed run, "
-                        "verify its selection and export instead of retraining")
+                        help="continue from the newest committed checkpoint in the run directory (refused when the recipe, "
+                        "captured data or released draft differ from the checkpoint's; the error names each difference); "
+                        "on a completed run, verify its selection and export instead of retraining")
     parser.add_argument("--run-dir", metavar="DIR", default=None,
                         help="run directory for checkpoints, metrics.jsonl, selection.json and the export "
                         "(default: `[train].output`)")
@@ -28,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     tty = sys.stderr.isatty()
     bar = None
+    logged: set[str] = set()
 
     def on_event(e: dict) -> None:
         nonlocal bar
@@ -37,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{e['metrics']['loss']:.4f}", lr=f"{e['metrics']['lr']:.2e}")
         elif e["event"] == "log":
+            logged.add(e["message"])
             print(f"train: {e['message']}", file=sys.stderr)
 
     try:
@@ -44,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    print(f"train: {result.message}", file=sys.stderr)
+    if result.message not in logged:  # a stop is already logged by the trainer; say it once
+        print(f"train: {result.message}", file=sys.stderr)
     if args.json:
         out = {
             "status": result.status,
