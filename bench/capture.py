@@ -37,10 +37,13 @@ def build(root: Path, n_examples: int, hidden: int, layers: int):
         num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, max_position_embeddings=4096,
         max_shard_size="50MB",
     )
+    from transformers import AutoConfig
+
+    from dflash_worker.testing.tiny import save_tiny_dflash2_draft
+
     draft = root / "draft"
-    draft.mkdir()
     ids = sorted({1, layers // 2, layers - 2})
-    (draft / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": ids}}))
+    save_tiny_dflash2_draft(draft, AutoConfig.from_pretrained(target), target_layer_ids=ids)
     lines = corpus_lines(n_examples * 12, seed=11)
     rows = []
     for i in range(n_examples):

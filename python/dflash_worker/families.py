@@ -468,6 +468,19 @@ def validate_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str])
     return PairReport(family=fam.name, target=_target_report(ti, fam, storage), draft=draft_geometry(di))
 
 
+def check_recipe_pair(target: str | os.PathLike[str], draft: str | os.PathLike[str], family: str) -> PairReport:
+    """`validate_pair`, plus the recipe's declared `[model].family` must be the target's family.
+
+    Capture, preflight and training call this before any weights load."""
+    report = validate_pair(target, draft)
+    if report.family != family:
+        raise FamilyError(
+            f"recipe says `[model].family = \"{family}\"` but target `{target}` is a `{report.family}` checkpoint\n"
+            f"hint: set `family = \"{report.family}\"` in the recipe's `[model]` section"
+        )
+    return report
+
+
 def _raise(probs: list[Problem], what: str) -> None:
     if not probs:
         return
@@ -477,6 +490,7 @@ def _raise(probs: list[Problem], what: str) -> None:
 
 __all__ = [
     "FAMILIES",
+    "check_recipe_pair",
     "DraftGeometry",
     "Family",
     "PairReport",

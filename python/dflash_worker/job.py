@@ -373,9 +373,11 @@ def run_export(ctx: JobContext) -> None:
     formats = ctx.spec.get("export_formats", [])
     if not isinstance(formats, list) or not all(f in ("bf16", "af4g64") for f in formats):
         raise ConfigError("`spec.export_formats` must be a list of `bf16` / `af4g64`")
+    run_dir = ctx.job_dir / RUN_DIR
     for i, fmt in enumerate(formats, 1):
-        result = export_run(ctx.job_dir / RUN_DIR, fmt=fmt, recipe=recipe)
-        _report_path(ctx, result.out_dir, "export")
+        result = export_run(run_dir, fmt=fmt, recipe=recipe)
+        step = int(json.loads((run_dir / "selection.json").read_text())["step"])
+        _report_path(ctx, result.out_dir, "export", step)
         _progress(ctx, "export", i, len(formats))
 
 
@@ -398,6 +400,8 @@ def run_evaluate(ctx: JobContext) -> None:
     n = int(report["prompts"])
     _progress(ctx, "evaluate", n, n, tau_baseline=report["baseline"]["tau_mean"], tau_trained=report["trained"]["tau_mean"])
 
+
+PIPELINE_STAGES = {"prepare", "check", "capture", "train", "export", "evaluate"}
 
 # Stage name -> runner.
 STAGES: dict[str, Callable[[JobContext], None]] = {
@@ -454,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGUSR1, on_usr1)
         _emit({"event": "progress", "phase": "starting", "step": 0, "total_steps": 0})
+        if set(doc["spec"]["stages"]) & PIPELINE_STAGES:
+            job_recipe(ctx)  # a malformed recipe fails here, before any stage writes anything
         for name in doc["spec"]["stages"]:
             log.info("stage `%s` starting", name)
             STAGES[name](ctx)

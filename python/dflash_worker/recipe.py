@@ -5,11 +5,11 @@ dataclass validated in ``__post_init__``; unknown sections and unknown keys
 are rejected with the key and the file named. Relative paths resolve against
 the directory of the recipe file, so a recipe and its data can move together.
 
-Sections known today: ``[model]`` and ``[data]`` (required), ``[capture]``
-(optional). Later stages add theirs (``[train]``, ``[export]``,
-``[evaluate]``) by defining a dataclass and one entry in ``SECTIONS``; the
-``Recipe`` already has an optional field for each, so adding a section never
-breaks existing recipes or callers.
+Sections: ``[model]`` and ``[data]`` (required), ``[capture]``, ``[train]``,
+``[export]`` and ``[evaluate]`` (each required by the stage that reads it).
+A new section is a dataclass plus one entry in ``SECTIONS``. Every key is
+explained in ``docs/training-quickstart.md``; ``docs/examples/recipe.toml`` is a
+complete example.
 
 ``Recipe.resolved()`` is the plain-dict form written into every manifest and
 ``Recipe.fingerprint()`` its sha256 over canonical JSON.
@@ -185,7 +185,7 @@ def _check_number(section: str, name: str, value: Any, lo: float, hi: float = ma
 class TrainConfig:
     """`[train]`: what to train (scope), how (objective, optimizer, schedule) and how often to
     checkpoint and validate. Defined here so parsing a recipe never imports torch; the meaning
-    of every field is documented in `dflash_worker.train` (docs/training.md)."""
+    of every field is documented in `dflash_worker.train` and docs/training-quickstart.md."""
 
     scope: str
     objective: str = "weighted_ce"
@@ -292,7 +292,7 @@ class EvaluateConfig:
         _check_device(s, self.device)
 
 
-# section name -> dataclass. Later stages add "train", "export", "evaluate" here.
+# section name -> dataclass.
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,

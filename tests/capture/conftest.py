@@ -30,9 +30,15 @@ def targets(tmp_path_factory, cap_tokenizer) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def draft_dir(tmp_path_factory) -> Path:
+def draft_dir(tmp_path_factory, targets) -> Path:
+    """A real DFlash2 draft (capture validates the target/draft pair before loading weights);
+    the dense and MoE tiny targets share hidden size, layer count and vocab, so it fits both."""
+    from transformers import AutoConfig
+
+    from dflash_worker.testing.tiny import save_tiny_dflash2_draft
+
     d = tmp_path_factory.mktemp("draft")
-    (d / "config.json").write_text(json.dumps({"architectures": ["DFlash2DraftModel"], "dflash_config": {"target_layer_ids": LAYER_IDS}}))
+    save_tiny_dflash2_draft(d, AutoConfig.from_pretrained(targets["qwen3"]), target_layer_ids=LAYER_IDS)
     return d
 
 

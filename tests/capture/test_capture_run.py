@@ -233,9 +233,18 @@ def test_draft_layers_must_fit_target(tmp_path, targets, prepared_dir):
     assert read_target_layer_ids(d) == [1, 9]
     (d / "config.json").write_text(json.dumps({"target_layer_ids": [5], "dflash_config": {"target_layer_ids": [1, 9]}}))
     assert read_target_layer_ids(d) == [1, 9]
-    r = write_recipe(tmp_path / "r.toml", target=targets["qwen3"], draft=d, data=prepared_dir, output=tmp_path / "o")
-    with pytest.raises(CheckpointError, match="layer `9`"):
+    # a real draft naming layer 9 of a 4-layer target: refused by the pair check before weights load
+    from transformers import AutoConfig
+
+    from dflash_worker.errors import FamilyError
+    from dflash_worker.testing.tiny import save_tiny_dflash2_draft
+
+    bad = tmp_path / "bad-draft"
+    save_tiny_dflash2_draft(bad, AutoConfig.from_pretrained(targets["qwen3"]), target_layer_ids=[1, 9])
+    r = write_recipe(tmp_path / "r.toml", target=targets["qwen3"], draft=bad, data=prepared_dir, output=tmp_path / "o")
+    with pytest.raises(FamilyError, match="target_layer_ids"):
         run_capture(load_recipe(r))
+    assert not (tmp_path / "o").exists()
 
 
 def test_shards_by_tokens(tmp_path, targets, draft_dir, prepared_dir):

@@ -27,9 +27,10 @@ def test_example_recipe_loads_and_resolves_relative_paths():
     assert r.model.target == EXAMPLE.parent / "models" / "Qwen3-8B"
     assert r.capture is not None and r.capture.shard_examples == 256 and r.capture.splits == ("train", "val")
     d = r.resolved()
-    assert set(d) == {"model", "data", "capture"}
+    assert set(d) == {"model", "data", "capture", "train", "export", "evaluate"}
     assert d["capture"]["splits"] == ["train", "val"] and isinstance(d["model"]["target"], str)
-    assert "train" in EXAMPLE.read_text().splitlines()[-1]  # trailing note about later sections
+    assert r.train.scope == "full" and r.train.output == EXAMPLE.parent / "runs" / "my-draft" / "train"
+    assert r.export.format == "bf16" and r.evaluate.split == "test"
 
 
 def test_minimal_recipe_defaults_and_fingerprint(tmp_path):
@@ -95,3 +96,4 @@ def test_later_sections_plug_in_without_breaking(tmp_path, monkeypatch):
     r = load_recipe(p)
     assert r.train == TrainConfig(lr=0.5)
     assert r.resolved()["train"] == {"lr": 0.5}
+

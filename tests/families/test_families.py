@@ -254,3 +254,17 @@ def test_inspect_draft(targets, tmp_path):
     assert doc["kind"] == "draft" and doc["verdict"] == "ok"
     names = {t["name"] for t in doc["tensors"]}
     assert {"fc.weight", "candidate_selector.predecessor_codebook", "layers.0.mlp_conv.base_kernel"} <= names
+
+
+def test_recipe_family_must_match_the_target(tmp_path):
+    """capture / preflight / train refuse a recipe whose `[model].family` is not the target's."""
+    from dflash_worker.families import check_recipe_pair
+    from dflash_worker.testing.tiny import save_tiny_dflash2_draft, save_tiny_target
+
+    target = tmp_path / "moe"
+    model = save_tiny_target(target, family="qwen3_moe")
+    draft = tmp_path / "draft"
+    save_tiny_dflash2_draft(draft, model.config)
+    assert check_recipe_pair(target, draft, "qwen3_moe").family == "qwen3_moe"
+    with pytest.raises(FamilyError, match=r"recipe says `\[model\].family = \"qwen3\"`.*qwen3_moe"):
+        check_recipe_pair(target, draft, "qwen3")

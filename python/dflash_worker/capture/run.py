@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 from .. import __version__
 from ..data import PreparedData, check_data, load_tokenizer, render_example, render_prompt
+from ..families import check_recipe_pair
 from ..errors import CheckpointError, DataError, ResumeError
 from ..manifest import (
     commit_file,
@@ -265,6 +266,7 @@ def run_capture(recipe: Recipe, *, on_event: EventFn | None = None) -> dict[str,
     )
     report.raise_if_failed()
     emit({"event": "data_checked", "examples": report.examples})
+    check_recipe_pair(mcfg.target, mcfg.draft, mcfg.family)  # headers and config.json only
 
     # 2. geometry
     from ..weights.loader import read_config_json

@@ -108,7 +108,11 @@ def draft_fingerprint(draft_dir: Path) -> dict[str, str]:
 
 
 def capture_fingerprint(capture_dir: Path) -> str:
-    return sha256_file(Path(capture_dir) / "manifest.json")
+    """Identity of the captured payload: the capture key (every input that shapes the bytes,
+    no paths) and each shard's sha256. Timings and absolute paths in the manifest do not count,
+    so an identical re-capture (a new job directory, a restarted attempt) resumes."""
+    manifest = json.loads((Path(capture_dir) / "manifest.json").read_text(encoding="utf-8"))
+    return fingerprint({"capture_key": manifest["capture_key"], "shards": [[s["file"], s["sha256"]] for s in manifest["shards"]]})
 
 
 def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -192,6 +196,9 @@ class Trainer:
         self.resume = resume
         if not skip_data_check:
             self._check_data()
+        from ..families import check_recipe_pair
+
+        check_recipe_pair(recipe.model.target, recipe.model.draft, recipe.model.family)
         self.identity = {
             "recipe_view": resume_view(recipe),
             "recipe_fingerprint": fingerprint(resume_view(recipe)),

@@ -105,8 +105,11 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     from .params import load_target_head
     from .scopes import includes_selector, scope_names
 
+    from ..families import check_recipe_pair
+
     cfg = recipe.require("train")
     cap = recipe.capture
+    check_recipe_pair(recipe.model.target, recipe.model.draft, recipe.model.family)
     choice = resolve_device(cfg.device)
     dev = choice.torch_device
     L = int(length or recipe.data.max_length)
