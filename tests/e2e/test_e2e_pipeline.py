@@ -1,0 +1,52 @@
+"""A real training job end to end: `run-manager --local` runs prepare, check, capture, train and evaluate
+through the native client; the export it registers with the coordinator is the file on disk, byte for byte."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from e2e_helpers import STEPS, export_model, path_from_uri, sha256_file
+
+pytestmark = pytest.mark.slow
+
+
+def test_real_pipeline_job_registers_its_export_with_a_matching_sha256(procs, baseline):
+    job = baseline.summary["jobs"][0]
+    assert job["state"] == "succeeded" and job["attempts"] == 1, json.dumps(baseline.summary, indent=1)
+    job_dir = (baseline.work / "jobs" / job["job_id"]).resolve()
+
+    # Read the record back from the coordinator's own database, through the admin
+    # CLI of a coordinator started on it after `--local` stopped the embedded one.
+    coord = procs.coordinator(baseline.work / "coordinator", lease_ttl=30)
+    shown = coord.show(baseline.summary["run_id"])
+    (rjob,) = shown["jobs"]
+    assert rjob["job_id"] == job["job_id"] and rjob["state"] == "succeeded", json.dumps(shown, indent=1)
+
+    model = export_model(rjob)
+    path = path_from_uri(model["uri"])
+    assert path == job_dir / "run" / "export" / "model.safetensors"
+    assert model["sha256"] == sha256_file(path) == baseline.export_sha256
+    assert int(model["size_bytes"]) == path.stat().st_size
+    # Every registered artifact is the file on disk, and the pipeline produced what it should.
+    # (Older checkpoints are pruned from disk after they were reported; the newest stay.)
+    kinds: dict[str, set[str]] = {}
+    for a in rjob["artifacts"]:
+        p = path_from_uri(a["uri"])
+        assert p.is_relative_to(job_dir), a
+        if a["kind"] != "checkpoint" or p.exists():
+            assert sha256_file(p) == a["sha256"], a
+        kinds.setdefault(a["kind"], set()).add(a["name"])
+    assert {"run/export/config.json", "run/export/manifest.json", "run/export/model.safetensors"} <= kinds["export"]
+    assert {"eval/report.json"} <= kinds["report"]
+    assert "data/manifest.json" in kinds["manifest"] and "capture/manifest.json" in kinds["capture"]
+    final = f"run/checkpoints/step-{STEPS:08d}/trainable.safetensors"
+    assert final in kinds["checkpoint"] and (job_dir / final).is_file(), sorted(kinds["checkpoint"])
+    selection = json.loads((job_dir / "run" / "selection.json").read_text())
+    assert selection["step"] == STEPS, selection
+
+    # The export's manifest names the weights file by the same hash.
+    manifest = json.loads((job_dir / "run" / "export" / "manifest.json").read_text())
+    assert model["sha256"] in json.dumps(manifest), manifest
+    report = json.loads((job_dir / "eval" / "report.json").read_text())
+    assert report["prompts"] == 2, report
