@@ -375,11 +375,7 @@ pub async fn run_attempt(
         Decision::Run {
             local_ranks,
             downgrades,
-            notes,
         } => {
-            for n in &notes {
-                tracing::warn!(job_id = %job_id, "{n}");
-            }
             for d in &downgrades {
                 tracing::warn!(job_id = %job_id, "downgrade: {} -> {} ({})", d.feature, d.replacement, d.reason);
             }

@@ -11,7 +11,7 @@
 //!   lease is handed back RETRYABLE so another provider can take it.
 //! - checkpoints: `ephemeral` runs are refused in native mode (their
 //!   checkpoints would live only on this machine): FAILED.
-//! - ranks: off CUDA a job runs one local rank; more is downgraded to 1.
+//! - ranks: off CUDA a job runs one local rank; a job wanting more is refused: FAILED.
 //!   On CUDA a job wanting more ranks than GPUs is refused: FAILED.
 //! - features: the backend's own name (`cuda`, `mps`, `cpu`) is a hard
 //!   requirement (refused: FAILED). The CUDA-only speed features are
@@ -57,7 +57,6 @@ pub enum Decision {
     Run {
         local_ranks: u32,
         downgrades: Vec<Downgrade>,
-        notes: Vec<String>,
     },
     /// Do not launch; finish the attempt with `outcome` and `message`.
     Refuse {
@@ -110,7 +109,6 @@ pub fn preflight(lease: &Lease, ctx: &PolicyContext) -> Decision {
     }
 
     // Ranks.
-    let mut notes = Vec::new();
     let wanted = lease.local_ranks.max(1);
     let local_ranks = if on_cuda {
         if wanted > caps.device_count {
@@ -121,9 +119,12 @@ pub fn preflight(lease: &Lease, ctx: &PolicyContext) -> Decision {
         }
         wanted
     } else {
+        // One local rank off CUDA: a multi-rank job would silently change its batch
+        // and numerics if squeezed into one rank, so it is refused, not downgraded.
         if wanted > 1 {
-            notes.push(format!(
-                "job `{}` asked for {wanted} local ranks; `{}` runs one rank (downgraded to 1)",
+            return refuse(format!(
+                "job `{}` wants {wanted} local ranks but `{}` providers run one local rank\n\
+                 hint: multi-rank runs need a CUDA provider; set `max_local_ranks` to 1 for other providers",
                 lease.job_id, caps.backend
             ));
         }
@@ -168,7 +169,6 @@ pub fn preflight(lease: &Lease, ctx: &PolicyContext) -> Decision {
     Decision::Run {
         local_ranks,
         downgrades,
-        notes,
     }
 }
 
@@ -221,8 +221,7 @@ mod tests {
             preflight(&lease(), &ctx("cpu")),
             Decision::Run {
                 local_ranks: 1,
-                downgrades: vec![],
-                notes: vec![]
+                downgrades: vec![]
             }
         );
     }
@@ -265,14 +264,17 @@ mod tests {
     fn one_rank_off_cuda() {
         let mut l = lease();
         l.local_ranks = 4;
-        let Decision::Run {
-            local_ranks, notes, ..
-        } = preflight(&l, &ctx("mps"))
-        else {
+        for backend in ["mps", "cpu"] {
+            assert!(matches!(
+                preflight(&l, &ctx(backend)),
+                Decision::Refuse { outcome: AttemptOutcome::Failed, ref message } if message.contains("one local rank")
+            ));
+        }
+        l.local_ranks = 1;
+        let Decision::Run { local_ranks, .. } = preflight(&l, &ctx("mps")) else {
             panic!()
         };
         assert_eq!(local_ranks, 1);
-        assert_eq!(notes.len(), 1);
         l.local_ranks = 2;
         let Decision::Run { local_ranks, .. } = preflight(&l, &ctx("cuda")) else {
             panic!()
