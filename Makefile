@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dflash-worker/cargo-target
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-python test-rust proto lock
+.PHONY: install demo test test-python test-rust proto lock bench-effectiveness
 
 install:
 	@scripts/setup-env.sh
@@ -37,3 +37,7 @@ proto:
 
 lock:
 	@scripts/lock.sh
+
+# Does adaptation raise acceptance on a held-out domain? (docs/effectiveness.md; ~20 min cold)
+bench-effectiveness: install
+	$(PY) bench/effectiveness.py $(BENCH_ARGS)

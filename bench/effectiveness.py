@@ -1,0 +1,777 @@
+"""Effectiveness benchmark: does adapting a released DFlash2 draft raise acceptance on a held-out domain?
+
+Everything is built on this machine from text every Python install ships (no downloads):
+
+1. corpora (deterministic: sorted paths, fixed caps, sha256 of every file recorded)
+   - general prose: `/usr/share/common-licenses/*`, `/usr/share/doc/*/copyright`, Python's `LICENSE.txt`;
+   - general code: a fixed list of stdlib modules (`GENERAL_CODE`);
+   - own domain: a DISTINCT fixed list of stdlib modules (`OWN_CODE`), one row per documented function:
+     prompt = `# <module path>` + signature + docstring, response = the function body.
+2. a byte-level BPE tokenizer trained on the general corpus, with the project's Qwen3-style chat template;
+3. a small dense Qwen3 teacher pretrained for a bounded time (`--teacher-minutes`) with plain next-token CE
+   on chat-rendered general rows plus general-code function rows (so the teacher knows the
+   signature -> body task; the released draft never sees that format), cached by a key of
+   (corpus hashes, config, budget);
+4. a "released" draft: a fresh `build_draft`, trained by this project (scope `full`) on the general
+   domain only, with the teacher's own greedy responses (capture `regenerate = true`), exported BF16, cached;
+5. per seed: own-domain modules split train/val/test BY MODULE (seeded), `prepare_data`, `check_data`,
+   `run_capture` (teacher greedy responses), train each recipe, export, and evaluate released vs adapted
+   by greedy speculative generation against the teacher on the own-domain test modules and on the
+   general held-out split, with the teacher's plain greedy decoding timed on the same prompts.
+
+Outputs: `bench/out/effectiveness/report.{md,json}` and PNG plots; caches under
+`bench/out/effectiveness/cache/`. Run: `.venv/bin/python bench/effectiveness.py [--quick] [--seeds N]
+[--teacher-minutes M]`; see docs/effectiveness.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import sysconfig
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "out" / "effectiveness"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+# General-domain code (teacher pretraining, released draft) and the own domain (adaptation, evaluation):
+# disjoint module sets, so the own domain is code the released draft has never been trained on.
+GENERAL_CODE = (
+    "argparse.py", "textwrap.py", "string.py", "shutil.py", "tempfile.py", "csv.py", "fractions.py",
+    "statistics.py", "heapq.py", "bisect.py", "functools.py", "contextlib.py", "dataclasses.py", "enum.py",
+    "pathlib.py", "pprint.py", "random.py", "difflib.py", "calendar.py", "configparser.py",
+    "json/__init__.py", "json/decoder.py", "json/encoder.py", "collections/__init__.py", "glob.py",
+    "fnmatch.py", "copy.py", "operator.py", "inspect.py", "typing.py", "weakref.py", "abc.py",
+)
+OWN_CODE = (
+    "email/_header_value_parser.py", "email/_parseaddr.py", "email/_policybase.py", "email/base64mime.py",
+    "email/charset.py", "email/contentmanager.py", "email/encoders.py", "email/feedparser.py",
+    "email/generator.py", "email/header.py", "email/headerregistry.py", "email/iterators.py",
+    "email/message.py", "email/parser.py", "email/policy.py", "email/quoprimime.py", "email/utils.py",
+    "http/client.py", "http/cookiejar.py", "http/cookies.py", "http/server.py", "urllib/parse.py",
+    "urllib/request.py", "urllib/robotparser.py", "urllib/error.py", "logging/__init__.py",
+    "logging/config.py", "logging/handlers.py", "xml/etree/ElementTree.py", "xml/dom/minidom.py",
+    "xml/dom/pulldom.py", "xml/sax/saxutils.py", "html/__init__.py", "html/parser.py",
+    "wsgiref/handlers.py", "wsgiref/headers.py", "wsgiref/util.py", "wsgiref/validate.py", "smtplib.py",
+    "imaplib.py", "poplib.py", "ftplib.py", "mailbox.py", "mimetypes.py", "base64.py", "quopri.py",
+    "socketserver.py", "ssl.py", "tarfile.py", "zipfile.py", "gzip.py", "plistlib.py",
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes of one benchmark run. `full` is the default; `quick` and `smoke` shrink everything."""
+
+    name: str = "full"
+    vocab: int = 2048
+    prose_bytes: int = 600_000
+    code_files: int = 0  # use only the first N modules of each code list (0: all)
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    teacher_seq: int = 192
+    teacher_batch: int = 8
+    teacher_lr: float = 2e-3
+    general_rows: int = 360  # cap of general rows given to prepare-data (released draft data)
+    own_train_rows: int = 240  # cap of own-domain rows from the train modules
+    block_size: int = 8
+    draft_layers: int = 2
+    capture_new_tokens: int = 64
+    max_length: int = 512
+    released_steps: int = 600
+    released_lr: float = 2e-3
+    recipe_steps: int = 200
+    recipe_lr: float = 5e-4
+    blocks_per_sequence: int = 8
+    eval_prompts: int = 16
+    eval_new_tokens: int = 64
+    recipes: tuple[str, ...] = ("selector", "recall", "full", "full_prefix_survival", "full_qat_af4g64")
+
+
+PRESETS = {
+    "full": Settings(),
+    "quick": Settings(name="quick", prose_bytes=250_000, hidden=128, layers=4, teacher_seq=128, general_rows=160,
+                      own_train_rows=120, capture_new_tokens=48, released_steps=120, recipe_steps=60,
+                      eval_prompts=8, eval_new_tokens=48),
+    # machinery check only (tests): every phase, miniature sizes; the numbers mean nothing
+    "smoke": Settings(name="smoke", vocab=400, prose_bytes=20_000, code_files=4, hidden=64, layers=2, teacher_seq=64,
+                      teacher_batch=4, general_rows=40, own_train_rows=16, block_size=4, capture_new_tokens=8,
+                      max_length=1024, released_steps=3, recipe_steps=2, blocks_per_sequence=2, eval_prompts=2,
+                      eval_new_tokens=8, recipes=("selector", "full_qat_af4g64")),
+}
+
+# recipe name -> [train] overrides (on top of the common keys in `_train_table`) and export format
+RECIPES: dict[str, tuple[dict[str, Any], str]] = {
+    "selector": ({"scope": "selector"}, "bf16"),
+    "recall": ({"scope": "recall"}, "bf16"),
+    "full": ({"scope": "full", "objective": "weighted_ce"}, "bf16"),
+    "full_prefix_survival": ({"scope": "full", "objective": "prefix_survival"}, "bf16"),
+    "full_qat_af4g64": ({"scope": "full", "objective": "weighted_ce", "qat": "af4g64", "qat_scope": "full_projection"},
+                        "af4g64"),
+}
+# Control: the same `full` training, from the released draft, on the released draft's own general-domain
+# data. Its own-domain change is what "more training" alone buys; the adapted recipes must beat it.
+CONTROL = "control_full_general"
+GOAL_GAIN = 0.15  # full-draft adaptation must raise own-domain tau by >= 15%
+GOAL_REGRESSION = 0.05  # ... while losing <= 5% on the general domain
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def progress(label: str, every_s: float = 30.0):
+    """An `on_event` callback that logs the latest index/step at most every `every_s` seconds."""
+    last = [time.perf_counter()]
+
+    def cb(e: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if now - last[0] < every_s:
+            return
+        last[0] = now
+        if "index" in e and "total" in e:
+            log(f"  {label}: example {e['index'] + 1}/{e['total']}")
+        elif "step" in e:
+            log(f"  {label}: step {e['step']}" + (f"/{e['total_steps']}" if "total_steps" in e else ""))
+
+    return cb
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def key_of(obj: Any) -> str:
+    return sha256_bytes(json.dumps(obj, sort_keys=True, default=str).encode())[:16]
+
+
+# ---------------------------------------------------------------------------------------------- corpora
+
+@dataclass
+class Corpus:
+    prose: list[str]
+    general_code: list[tuple[str, str]]  # (relpath, source)
+    own_code: list[tuple[str, str]]
+    files: list[dict[str, str]] = field(default_factory=list)  # {"path", "sha256", "role"}
+
+    def key(self) -> str:
+        return key_of(self.files)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
+
+
+def collect_corpus(s: Settings) -> Corpus:
+    """The three corpora from files on this machine, in sorted order, deduplicated by content."""
+    files: list[dict[str, str]] = []
+    seen: set[str] = set()
+    prose: list[str] = []
+    total = 0
+    candidates = [Path(p) for p in sorted(glob.glob("/usr/share/common-licenses/*"))]
+    candidates += [Path(p) for p in sorted(glob.glob("/usr/share/doc/*/copyright"))]
+    candidates.append(STDLIB / "LICENSE.txt")
+    for p in candidates:
+        if total >= s.prose_bytes or not p.is_file():
+            continue
+        text = _read(p)
+        if not text or not text.strip():
+            continue
+        h = sha256_bytes(text.encode())
+        if h in seen:
+            continue
+        seen.add(h)
+        text = text[: s.prose_bytes - total]
+        total += len(text)
+        prose.append(text)
+        files.append({"path": str(p), "sha256": h, "role": "prose"})
+
+    def code(names: tuple[str, ...], role: str) -> list[tuple[str, str]]:
+        out = []
+        for rel in names[: s.code_files or None]:
+            p = STDLIB / rel
+            text = _read(p)
+            if text is None:
+                continue  # a module this Python lacks; the sha256 list records what was used
+            out.append((rel, text))
+            files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": role})
+        return out
+
+    return Corpus(prose, code(GENERAL_CODE, "general_code"), code(OWN_CODE, "own_code"), files)
+
+
+def function_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[dict[str, str]]:
+    """Rows of one module: prompt = `# rel` + signature + docstring, response = the body (capped)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    lines = source.splitlines()
+    rows = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(node)
+        body = node.body
+        if not doc or len(body) < 2:
+            continue
+        head = "\n".join(lines[node.lineno - 1 : body[0].end_lineno])  # decorators are left out on purpose
+        rest = lines[body[1].lineno - 1 : node.end_lineno][:max_body_lines]
+        rest_text = textwrap.dedent("\n".join(rest)).strip("\n")
+        if len(rest_text.strip()) < 20 or len(head) > 900:
+            continue  # trivial bodies teach nothing; very long docstrings would exceed `max_length`
+        prompt = f"# {rel}\n{textwrap.dedent(head)}"
+        rows.append({"prompt": prompt, "response": rest_text, "source": rel.replace("/", ".")})
+    return rows
+
+
+def chunk_rows(text: str, source: str, *, prompt_chars: int, response_chars: int) -> list[dict[str, str]]:
+    """Continuation rows: consecutive `prompt_chars` + `response_chars` windows cut at line ends."""
+    rows = []
+    pos = 0
+    while pos < len(text):
+        p_end = text.find("\n", pos + prompt_chars)
+        if p_end < 0:
+            break
+        r_end = text.find("\n", p_end + 1 + response_chars)
+        r_end = len(text) if r_end < 0 else r_end
+        prompt, response = text[pos:p_end].strip(), text[p_end + 1 : r_end].strip()
+        if len(prompt) > 40 and len(response) > 40:
+            rows.append({"prompt": prompt, "response": response, "source": source})
+        pos = r_end + 1
+    return rows
+
+
+def general_rows(c: Corpus, s: Settings) -> list[dict[str, str]]:
+    rows = []
+    for i, t in enumerate(c.prose):
+        rows += chunk_rows(t, f"prose{i}", prompt_chars=240, response_chars=320)
+    for rel, src in c.general_code:
+        rows += chunk_rows(src, rel.replace("/", "."), prompt_chars=320, response_chars=320)
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows))
+    return path
+
+
+def chat_text(prompt: str, response: str) -> str:
+    """The Qwen3-style rendering (thinking off) of one finished exchange, as the teacher sees it."""
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{response}<|im_end|>\n"
+
+
+# ---------------------------------------------------------------------------------------------- teacher
+
+def build_tokenizer(texts: list[str], vocab: int):
+    """Byte-level BPE trained on `texts`, wrapped with the project's Qwen3-style chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_worker.testing.tokenizer import IM_END, IM_START, PAD_TOKEN, QWEN3_STYLE_CHAT_TEMPLATE, SPECIAL_TOKENS, THINK_END, THINK_START
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN,
+                                   extra_special_tokens=[IM_START, THINK_START, THINK_END], model_max_length=1 << 20)
+    fast.chat_template = QWEN3_STYLE_CHAT_TEMPLATE
+    return fast
+
+
+def teacher_texts(c: Corpus, s: Settings) -> list[str]:
+    """Chat-rendered general rows + general-code function rows (never the own domain)."""
+    texts = [chat_text(r["prompt"], r["response"]) for r in general_rows(c, s)]
+    for rel, src in c.general_code:
+        texts += [chat_text(r["prompt"], r["response"]) for r in function_rows(rel, src)]
+    random.Random(0).shuffle(texts)
+    return texts
+
+
+def build_teacher(c: Corpus, s: Settings, minutes: float, cache: Path) -> tuple[Path, dict[str, Any]]:
+    """Train (or reuse) the teacher; returns its checkpoint dir and metadata."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg_key = {"corpus": c.key(), "settings": [s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.teacher_seq,
+                                                 s.teacher_batch, s.teacher_lr], "minutes": minutes, "v": 1}
+    out = cache / f"teacher-{key_of(cfg_key)}"
+    if (out / "teacher.json").is_file():
+        return out, json.loads((out / "teacher.json").read_text())
+    texts = teacher_texts(c, s)
+    tok = build_tokenizer(texts, s.vocab)
+    from dflash_worker.testing.tokenizer import IM_END, PAD_TOKEN
+
+    ids: list[int] = []
+    for t in texts:
+        ids += tok(t, add_special_tokens=False)["input_ids"]
+    stream = torch.tensor(ids, dtype=torch.long)
+    config = Qwen3Config(
+        vocab_size=len(tok), hidden_size=s.hidden, intermediate_size=3 * s.hidden, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.hidden // s.heads,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        eos_token_id=tok.convert_tokens_to_ids(IM_END), pad_token_id=tok.convert_tokens_to_ids(PAD_TOKEN),
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=s.teacher_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(0)
+    budget = minutes * 60.0
+    t0 = time.perf_counter()
+    step, losses = 0, []
+    L = s.teacher_seq
+    while True:
+        elapsed = time.perf_counter() - t0
+        if elapsed >= budget:
+            break
+        # lr follows elapsed time: linear warmup over 3% of the budget, cosine to 10% after
+        frac = elapsed / budget
+        warm = min(1.0, frac / 0.03)
+        lr = s.teacher_lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, len(stream) - L - 1, (s.teacher_batch,), generator=gen)
+        batch = torch.stack([stream[i : i + L] for i in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        step += 1
+        if step % 100 == 0:
+            log(f"  teacher step {step}  loss {statistics.fmean(losses[-100:]):.3f}  {elapsed / 60:.1f}/{minutes} min")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.eval().save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    meta = {"key": cfg_key, "steps": step, "tokens_in_corpus": len(ids), "tokens_seen": step * s.teacher_batch * L,
+            "first_loss": statistics.fmean(losses[:20]) if losses else None,
+            "final_loss": statistics.fmean(losses[-50:]) if losses else None, "seconds": time.perf_counter() - t0,
+            "vocab": len(tok), "params": sum(p.numel() for p in model.parameters())}
+    (tmp / "teacher.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out, meta
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+
+def _recipe(target: Path, draft: Path, data: Path, capture: Path, s: Settings, *, splits=("train", "val")) -> dict:
+    return {
+        "model": {"target": str(target), "draft": str(draft), "family": "qwen3"},
+        "data": {"dir": str(data), "thinking": "off", "max_length": s.max_length},
+        "capture": {"output": str(capture), "dtype": "float32", "splits": list(splits), "device": "cpu",
+                    "regenerate": True, "sampling": "greedy", "max_new_tokens": s.capture_new_tokens},
+    }
+
+
+def _train_table(s: Settings, *, steps: int, lr: float, seed: int, out: Path, **over: Any) -> dict:
+    every = max(1, steps // 4)
+    t = {"steps": steps, "lr": lr, "blocks_per_sequence": s.blocks_per_sequence, "val_every": every,
+         "checkpoint_every": every, "keep_checkpoints": 2, "val_examples": 32, "device": "cpu",
+         "warmup_steps": max(1, steps // 20), "seed": seed, "output": str(out)}
+    t.update(over)
+    return t
+
+
+def prepare_check_capture(rows_file: Path, work: Path, target: Path, draft: Path, s: Settings, *, seed: int,
+                          val_fraction: float, test_fraction: float) -> tuple[dict, dict]:
+    """prepare-data -> check-data -> capture (teacher greedy responses). Returns (recipe dict, info)."""
+    from dflash_worker.capture import run_capture
+    from dflash_worker.data import check_data, prepare_data
+    from dflash_worker.recipe import recipe_from_dict
+
+    data, capture = work / "data", work / "capture"
+    man = prepare_data([rows_file], data, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction)
+    rep = check_data(data, target, thinking="off", max_length=s.max_length, regenerate=True, splits=("train", "val"))
+    rep.raise_if_failed()
+    raw = _recipe(target, draft, data, capture, s)
+    run_capture(recipe_from_dict(raw, base=work), on_event=progress(f"capture {work.name}"))
+    return raw, {"splits": man.get("counts", man.get("splits")), "checked": rep.examples}
+
+
+def train_and_export(raw: dict, run: Path, train_table: dict, fmt: str) -> dict:
+    from dflash_worker.recipe import recipe_from_dict
+    from dflash_worker.train import train
+    from dflash_worker.train.export_run import export_run
+
+    raw = dict(raw, train=train_table, export={"format": fmt})
+    shutil.rmtree(run, ignore_errors=True)
+    recipe = recipe_from_dict(raw, base=run.parent)
+    res = train(recipe, run_dir=run, on_event=progress(f"train {run.name}"))
+    export_run(run, fmt=fmt, recipe=recipe)
+    sel = json.loads((run / "selection.json").read_text()) if (run / "selection.json").is_file() else {}
+    return {"selection_step": sel.get("step"), "result": getattr(res, "status", None)}
+
+
+def build_released(target: Path, c: Corpus, s: Settings, cache: Path, teacher_key: str) -> tuple[Path, dict]:
+    """Fresh `build_draft`, trained scope `full` on the general domain, exported BF16 (cached)."""
+    import torch
+
+    from dflash_worker.model import DraftConfig, build_draft, save_draft
+    from dflash_worker.testing.tiny_draft import tiny_dflash2_config
+    from dflash_worker.testing.world import target_config
+
+    key = key_of({"teacher": teacher_key, "s": asdict(s), "v": 1})
+    root = cache / f"released-{key}"
+    released = root / "run" / "export"
+    if (root / "done.json").is_file():
+        return root, json.loads((root / "done.json").read_text())
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    tcfg = target_config(target)
+    cfg = tiny_dflash2_config(tcfg, num_hidden_layers=s.draft_layers, block_size=s.block_size, selector_top_k=8,
+                              selector_rank=16, mask_token_id=tcfg.vocab_size - 1)
+    init = root / "init"
+    save_draft(build_draft(DraftConfig.from_dict(cfg), seed=0), init, dtype=torch.bfloat16)
+    rows = general_rows(c, s)
+    rows = sorted(random.Random(0).sample(rows, min(len(rows), s.general_rows)), key=lambda r: (r["source"], r["prompt"]))
+    rows_file = write_jsonl(root / "general.jsonl", rows)
+    raw, info = prepare_check_capture(rows_file, root, target, init, s, seed=0, val_fraction=0.1, test_fraction=0.15)
+    t = _train_table(s, steps=s.released_steps, lr=s.released_lr, seed=0, out=root / "run", scope="full")
+    info["train"] = train_and_export(raw, root / "run", t, "bf16")
+    info["rows"] = len(rows)
+    (root / "done.json").write_text(json.dumps(info, indent=2))
+    assert released.is_dir()
+    return root, info
+
+
+def own_split(c: Corpus, seed: int) -> dict[str, list[str]]:
+    """Own-domain modules split by module (seeded): ~20% test, ~12% val, the rest train."""
+    mods = [rel for rel, _ in c.own_code]
+    rng = random.Random(1000 + seed)
+    rng.shuffle(mods)
+    n_test = max(1, round(0.2 * len(mods)))
+    n_val = max(1, round(0.12 * len(mods)))
+    return {"test": sorted(mods[:n_test]), "val": sorted(mods[n_test : n_test + n_val]),
+            "train": sorted(mods[n_test + n_val :])}
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+def held_out_prompts(tokenizer, rows: list[dict[str, str]], n: int, seed: int) -> list[tuple[str, list[int]]]:
+    from dflash_worker.data import render_prompt
+
+    if not rows:
+        from dflash_worker.errors import DataError
+
+        raise DataError("no held-out rows to evaluate\nhint: use more modules (`code_files`) or more prose")
+    picked = random.Random(seed).sample(rows, min(n, len(rows)))
+    return [(r["source"], render_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}], thinking="off"))
+            for r in picked]
+
+
+def measure(drafts: dict[str, Any], target, prompts, s: Settings, stop: list[int]) -> dict[str, Any]:
+    """Greedy decoding and speculative generation with each draft on the same prompts, timed."""
+    import torch
+
+    from dflash_worker.evaluate import greedy_generate, speculative_generate
+    from dflash_worker.evaluate.report import step_stats
+
+    out: dict[str, Any] = {"greedy_seconds": 0.0, "drafts": {n: {"tau": [], "seconds": 0.0, "lossless": True} for n in drafts}}
+    # untimed warm-up: the first call of each path pays one-off allocation and dispatch costs
+    if prompts:
+        x = torch.tensor([prompts[0][1]], dtype=torch.long)
+        greedy_generate(target, x, max_new_tokens=4, stop_token_ids=stop)
+        for d in drafts.values():
+            speculative_generate(d, target, x, max_new_tokens=4, stop_token_ids=stop)
+    for _, ids in prompts:
+        x = torch.tensor([ids], dtype=torch.long)
+        t0 = time.perf_counter()
+        ref = greedy_generate(target, x, max_new_tokens=s.eval_new_tokens, stop_token_ids=stop)
+        out["greedy_seconds"] += time.perf_counter() - t0
+        out.setdefault("sample_new_ids", ref[0, len(ids):].tolist())  # first prompt's teacher output
+        for name, d in drafts.items():
+            t0 = time.perf_counter()
+            res = speculative_generate(d, target, x, max_new_tokens=s.eval_new_tokens, stop_token_ids=stop)
+            rec = out["drafts"][name]
+            rec["seconds"] += time.perf_counter() - t0
+            rec["tau"].append(step_stats(res.acceptance_lengths, d.block_size)["tau"])
+            rec["lossless"] &= res.output_ids[0].tolist() == ref[0].tolist()
+    return out
+
+
+def load_trained(run: Path, fmt: str):
+    """The adapted draft as the loader will see it: the BF16 export, or the AF4G64 values."""
+    import torch
+
+    from dflash_worker.evaluate.report import _trained_draft
+    from dflash_worker.model import load_draft
+    from dflash_worker.train.export_run import recipe_from_state
+
+    if fmt == "bf16":
+        return load_draft(run / "export", device=torch.device("cpu"), dtype=torch.float32)
+    sel = json.loads((run / "selection.json").read_text())
+    model, _ = _trained_draft(run, recipe_from_state(run, sel), torch.device("cpu"), sel)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else (float("nan"), 0.0)
+
+
+def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path) -> dict[str, Any]:
+    import torch
+
+    from dflash_worker.data import load_tokenizer
+    from dflash_worker.evaluate.report import verdict
+    from dflash_worker.model import load_draft
+    from dflash_worker.weights import load_model
+
+    # one intra-op thread: these models are tiny, and on a shared, oversubscribed 2-core box a
+    # second spinning OpenMP thread costs more than it gains
+    torch.set_num_threads(1)
+    out = Path(out).resolve()  # recipes resolve relative paths against their own directory
+    cache = out / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    phases: dict[str, float] = {}
+    t_all = time.perf_counter()
+
+    def phase(name: str, t0: float) -> None:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+        log(f"[{time.perf_counter() - t_all:7.1f}s] {name}: {time.perf_counter() - t0:.1f}s")
+
+    t0 = time.perf_counter()
+    corpus = collect_corpus(s)
+    phase("corpus", t0)
+    t0 = time.perf_counter()
+    target, tmeta = build_teacher(corpus, s, teacher_minutes, cache)
+    phase("teacher", t0)
+    t0 = time.perf_counter()
+    rel_root, rel_info = build_released(target, corpus, s, cache, target.name)
+    released = rel_root / "run" / "export"
+    phase("released_draft", t0)
+
+    tokenizer = load_tokenizer(target)
+    stop = [tokenizer.eos_token_id]
+    teacher = load_model(target, device=torch.device("cpu"), dtype=torch.float32)
+    base_draft = load_draft(released, device=torch.device("cpu"), dtype=torch.float32)
+    from dflash_worker.data import PreparedData
+
+    gen_rows = [{"prompt": ex.prompt_messages[-1]["content"], "source": "general"}
+                for ex in PreparedData(rel_root / "data").iter_split("test")]
+    own_rows_by_mod = {rel: function_rows(rel, src) for rel, src in corpus.own_code}
+
+    per_seed = []
+    for seed in range(seeds):
+        sd = out / "seeds" / f"seed{seed}"
+        shutil.rmtree(sd, ignore_errors=True)
+        sd.mkdir(parents=True)
+        split = own_split(corpus, seed)
+        t0 = time.perf_counter()
+        # modules of `train`/`val` go through prepare-data (its own prompt-grouped val split picks
+        # checkpoints); the test modules never enter prepare-data or capture at all.
+        fit_rows = [r for m in split["train"] + split["val"] for r in own_rows_by_mod[m]]
+        fit_rows = sorted(random.Random(seed).sample(fit_rows, min(len(fit_rows), s.own_train_rows)),
+                          key=lambda r: (r["source"], r["prompt"]))
+        rows_file = write_jsonl(sd / "own.jsonl", fit_rows)
+        raw, info = prepare_check_capture(rows_file, sd, target, released, s, seed=seed, val_fraction=0.12,
+                                          test_fraction=0.0)
+        phase("own_prepare_check_capture", t0)
+        test_rows = [r for m in split["test"] for r in own_rows_by_mod[m]]
+        own_prompts = held_out_prompts(tokenizer, test_rows, s.eval_prompts, seed)
+        gen_prompts = held_out_prompts(tokenizer, gen_rows, s.eval_prompts, 0)
+        drafts = {"released": base_draft}
+        train_info = {}
+        for name in s.recipes:
+            t0 = time.perf_counter()
+            over, fmt = RECIPES[name]
+            run = sd / "runs" / name
+            table = _train_table(s, steps=s.recipe_steps, lr=s.recipe_lr, seed=seed, out=run, **over)
+            train_info[name] = train_and_export(raw, run, table, fmt)
+            drafts[name] = load_trained(run, fmt)
+            phase(f"train_{name}", t0)
+        t0 = time.perf_counter()
+        run = sd / "runs" / CONTROL
+        ctrl_raw = _recipe(target, released, rel_root / "data", rel_root / "capture", s)
+        table = _train_table(s, steps=s.recipe_steps, lr=s.recipe_lr, seed=seed, out=run, scope="full")
+        train_info[CONTROL] = train_and_export(ctrl_raw, run, table, "bf16")
+        drafts[CONTROL] = load_trained(run, "bf16")
+        phase(f"train_{CONTROL}", t0)
+        t0 = time.perf_counter()
+        own_m = measure(drafts, teacher, own_prompts, s, stop)
+        gen_m = measure(drafts, teacher, gen_prompts, s, stop)
+        phase("evaluate", t0)
+        for m in (own_m, gen_m):
+            m["sample_text"] = tokenizer.decode(m.pop("sample_new_ids", []))
+        per_seed.append({"seed": seed, "split": split, "data": info, "train": train_info, "own": own_m,
+                         "general": gen_m, "own_prompts": [p for p, _ in own_prompts]})
+        for name in drafts:
+            if name == "released":
+                continue
+            o, g = own_m["drafts"], gen_m["drafts"]
+            log(f"  seed {seed} {name:22s} own tau {statistics.fmean(o['released']['tau']):.3f} -> "
+                f"{statistics.fmean(o[name]['tau']):.3f}   general {statistics.fmean(g['released']['tau']):.3f} -> "
+                f"{statistics.fmean(g[name]['tau']):.3f}")
+        (out / "partial.json").write_text(json.dumps(per_seed, indent=1))
+
+    # ------------------------------------------------------------------ aggregate
+    rows = []
+    for name in (*s.recipes, CONTROL):
+        r: dict[str, Any] = {"recipe": name}
+        for dom in ("own", "general"):
+            before = [statistics.fmean(ps[dom]["drafts"]["released"]["tau"]) for ps in per_seed]
+            after = [statistics.fmean(ps[dom]["drafts"][name]["tau"]) for ps in per_seed]
+            counts = {"improved": 0, "tied": 0, "regressed": 0}
+            for ps in per_seed:
+                for a, b in zip(ps[dom]["drafts"][name]["tau"], ps[dom]["drafts"]["released"]["tau"]):
+                    counts[verdict(a, b, 0.02)] += 1
+            greedy = sum(ps[dom]["greedy_seconds"] for ps in per_seed)
+            r[dom] = {"before": mean_std(before), "after": mean_std(after),
+                      "change": statistics.fmean(after) / statistics.fmean(before) - 1.0, "counts": counts,
+                      "speedup_released": greedy / sum(ps[dom]["drafts"]["released"]["seconds"] for ps in per_seed),
+                      "speedup": greedy / sum(ps[dom]["drafts"][name]["seconds"] for ps in per_seed),
+                      "lossless": all(ps[dom]["drafts"][name]["lossless"] for ps in per_seed)}
+        rows.append(r)
+    total = time.perf_counter() - t_all
+    phases["total"] = total
+    full = next((r for r in rows if r["recipe"] == "full"), None)
+    if full is None:
+        goal = "goal not evaluated: recipe `full` was not run"
+    else:
+        ok = full["own"]["change"] >= GOAL_GAIN and full["general"]["change"] >= -GOAL_REGRESSION
+        goal = (f"goal {'MET' if ok else 'NOT MET'}: full-draft adaptation changed held-out own-domain tau by "
+                f"{full['own']['change'] * 100:+.1f}% (goal >= +{GOAL_GAIN * 100:.0f}%) and general-domain tau by "
+                f"{full['general']['change'] * 100:+.1f}% (goal >= -{GOAL_REGRESSION * 100:.0f}%)")
+    ctrl = next(r for r in rows if r["recipe"] == CONTROL)
+    if full is not None:
+        goal += (f"; the control (same training on general data) changed own-domain tau by "
+                 f"{ctrl['own']['change'] * 100:+.1f}%, so {(full['own']['change'] - ctrl['own']['change']) * 100:+.1f} "
+                 f"points of the full recipe's gain come from the own-domain data")
+    report = {"settings": asdict(s), "seeds": seeds, "teacher_minutes": teacher_minutes, "teacher": tmeta,
+              "released": rel_info, "corpus_files": corpus.files, "rows": rows, "goal": goal, "phases_seconds": phases,
+              "load_average": os.getloadavg(), "per_seed": per_seed, "torch_threads": torch.get_num_threads()}
+    write_report(report, out)
+    return report
+
+
+def fmt_ms(ms: tuple[float, float]) -> str:
+    return f"{ms[0]:.3f} ± {ms[1]:.3f}"
+
+
+def render(r: dict[str, Any]) -> str:
+    s = r["settings"]
+    la = r["load_average"]
+    lines = [
+        "# DFlash2 adaptation effectiveness",
+        "",
+        f"Preset `{s['name']}`, {r['seeds']} seed(s), teacher budget {r['teacher_minutes']} min "
+        f"({r['teacher']['steps']} steps, loss {r['teacher']['first_loss']:.2f} -> {r['teacher']['final_loss']:.2f}, "
+        f"{r['teacher']['params'] / 1e6:.2f}M params, vocab {r['teacher']['vocab']}); draft block {s['block_size']}, "
+        f"{s['draft_layers']} layers; released draft {s['released_steps']} steps on general rows; each recipe "
+        f"{s['recipe_steps']} steps; {s['eval_prompts']} held-out prompts per domain and seed, "
+        f"{s['eval_new_tokens']} new tokens, greedy.",
+        f"Load average at the end (1/5/15 min): {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} "
+        f"(machine shared with other test runs; wall times and speedups are noisy); torch threads {r['torch_threads']}.",
+        "",
+        "tau = acceptance length (tokens per verify step, bonus included); before = released draft, after = adapted; "
+        "mean ± std over seeds; counts are per prompt (tie = within 2%); speedup = teacher greedy wall time / "
+        "speculative wall time on the same prompts (released draft's speedup in brackets). "
+        f"`{CONTROL}` is not an adaptation: the same `full` training on the released draft's own general data.",
+        "",
+        "| recipe | own tau before | own tau after | own change | own impr/tied/regr | general tau before | "
+        "general tau after | general change | general impr/tied/regr | speedup own | speedup general |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        o, g = row["own"], row["general"]
+        c1, c2 = o["counts"], g["counts"]
+        lines.append(
+            f"| {row['recipe']} | {fmt_ms(o['before'])} | {fmt_ms(o['after'])} | {o['change'] * 100:+.1f}% | "
+            f"{c1['improved']}/{c1['tied']}/{c1['regressed']} | {fmt_ms(g['before'])} | {fmt_ms(g['after'])} | "
+            f"{g['change'] * 100:+.1f}% | {c2['improved']}/{c2['tied']}/{c2['regressed']} | "
+            f"{o['speedup']:.2f}x ({o['speedup_released']:.2f}x) | {g['speedup']:.2f}x ({g['speedup_released']:.2f}x) |")
+    lines += ["", f"**Verdict**: {r['goal']}.", ""]
+    for row in r["rows"]:
+        if row["recipe"] == CONTROL:
+            continue
+        if row["own"]["change"] <= 0.02:
+            lines.append(f"- recipe `{row['recipe']}` does not improve own-domain acceptance ({row['own']['change'] * 100:+.1f}%).")
+        if not (row["own"]["lossless"] and row["general"]["lossless"]):
+            lines.append(f"- recipe `{row['recipe']}`: speculative output differed from greedy on some prompt (not lossless!).")
+    ps0 = r["per_seed"][0]
+    for dom in ("own", "general"):
+        lines.append(f"Teacher greedy output on the first {dom}-domain prompt (seed 0): `{ps0[dom]['sample_text'][:160]!r}`")
+    lines += ["", "Phase times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in r["phases_seconds"].items()), "",
+              f"Corpus: {len(r['corpus_files'])} files (sha256 list in report.json).", ""]
+    return "\n".join(lines)
+
+
+def write_report(r: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(r, indent=1, default=str))
+    (out / "report.md").write_text(render(r))
+    names = [row["recipe"] for row in r["rows"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, dom in zip(axes, ("own", "general")):
+        xs = range(len(names))
+        before = [row[dom]["before"] for row in r["rows"]]
+        after = [row[dom]["after"] for row in r["rows"]]
+        ax.bar([x - 0.2 for x in xs], [b[0] for b in before], 0.4, yerr=[b[1] for b in before], label="released")
+        ax.bar([x + 0.2 for x in xs], [a[0] for a in after], 0.4, yerr=[a[1] for a in after], label="adapted")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names, rotation=20, fontsize=7)
+        ax.set_ylabel("acceptance length tau")
+        ax.set_title(f"{dom} domain (held out)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau.png", dpi=80)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=None, help="number of adaptation seeds (default 3; 1 with --quick)")
+    p.add_argument("--teacher-minutes", type=float, default=None,
+                   help="teacher pretraining budget in minutes (default 8; 1.5 with --quick); part of the cache key")
+    p.add_argument("--quick", action="store_true", help="smaller teacher, data and steps: a fast end-to-end run")
+    p.add_argument("--smoke", action="store_true", help="miniature sizes for the smoke test (numbers are meaningless)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output and cache directory (default {DEFAULT_OUT})")
+    a = p.parse_args(argv)
+    s = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
+    seeds = a.seeds if a.seeds is not None else (1 if (a.quick or a.smoke) else 3)
+    minutes = a.teacher_minutes if a.teacher_minutes is not None else (0.05 if a.smoke else 1.5 if a.quick else 8.0)
+    if seeds < 1 or not (minutes > 0):
+        p.error("--seeds must be >= 1 and --teacher-minutes > 0")
+    r = run_benchmark(s, seeds=seeds, teacher_minutes=minutes, out=a.out)
+    print(render(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
