@@ -326,3 +326,17 @@ def test_chunked_threaded_reads(tiny_target, monkeypatch, want):
     ours = load_model(path, dtype=want)
     assert_identical(ours, _reference(path, want))
     assert_tied(ours)
+
+
+def test_prefaulted_direct_reads_are_byte_identical(tiny_target, monkeypatch):
+    """With the prefault threshold at 0 every direct chunk is `madvise`d before its read."""
+    from dflash_worker.weights import stream
+
+    calls = []
+    real = stream._prefault
+    monkeypatch.setattr(stream, "_PREFAULT_MIN_BYTES", 0)
+    monkeypatch.setattr(stream, "_prefault", lambda addr, n: (calls.append(n), real(addr, n)))
+    path, _ = tiny_target("qwen3", "float32", False)
+    ours = load_model(path)
+    assert calls, "no direct chunk was prefaulted"
+    assert_identical(ours, _reference(path))

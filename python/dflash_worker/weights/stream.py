@@ -12,7 +12,9 @@ checkpoint directory, a single ``.safetensors`` file, or a caller's in-memory
    ``preadv`` directly into the destination's bytes, in chunks of at most
    `CHUNK_BYTES` spread over up to `MAX_THREADS` threads. Only when the dtype
    differs or the device is not the CPU does a chunk pass through a staging
-   buffer: one per thread, reused, at most one chunk (64 MiB) in size.
+   buffer: one per thread, reused, at most one chunk (64 MiB) in size. On
+   Linux each direct chunk's pages are prefaulted with one `madvise` call
+   before the read (see `_prefault`).
 4. Swap the new tensors into the module. Tied parameters (one tensor under two
    names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) get one
    storage shared by every name.
@@ -31,6 +33,8 @@ assembled into a whole state dict.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import re
 import sys
@@ -343,6 +347,42 @@ def _pread_into(fd: int, offset: int, view: memoryview, path: Path, key: str) ->
 
 _HAS_PREADV = hasattr(os, "preadv")
 
+# Prefaulting. A fresh destination is unbacked memory: a plain read faults it in
+# one 4 KiB page at a time, about half of the read's CPU time on a 1 GiB
+# checkpoint. `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) backs a whole range
+# in one call first, which measured ~15% less CPU for the whole read. It only
+# touches whole pages inside the destination tensor and writes nothing; where
+# it is unavailable or fails, reads fall back to ordinary page faults.
+_MADV_POPULATE_WRITE = 23
+_PAGE = mmap.PAGESIZE
+_PREFAULT_MIN_BYTES = 256 * 1024  # below this, one syscall saves nothing
+
+
+def _load_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - libc without madvise
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def _prefault(addr: int, nbytes: int) -> None:
+    """Back the whole pages inside ``[addr, addr + nbytes)`` before a read writes them (best effort)."""
+    global _madvise
+    if _madvise is None or nbytes < _PREFAULT_MIN_BYTES:
+        return
+    lo = -(-addr // _PAGE) * _PAGE
+    hi = (addr + nbytes) // _PAGE * _PAGE
+    if hi > lo and _madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+        _madvise = None  # older kernel (EINVAL) or refused: plain page faults from now on
+
 
 def _dest(item: _Item) -> torch.Tensor:
     t = item.slot.new
@@ -362,9 +402,12 @@ def _chunks(item: _Item, device: torch.device, staging: _Staging) -> list[Callab
     direct = device.type == "cpu" and item.src_dtype == dst.dtype and dst.is_contiguous()
     if direct:
         view = memoryview(_byte_view(dst))
+        addr = dst.data_ptr()
 
         def direct_read(fd: int, a: int) -> None:
-            _pread_into(fd, item.begin + a, view[a : a + step], item.file, item.key)
+            n = min(step, item.nbytes - a)
+            _prefault(addr + a, n)  # in the worker thread, so it overlaps other chunks' reads
+            _pread_into(fd, item.begin + a, view[a : a + n], item.file, item.key)
 
         return [lambda fd, a=a: direct_read(fd, a) for a in range(0, item.nbytes, step)]
     flat = dst.view(-1)
