@@ -4,14 +4,17 @@ Measured in one run, on the same weights, features, anchors and labels:
 
 - ours: `DraftModel.forward_blocks` over all M blocks of a sequence in one pass,
   logits through the frozen head, the training objectives of
-  `dflash_worker.train.objectives`, backward, AdamW (what `Trainer.train_step` runs);
+  `dflash_worker.train.objectives`, backward, fused AdamW (what `Trainer.train_step` runs);
 - naive baseline: the upstream reference `DFlash2DraftModel` (dflash==0.1.0)
   run one block at a time (context = features before the anchor, then the
-  block), the same losses, backward per block, one AdamW step.
+  block), the same losses, backward per block, one AdamW step (torch's default
+  per-tensor AdamW; ours uses the fused AdamW that `Trainer.setup` builds).
 
 Two recipes: `full` (every draft tensor, weighted CE + selector objective) and
 `selector` (the three selector tensors, selector objective). Prints tokens/s
-(block positions trained per second), the ratio ours / naive, and the peak
+(block positions trained per second, from the median step time; timed steps
+of the two variants alternate), the ratio ours / naive in wall time and in
+process CPU time (the steadier of the two on a shared machine), and the peak
 RSS of each (process VmHWM, reset before each measurement; labelled peak).
 
 Usage: .venv/bin/python bench/train.py [--steps N] [--length L] [--blocks M]
@@ -20,6 +23,7 @@ Usage: .venv/bin/python bench/train.py [--steps N] [--length L] [--blocks M]
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -29,6 +33,7 @@ from dflash_worker.model import DraftConfig, build_draft
 from dflash_worker.testing.tiny import tiny_qwen3_config
 from dflash_worker.testing.tiny_draft import tiny_dflash2_config
 from dflash_worker.train.objectives import block_labels, position_weights, selector_loss_sum, token_loss_sum, weight_total
+from dflash_worker.train.loop import _fused_adamw
 from dflash_worker.train.preflight import _PeakRSS
 from dflash_worker.train.scopes import scope_names
 
@@ -95,14 +100,29 @@ def naive_step(ref, opt, d, pw, scope, T):
     opt.zero_grad(set_to_none=True)
 
 
-def bench(name, fn, steps):
-    fn()  # warm-up (allocations, kernels)
-    with _PeakRSS() as peak:
-        t0 = time.perf_counter()
-        for _ in range(steps):
+def bench(fns, steps):
+    """{name: (median wall s/step, median process CPU s/step, peak RSS)} of each variant.
+
+    Timed steps alternate between the variants, so a load burst on a shared machine lands on
+    both instead of skewing the ratio (one variant's steps take seconds, the other's a fraction
+    of that); the peak RSS is that of one further, separately watched step of each.
+    """
+    for fn in fns.values():
+        fn()  # warm-up (allocations, kernels, optimizer state)
+    peaks = {}
+    for name, fn in fns.items():
+        with _PeakRSS() as peak:
             fn()
-        secs = time.perf_counter() - t0
-    return secs, peak.peak
+        peaks[name] = peak.peak
+    wall: dict = {n: [] for n in fns}
+    cpu: dict = {n: [] for n in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {n: (statistics.median(wall[n]), statistics.median(cpu[n]), peaks[n]) for n in fns}
 
 
 def main() -> None:
@@ -117,7 +137,7 @@ def main() -> None:
     raw, cfg, d = setup(args)
     T = cfg.block_size
     pw = position_weights(T, None)
-    tokens = args.blocks * T * args.steps
+    tokens = args.blocks * T  # per step
     print(f"config: hidden {cfg.hidden_size}, {cfg.num_layers} draft layers, vocab {cfg.vocab_size}, block {T}, "
           f"sequence {args.length}, {args.blocks} blocks/step, {args.steps} timed steps, torch threads {torch.get_num_threads()}")
     for scope in ("selector", "full"):
@@ -137,13 +157,17 @@ def main() -> None:
             p.requires_grad_(key in names)
             if key in names:
                 ref_params.append(p)
-        opt_o = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-4)
+        # ours uses the optimizer `Trainer.setup` builds (fused AdamW where torch has it); the
+        # naive baseline keeps torch's default AdamW
+        opt_o = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-4,
+                                  fused=_fused_adamw(torch.device("cpu")))
         opt_r = torch.optim.AdamW(ref_params, lr=1e-4)
-        s_n, rss_n = bench("naive", lambda: naive_step(ref, opt_r, d, pw, scope, T), args.steps)
-        s_o, rss_o = bench("ours", lambda: ours_step(ours, opt_o, d, pw, scope), args.steps)
+        r = bench({"naive": lambda: naive_step(ref, opt_r, d, pw, scope, T),
+                   "ours": lambda: ours_step(ours, opt_o, d, pw, scope)}, args.steps)
+        (s_n, c_n, rss_n), (s_o, c_o, rss_o) = r["naive"], r["ours"]
         print(f"{scope:>8}: ours {tokens / s_o:9.1f} tok/s (peak rss {rss_o / 2**20:7.1f} MiB) | "
               f"naive reference per block {tokens / s_n:9.1f} tok/s (peak rss {rss_n / 2**20:7.1f} MiB) | "
-              f"speedup {s_n / s_o:5.2f}x")
+              f"speedup {s_n / s_o:5.2f}x (cpu time {c_n / c_o:5.2f}x: {c_o * 1e3:.0f} vs {c_n * 1e3:.0f} ms/step)")
 
 
 if __name__ == "__main__":

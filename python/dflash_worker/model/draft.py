@@ -170,7 +170,16 @@ class DraftModel(nn.Module):
         weight = head if isinstance(head, torch.Tensor) else getattr(head, "weight", None)
         if weight is not None and weight.dtype != hidden.dtype:
             hidden = hidden.to(weight.dtype)  # e.g. an fp32 draft over a bf16 target head
+        if hidden.dim() > 2:
+            # one 2-D GEMM: a non-contiguous [M, T-1, H] slice would make `linear` broadcast the
+            # [V, H] head into a batched matmul, about twice the time forward and backward
+            lead = hidden.shape[:-1]
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+        else:
+            lead = None
         out = F.linear(hidden, head) if isinstance(head, torch.Tensor) else head(hidden)
+        if lead is not None:
+            out = out.view(*lead, out.shape[-1])
         mult = self.config.output_multiplier
         if mult != 1.0:
             out = out * mult
@@ -293,7 +302,15 @@ class DraftModel(nn.Module):
             if use_flex:
                 out = _flex_attend(attn, q, k_all, v_all, masks[flavour])
             else:
-                out = attn.attend(q, k_all, v_all, masks[flavour])
+                # SDPA turns a boolean mask into an additive one (0 / -inf in the query dtype) on
+                # every call, forward and backward; doing it once per flavour gives the same
+                # values, and every layer's backward shares one saved mask
+                key = (flavour, q.dtype)
+                if key not in masks:
+                    masks[key] = torch.zeros(masks[flavour].shape, dtype=q.dtype, device=dev).masked_fill_(
+                        ~masks[flavour], float("-inf")
+                    )
+                out = attn.attend(q, k_all, v_all, masks[key])
             x = layer.finish(x, out.reshape(B * M, T, H), kern)
         return self.norm(x).view(B, M, T, H)
 

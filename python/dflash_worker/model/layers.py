@@ -127,12 +127,14 @@ class DynamicBlockConv(nn.Module):
         B, T, H = x_BTH.shape
         W, G = self.kernel_size, self.groups
         x = x_BTH.view(B, T, G, self.group_size)
-        coeff = base_WH.to(x.dtype).view(1, 1, W, G, self.group_size) + dyn_BTWG.unsqueeze(-1)
+        base = base_WH.to(x.dtype).view(W, 1, 1, G, self.group_size)
         # Zero-pad W-1 steps before the block start: tap o reads the token o steps earlier.
         padded = F.pad(x, (0, 0, 0, 0, W - 1, 0))
-        out = x * coeff[:, :, 0]
+        # Per-tap coefficients (base + dyn): never materialising the [B, T, W, G, g] stack keeps
+        # its slice gradients (zero-filled full-size buffers per tap) out of the backward pass.
+        out = x * (base[0] + dyn_BTWG[:, :, 0, :, None])
         for o in range(1, W):
-            out = out + padded[:, W - 1 - o : W - 1 - o + T] * coeff[:, :, o]
+            out = out + padded[:, W - 1 - o : W - 1 - o + T] * (base[o] + dyn_BTWG[:, :, o, :, None])
         return out.view(B, T, H)
 
     def before(self, x_BTH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,7 +56,8 @@ from .objectives import (
     match_counts,
     position_weights,
     proposals,
-    selector_loss_sum,
+    proposals_from_scores,
+    selector_terms,
     summarize,
     token_loss_sum,
     weight_total,
@@ -172,6 +173,14 @@ def _autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def _fused_adamw(device: torch.device) -> bool | None:
+    """Fused AdamW (one kernel per tensor) where torch has it: the per-tensor loop of ~12 small
+    ops per parameter costs several times more, most of all on shared CPU cores."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return True if device.type in _get_fused_kernels_supported_devices() else None
+
+
 class Trainer:
     """One training run. Construct, then `run()`; see the module docstring."""
 
@@ -268,7 +277,8 @@ class Trainer:
             raise ConfigError("scope `selector` with `selector_weight = 0` trains nothing\nhint: remove `selector_weight`")
         self.autocast = _autocast_dtype(cfg.autocast, self.device)
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8
+            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8,
+            fused=_fused_adamw(self.device),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -393,14 +403,21 @@ class Trainer:
                 ce_sum = token_loss_sum(logits, labels, valid, self.pw, cfg.objective)
                 loss_sum = self.main_weight * ce_sum
                 sel_sum = torch.zeros((), device=self.device)
+                anchor_ids = seq.input_ids.to(self.device)[anchors.to(self.device)]
+                scored = None
                 if self.selector_weight > 0:
-                    sel_sum = selector_loss_sum(
-                        self.model.candidate_selector, h, logits, seq.input_ids.to(self.device)[anchors.to(self.device)],
-                        labels, valid, self.pw,
+                    sel_sum, scores, cand = selector_terms(
+                        self.model.candidate_selector, h, logits, anchor_ids, labels, valid, self.pw
                     )
+                    scored = (scores.detach(), cand)
                     loss_sum = loss_sum + self.selector_weight * sel_sum
                 (loss_sum / denom).backward()
-                prop, cov = proposals(self.model, h.detach(), logits.detach(), seq.input_ids.to(self.device)[anchors.to(self.device)], labels)
+                # the loss already ranked the vocabulary and scored the candidates: reuse that
+                # (same values as `proposals` recomputing them) instead of a second top-k
+                if scored is not None:
+                    prop, cov = proposals_from_scores(*scored, labels)
+                else:
+                    prop, cov = proposals(self.model, h.detach(), logits.detach(), anchor_ids, labels)
             counts.append(match_counts(prop, cov, labels, valid))
             tot["loss"] += float(loss_sum.detach()) / denom
             tot["ce"] += float(ce_sum.detach()) / denom
@@ -459,11 +476,16 @@ class Trainer:
                     labels, valid = labels.to(self.device), valid.to(self.device)
                     h, logits = self.forward(seq, anchors)
                     anchor_ids = seq.input_ids.to(self.device)[anchors.to(self.device)]
-                    prop, cov = proposals(self.model, h, logits, anchor_ids, labels)
+                    if self.model.candidate_selector is not None:
+                        sel_sum, scores, cand = selector_terms(
+                            self.model.candidate_selector, h, logits, anchor_ids, labels, valid, self.pw
+                        )
+                        sel += float(sel_sum)
+                        prop, cov = proposals_from_scores(scores, cand, labels)
+                    else:
+                        prop, cov = proposals(self.model, h, logits, anchor_ids, labels)
                     counts.append(match_counts(prop, cov, labels, valid))
                     ce += float(token_loss_sum(logits, labels, valid, self.pw, "weighted_ce"))
-                    if self.model.candidate_selector is not None:
-                        sel += float(selector_loss_sum(self.model.candidate_selector, h, logits, anchor_ids, labels, valid, self.pw))
                     denom += weight_total(valid, self.pw)
         finally:
             self.model.train(was_training)

@@ -107,6 +107,15 @@ def selector_loss_sum(
     labels: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
 ) -> torch.Tensor:
     """Selector cross-entropy sum (see module docstring); hidden [M, T-1, H], logits [M, T-1, V]."""
+    return selector_terms(selector, hidden, logits, anchor_ids, labels, valid, weights)[0]
+
+
+def selector_terms(
+    selector, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
+    labels: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(selector CE sum, scores [M, T-1, k], candidate ids [M, T-1, k]): the loss plus what
+    `proposals_from_scores` needs, so a training step ranks the vocabulary (top-k) only once."""
     prev = torch.cat((anchor_ids[:, None], labels[:, :-1]), dim=1)
     scores, cand = selector_scores(selector, hidden, logits, prev)
     hit = cand == labels.unsqueeze(-1)
@@ -114,7 +123,7 @@ def selector_loss_sum(
     target = hit.float().argmax(-1)
     ce = F.cross_entropy(scores.float().flatten(0, 1), target.flatten(), reduction="none").view_as(target)
     w = (valid & in_topk).float() * weights[None, :]
-    return (w * ce).sum()
+    return (w * ce).sum(), scores, cand
 
 
 def weight_total(valid: torch.Tensor, weights: torch.Tensor) -> float:
@@ -130,7 +139,12 @@ def proposals(model, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: tor
         prop = logits.argmax(-1)
         return prop, prop == labels
     prev = torch.cat((anchor_ids[:, None], labels[:, :-1]), dim=1)
-    scores, cand = selector_scores(selector, hidden, logits, prev)
+    return proposals_from_scores(*selector_scores(selector, hidden, logits, prev), labels)
+
+
+@torch.no_grad()
+def proposals_from_scores(scores: torch.Tensor, cand: torch.Tensor, labels: torch.Tensor):
+    """`proposals` of a DFlash2 draft from teacher-forced selector scores already computed."""
     prop = cand.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
     return prop, (cand == labels.unsqueeze(-1)).any(-1)
 
