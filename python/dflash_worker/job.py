@@ -337,12 +337,13 @@ def _seed_from_resume_checkpoint(ctx: JobContext, run_dir: Path) -> None:
 def run_train(ctx: JobContext) -> None:
     from .train import checkpoint as ckpt
     from .train import train
+    from .train.export_run import SELECTION
     from .train.signals import StopFlags
 
     recipe = job_recipe(ctx)
     run_dir = ctx.job_dir / RUN_DIR
     _seed_from_resume_checkpoint(ctx, run_dir)
-    resume = ckpt.latest(run_dir) is not None or (run_dir / "selection.json").is_file()
+    resume = ckpt.latest(run_dir) is not None or (run_dir / SELECTION).is_file()
     flags = StopFlags()
 
     def on_event(e: dict) -> None:
@@ -367,7 +368,7 @@ def run_train(ctx: JobContext) -> None:
 
 
 def run_export(ctx: JobContext) -> None:
-    from .train.export_run import export_run
+    from .train.export_run import export_run, read_selection
 
     recipe = job_recipe(ctx)
     formats = ctx.spec.get("export_formats", [])
@@ -376,7 +377,7 @@ def run_export(ctx: JobContext) -> None:
     run_dir = ctx.job_dir / RUN_DIR
     for i, fmt in enumerate(formats, 1):
         result = export_run(run_dir, fmt=fmt, recipe=recipe)
-        step = int(json.loads((run_dir / "selection.json").read_text())["step"])
+        step = int(read_selection(run_dir)["step"])
         _report_path(ctx, result.out_dir, "export", step)
         _progress(ctx, "export", i, len(formats))
 

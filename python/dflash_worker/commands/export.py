@@ -21,15 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import ExportError
-    from ..train.export_run import SELECTION, export_dir_name, export_run, recipe_from_state
+    from ..train.export_run import export_dir_name, export_run, read_selection, recipe_from_state
 
     run_dir = Path(args.run)
-    try:
-        selection = json.loads((run_dir / SELECTION).read_text())
-    except FileNotFoundError:
-        raise ExportError(
-            f"run `{run_dir}` has no `{SELECTION}`: training has not completed\nhint: finish it with `dflash-worker train --resume`"
-        ) from None
+    selection = read_selection(run_dir)
     recipe = recipe_from_state(run_dir, selection)
     out = Path(args.output) if args.output else run_dir / export_dir_name(args.format)
     if out.exists() and not args.overwrite:

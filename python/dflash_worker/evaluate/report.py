@@ -30,7 +30,6 @@ Outputs in the report directory: ``report.json``, ``report.md`` and
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,18 +95,13 @@ def evaluate_run(
     from ..errors import DataError
     from ..model import load_draft
     from ..recipe import EvaluateConfig
-    from ..train.export_run import SELECTION, recipe_from_state
+    from ..train.export_run import read_selection, recipe_from_state
     from ..weights import load_model
     from .speculate import speculative_generate
 
     emit = on_event or (lambda e: None)
     run_dir = Path(run_dir)
-    sel_path = run_dir / SELECTION
-    if not sel_path.is_file():
-        from ..errors import ExportError
-
-        raise ExportError(f"run `{run_dir}` has no `{SELECTION}`: training has not completed\nhint: finish it with `dflash-worker train --resume`")
-    selection = json.loads(sel_path.read_text())
+    selection = read_selection(run_dir)
     recipe = recipe_from_state(run_dir, selection)
     ecfg = recipe.evaluate or EvaluateConfig()
     split = split or ecfg.split

@@ -97,6 +97,17 @@ def recipe_from_state(run_dir: str | Path, selection: dict[str, Any]) -> Recipe:
     return recipe_from_dict(_drop_none(state["recipe"]), base=run_dir, source=str(path / "state.json"))
 
 
+def read_selection(run_dir: str | Path) -> dict[str, Any]:
+    """The run's `selection.json` (written last by `train`: it marks a completed run)."""
+    run_dir = Path(run_dir)
+    try:
+        return json.loads((run_dir / SELECTION).read_text())
+    except FileNotFoundError:
+        raise ExportError(
+            f"run `{run_dir}` has no `{SELECTION}`: training has not completed\nhint: finish it with `dflash-worker train --resume`"
+        ) from None
+
+
 def export_run(
     run_dir: str | Path,
     *,
@@ -111,12 +122,7 @@ def export_run(
     if fmt not in ("bf16", "af4g64"):
         raise ConfigError(f"unknown export format `{fmt}`\nhint: use `bf16` or `af4g64`")
     if selection is None:
-        try:
-            selection = json.loads((run_dir / SELECTION).read_text())
-        except FileNotFoundError:
-            raise ExportError(
-                f"run `{run_dir}` has no `{SELECTION}`: training has not completed\nhint: finish it with `dflash-worker train --resume`"
-            ) from None
+        selection = read_selection(run_dir)
     path = run_dir / ckpt.CHECKPOINTS / selection["checkpoint"]
     loaded = ckpt.load(path)
     names = list(loaded.state["trainable"])
