@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Callable
 
 from . import __version__
 from .errors import DflashError
@@ -58,8 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 1
+    return run_guarded(lambda: _module(args.command).run(args))
+
+
+def run_guarded(command: Callable[[], int | None]) -> int:
+    """Run a command body and map the outcomes users see to exit codes, never a traceback
+    for a user error: `DflashError` -> its message and code (1), Ctrl-C -> 130, a closed
+    stdout pipe (`| head`) -> a quiet 1. Shared by `dflash-worker` and `dflash-coordinator`."""
     try:
-        return int(_module(args.command).run(args) or 0)
+        return int(command() or 0)
     except DflashError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -67,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # stdout was closed early (`| head`): stop quietly; point stdout at
-        # /dev/null so the interpreter's final flush does not raise again
+        # point stdout at /dev/null so the interpreter's final flush does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 

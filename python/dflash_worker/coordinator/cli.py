@@ -20,7 +20,8 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from .. import __version__
-from ..errors import ConfigError, DflashError
+from ..cli import run_guarded
+from ..errors import ConfigError
 from ..proto.dflash.v1 import admin_pb2, provider_pb2
 
 # Environment variables (flags take precedence over them).
@@ -280,14 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None or (args.command != "serve" and getattr(args, "action", None) is None):
         parser.print_help(sys.stderr)
         return 1
-    try:
-        return _cmd_serve(args) if args.command == "serve" else _cmd_admin(args)
-    except DflashError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    return run_guarded(lambda: _cmd_serve(args) if args.command == "serve" else _cmd_admin(args))
 
 
 if __name__ == "__main__":
