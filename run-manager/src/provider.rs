@@ -8,8 +8,8 @@ use crate::attempt::{run_attempt, AttemptConfig, AttemptResult};
 use crate::client::{retry, AdminClient, ProviderClient};
 use crate::error::{Error, Result};
 use crate::proto::{
-    acquire_lease_response, AcquireLeaseRequest, GetRunRequest, LaunchMode, RegisterRequest,
-    RegisterResponse,
+    acquire_lease_response, AcquireLeaseRequest, GetRunRequest, GetRunResponse, LaunchMode,
+    RegisterRequest, RegisterResponse,
 };
 use crate::version::{CLIENT_VERSION, PROTOCOL_VERSION};
 
@@ -72,8 +72,9 @@ pub fn heartbeat_interval(reg: &RegisterResponse, override_: Option<Duration>) -
     asked.min(ttl_third).max(Duration::from_millis(100))
 }
 
-async fn run_done(admin: &mut AdminClient, run_id: &str) -> Result<bool> {
-    let resp = admin
+/// The admin view of one run (its jobs and their states).
+pub(crate) async fn get_run(admin: &mut AdminClient, run_id: &str) -> Result<GetRunResponse> {
+    Ok(admin
         .get_run(GetRunRequest {
             run_id: run_id.to_string(),
         })
@@ -82,7 +83,11 @@ async fn run_done(admin: &mut AdminClient, run_id: &str) -> Result<bool> {
             call: "GetRun",
             status,
         })?
-        .into_inner();
+        .into_inner())
+}
+
+async fn run_done(admin: &mut AdminClient, run_id: &str) -> Result<bool> {
+    let resp = get_run(admin, run_id).await?;
     Ok(!resp.jobs.is_empty()
         && resp
             .jobs

@@ -16,13 +16,12 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
 use crate::cli::Cli;
-use crate::client::{admin_client, provider_client, AdminClient};
+use crate::client::{admin_client, provider_client};
 use crate::error::{Error, Result};
 use crate::proto::{
-    ApproveVersionRequest, CreateProviderRequest, CreateRunRequest, GetRunRequest, GetRunResponse,
-    RunSpec,
+    ApproveVersionRequest, CreateProviderRequest, CreateRunRequest, GetRunResponse, RunSpec,
 };
-use crate::provider::{run_loop, Until};
+use crate::provider::{get_run, run_loop, Until};
 use crate::setup::{prepare_work_dir, provider_config};
 use crate::version::CLIENT_VERSION;
 
@@ -357,19 +356,6 @@ impl Summary {
     pub fn failed(&self) -> usize {
         self.jobs.iter().filter(|j| j.state != "succeeded").count()
     }
-}
-
-async fn get_run(admin: &mut AdminClient, run_id: &str) -> Result<GetRunResponse> {
-    Ok(admin
-        .get_run(GetRunRequest {
-            run_id: run_id.to_string(),
-        })
-        .await
-        .map_err(|status| Error::Rpc {
-            call: "GetRun",
-            status,
-        })?
-        .into_inner())
 }
 
 /// Run `--local`.
