@@ -119,6 +119,21 @@ def commit_file(tmp: str | Path, path: str | Path) -> None:
     _fsync_dir(path.parent)
 
 
+def read_manifest_json(path: Path, *, fmt: str, kind: str, missing_hint: str) -> dict[str, Any]:
+    """Read a stage's `manifest.json` and check its `format`; `DataError` names the file."""
+    from .errors import DataError
+
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"`{path}` not found{missing_hint}") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read `{path}`: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise DataError(f"`{path}` is not a {kind} manifest (format `{fmt}` expected)")
+    return manifest
+
+
 def software_versions() -> dict[str, str]:
     """Versions of Python, the platform and the packages that shape an artifact's bytes."""
     out = {"python": platform.python_version(), "platform": platform.platform()}

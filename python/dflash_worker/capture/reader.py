@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import DataError
-from ..manifest import sha256_file
+from ..manifest import read_manifest_json, sha256_file
 from .layout import FORMAT, MANIFEST
 
 
@@ -40,16 +40,10 @@ class CaptureReader:
     def __init__(self, path: str | Path, *, verify: bool = True) -> None:
         self.path = Path(path)
         mpath = self.path / MANIFEST
-        try:
-            self.manifest: dict[str, Any] = json.loads(mpath.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise DataError(
-                f"`{mpath}` not found: the capture is missing or unfinished\nhint: run (or rerun to resume) `dflash-worker capture`"
-            ) from None
-        except (OSError, ValueError) as exc:
-            raise DataError(f"cannot read `{mpath}`: {exc}") from None
-        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
-            raise DataError(f"`{mpath}` is not a capture manifest (format `{FORMAT}` expected)")
+        self.manifest: dict[str, Any] = read_manifest_json(
+            mpath, fmt=FORMAT, kind="capture",
+            missing_hint=": the capture is missing or unfinished\nhint: run (or rerun to resume) `dflash-worker capture`",
+        )
         self.shards = [self.path / s["file"] for s in self.manifest["shards"]]
         if verify:
             for s, p in zip(self.manifest["shards"], self.shards):

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..errors import DataError
-from ..manifest import sha256_file
+from ..manifest import read_manifest_json, sha256_file
 from .prepare import FORMAT, SPLIT_NAMES
 
 
@@ -39,16 +39,10 @@ class PreparedData:
     def __init__(self, path: str | Path, *, verify: bool = True) -> None:
         self.path = Path(path)
         mpath = self.path / "manifest.json"
-        try:
-            self.manifest: dict[str, Any] = json.loads(mpath.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise DataError(
-                f"`{mpath}` not found\nhint: run `dflash-worker prepare-data --output {self.path}` first"
-            ) from None
-        except (OSError, ValueError) as exc:
-            raise DataError(f"cannot read `{mpath}`: {exc}") from None
-        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
-            raise DataError(f"`{mpath}` is not a prepared-data manifest (format `{FORMAT}` expected)")
+        self.manifest: dict[str, Any] = read_manifest_json(
+            mpath, fmt=FORMAT, kind="prepared-data",
+            missing_hint=f"\nhint: run `dflash-worker prepare-data --output {self.path}` first",
+        )
         if verify:
             for split in SPLIT_NAMES:
                 fp = self.split_path(split)
