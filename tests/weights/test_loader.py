@@ -45,10 +45,11 @@ def assert_tied(model: nn.Module) -> None:
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_sharded_equals_from_pretrained(tiny_target, family, dtype, tied):
+@pytest.mark.parametrize("mmap", [None, False], ids=["mapped-default", "copied"])
+def test_sharded_equals_from_pretrained(tiny_target, family, dtype, tied, mmap):
     path, saved = tiny_target(family, dtype, tied)
     assert len(list(path.glob("*.safetensors"))) > 3  # really sharded
-    ours = load_model(path)
+    ours = load_model(path, mmap=mmap)
     assert_identical(ours, _reference(path))
     # and the bytes are those that were saved
     for name, p in saved.named_parameters():
@@ -59,6 +60,14 @@ def test_sharded_equals_from_pretrained(tiny_target, family, dtype, tied):
         assert ours.lm_head.weight.untyped_storage().data_ptr() != ours.model.embed_tokens.weight.untyped_storage().data_ptr()
     rep = ours.load_report
     assert not rep.missing and not rep.unexpected
+    # the CPU default maps what is stored whole in the model's dtype (save_pretrained writes MoE
+    # experts one by one: those fill slices of packed storage and are copied); mmap=False copies all
+    if mmap is False:
+        assert rep.bytes_mapped == 0 and rep.bytes_read > 0
+    elif family == "qwen3":
+        assert rep.bytes_mapped == rep.bytes_read > 0
+    else:
+        assert 0 < rep.bytes_mapped < rep.bytes_read
 
 
 @pytest.mark.parametrize("want", [torch.bfloat16, torch.float32])
@@ -323,7 +332,8 @@ def test_chunked_threaded_reads(tiny_target, monkeypatch, want):
     monkeypatch.setattr(stream, "CHUNK_BYTES", 1000)  # not a multiple of 4: chunks must stay element-aligned
     monkeypatch.setattr(stream, "_threads", lambda: 3)
     path, _ = tiny_target("qwen3_moe", "float32", True)
-    ours = load_model(path, dtype=want)
+    ours = load_model(path, dtype=want, mmap=False)
+    assert ours.load_report.bytes_mapped == 0
     assert_identical(ours, _reference(path, want))
     assert_tied(ours)
 
@@ -337,6 +347,6 @@ def test_prefaulted_direct_reads_are_byte_identical(tiny_target, monkeypatch):
     monkeypatch.setattr(stream, "_PREFAULT_MIN_BYTES", 0)
     monkeypatch.setattr(stream, "_prefault", lambda addr, n: (calls.append(n), real(addr, n)))
     path, _ = tiny_target("qwen3", "float32", False)
-    ours = load_model(path)
+    ours = load_model(path, mmap=False)
     assert calls, "no direct chunk was prefaulted"
     assert_identical(ours, _reference(path))

@@ -3,7 +3,13 @@
 The model is built from ``config.json`` on the meta device (no memory, no
 random init), then `stream_into` fills it shard by shard. The result equals
 ``AutoModelForCausalLM.from_pretrained`` tensor for tensor, without ever holding
-a state dict or memory-mapping the files.
+a state dict.
+
+On the CPU, tensors stored in the model's dtype are copy-on-write views of the
+mapped shards (``mmap=True``, the default there): a frozen teacher costs no
+copy, and every process loading it shares one set of page-cache pages. Pass
+``mmap=False`` for private copies (needed if the checkpoint may be rewritten in
+place while the model lives). Other devices and dtype conversions always copy.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     source: Source | None = None,
     progress: ProgressFn | None = None,
+    mmap: bool | None = None,
 ):
     """Load the Qwen3 / Qwen3-MoE model at `path` by streaming; returns it in eval mode.
 
@@ -101,6 +108,8 @@ def load_model(
     ``None`` follows ``config.json`` like ``from_pretrained(dtype="auto")``.
     `source`: read tensors from here instead of `path` (e.g. an in-memory
     mapping, which is not modified); the config still comes from `path`.
+    `mmap`: map instead of copying what can be (see the module docstring);
+    ``None`` means yes on the CPU.
     """
     path = Path(path)
     want = parse_dtype(dtype)
@@ -108,8 +117,10 @@ def load_model(
         ckpt = path if source is None else (None if isinstance(source, Mapping) else Path(source))
         want = _auto_dtype(read_config_json(path), ckpt)
     model = build_meta_model(path, want)
+    if mmap is None:
+        mmap = str(device).split(":")[0] == "cpu"
     report: LoadReport = stream_into(
-        model, path if source is None else source, dtype=None, device=device, progress=progress
+        model, path if source is None else source, dtype=None, device=device, progress=progress, mmap=mmap
     )
     model.eval()
     model.load_report = report  # type: ignore[attr-defined]

@@ -7,7 +7,8 @@ checkpoint directory, a single ``.safetensors`` file, or a caller's in-memory
 1. Plan (no tensor bytes read): map every checkpoint name (after `key_mapping`)
    to a destination; check shapes and dtype kinds; list missing and unexpected
    keys. Any problem raises `CheckpointError` before anything is read.
-2. Allocate each destination once, in its final dtype on its final device.
+2. Allocate each destination once, in its final dtype on its final device
+   (except the mapped ones, below).
 3. Read shard by shard, one open file at a time, tensors in file order, with
    ``preadv`` directly into the destination's bytes, in chunks of at most
    `CHUNK_BYTES` spread over up to `MAX_THREADS` threads. Only when the dtype
@@ -15,6 +16,19 @@ checkpoint directory, a single ``.safetensors`` file, or a caller's in-memory
    buffer: one per thread, reused, at most one chunk (64 MiB) in size. On
    Linux each direct chunk's pages are prefaulted with one `madvise` call
    before the read (see `_prefault`).
+
+   With ``mmap=True`` (what `load_model` does for CPU targets), a tensor whose
+   checkpoint bytes already are its final storage (CPU, same dtype, offset
+   aligned to the element size, stored whole) is not copied at all: the shard
+   is mapped copy-on-write (``MAP_PRIVATE``) and the tensor is a view of the
+   page cache, whose pages are faulted in by the load threads
+   (``MADV_POPULATE_READ``). Nothing is allocated for it, processes that load
+   the same checkpoint share its pages, and a write to the tensor copies only
+   the page written, privately: the file never changes. The cost is the usual
+   one of mapped files: the checkpoint must not be rewritten in place (a
+   truncating writer makes later reads of unwritten pages fail with SIGBUS);
+   replacing or deleting it is safe, the mapping keeps the old inode.
+   Everything else takes the copy path above.
 4. Swap the new tensors into the module. Tied parameters (one tensor under two
    names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) get one
    storage shared by every name.
@@ -34,7 +48,8 @@ assembled into a whole state dict.
 from __future__ import annotations
 
 import ctypes
-import mmap
+import errno
+import mmap as _mmap
 import os
 import re
 import sys
@@ -88,7 +103,9 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)  # checkpoint copies of tied names, skipped
-    bytes_read: int = 0
+    mapped: list[str] = field(default_factory=list)  # loaded as copy-on-write views of the file, not copied
+    bytes_read: int = 0  # tensor bytes taken from files (read or mapped)
+    bytes_mapped: int = 0  # of which mapped
     files: list[str] = field(default_factory=list)
 
 
@@ -354,7 +371,7 @@ _HAS_PREADV = hasattr(os, "preadv")
 # touches whole pages inside the destination tensor and writes nothing; where
 # it is unavailable or fails, reads fall back to ordinary page faults.
 _MADV_POPULATE_WRITE = 23
-_PAGE = mmap.PAGESIZE
+_PAGE = _mmap.PAGESIZE
 _PREFAULT_MIN_BYTES = 256 * 1024  # below this, one syscall saves nothing
 
 
@@ -382,6 +399,63 @@ def _prefault(addr: int, nbytes: int) -> None:
     hi = (addr + nbytes) // _PAGE * _PAGE
     if hi > lo and _madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
         _madvise = None  # older kernel (EINVAL) or refused: plain page faults from now on
+
+
+# Mapped tensors: their pages are faulted in by the load threads, chunk by
+# chunk, with `madvise(MADV_POPULATE_READ)` (Linux 5.14+): read-only mappings
+# of the page cache, so nothing is copied; on a cold cache this reads the file
+# in parallel. Elsewhere pages fault in on first use.
+_MADV_POPULATE_READ = 22
+_populate_read_ok = True
+
+
+def _mappable(item: _Item) -> bool:
+    """Can `item`'s checkpoint bytes be its final CPU storage as they are?"""
+    return (
+        item.expert is None
+        and item.nbytes > 0
+        and item.src_dtype == item.slot.dtype
+        and item.begin % item.slot.dtype.itemsize == 0
+    )
+
+
+def _populate_read(addr: int, nbytes: int, path: Path | None, key: str) -> None:
+    """Map the page-cache pages under ``[addr, addr + nbytes)`` of a file mapping now (best effort)."""
+    global _populate_read_ok
+    if _madvise is None or not _populate_read_ok:
+        return
+    lo = addr // _PAGE * _PAGE
+    hi = -(-(addr + nbytes) // _PAGE) * _PAGE
+    if _madvise(lo, hi - lo, _MADV_POPULATE_READ) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EFAULT:  # a read would raise SIGBUS: the file shrank after it was mapped
+            raise CheckpointError(
+                f"`{path}`, tensor `{key}`: the file shrank while it was being loaded"
+                "\nhint: do not rewrite a checkpoint in place while it is loaded; re-download it"
+            )
+        if err != errno.EINTR:
+            _populate_read_ok = False  # older kernel (EINVAL): pages fault in on first use
+
+
+def _map_items(fd: int, path: Path, items: list[_Item]) -> bool:
+    """Make each of `items` a copy-on-write view of its bytes in the file; False if the file cannot be mapped."""
+    try:
+        mm = _mmap.mmap(fd, 0, access=_mmap.ACCESS_COPY)
+    except (OSError, ValueError):  # e.g. a file system without mmap: copy instead
+        return False
+    size = len(mm)
+    for it in items:
+        if it.begin + it.nbytes > size:
+            raise CheckpointError(
+                f"`{path}`, tensor `{it.key}`: file truncated after its header was validated "
+                f"(`{size}` bytes, the tensor ends at byte `{it.begin + it.nbytes}`)"
+                "\nhint: the file changed while it was being loaded; re-download it"
+            )
+    for it in items:
+        slot = it.slot
+        flat = torch.frombuffer(mm, dtype=slot.dtype, count=it.nbytes // slot.dtype.itemsize, offset=it.begin)
+        slot.new = flat.view(slot.shape)  # each tensor keeps `mm` alive; it is unmapped with the last one
+    return True
 
 
 def _dest(item: _Item) -> torch.Tensor:
@@ -422,14 +496,40 @@ def _chunks(item: _Item, device: torch.device, staging: _Staging) -> list[Callab
     return [lambda fd, a=a: convert(fd, a) for a in range(0, item.nbytes, step)]
 
 
-def _read_file(path: Path, items: list[_Item], device: torch.device, staging: _Staging, pool, on_done) -> None:
-    """Fill `items` from the file at `path`: one open file, chunks in file order over the pool."""
+def _mapped_chunks(item: _Item) -> list[Callable[[int], None]]:
+    """Work units that fault in the pages of a mapped `item`."""
+    addr = item.slot.new.data_ptr()  # type: ignore[union-attr]
+
+    def populate(fd: int, a: int) -> None:
+        _populate_read(addr + a, min(CHUNK_BYTES, item.nbytes - a), item.file, item.key)
+
+    return [lambda fd, a=a: populate(fd, a) for a in range(0, item.nbytes, CHUNK_BYTES)]
+
+
+def _read_file(
+    path: Path, items: list[_Item], device: torch.device, staging: _Staging, pool, on_done, to_map: set[int]
+) -> None:
+    """Fill `items` from the file at `path`: one open file, chunks in file order over the pool.
+
+    Items whose slot is in `to_map` become views of the mapped file (if it can
+    be mapped); their destinations are allocated here otherwise.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except OSError as exc:
         raise CheckpointError(f"`{path}`: cannot open: {exc.strerror or exc}") from None
     try:
-        work = [(it, fn) for it in items for fn in _chunks(it, device, staging)]
+        candidates = [it for it in items if id(it.slot) in to_map]
+        mapped = bool(candidates) and _map_items(fd, path, candidates)
+        if not mapped:
+            to_map = set()
+            for it in candidates:
+                it.slot.new = torch.empty(it.slot.shape, dtype=it.slot.dtype, device=device)
+        work = [
+            (it, fn)
+            for it in items
+            for fn in (_mapped_chunks(it) if id(it.slot) in to_map else _chunks(it, device, staging))
+        ]
         if pool is None:
             for it, fn in work:
                 _run_chunk(fn, fd, it)
@@ -441,7 +541,7 @@ def _read_file(path: Path, items: list[_Item], device: torch.device, staging: _S
             for fut in futures:
                 fut.result()
         for it in items:
-            on_done(it)
+            on_done(it, id(it.slot) in to_map)
     finally:
         os.close(fd)
 
@@ -532,6 +632,7 @@ def stream_into(
     strict: bool = True,
     progress: ProgressFn | None = None,
     dry_run: bool = False,
+    mmap: bool = False,
 ) -> LoadReport:
     """Fill `module` (typically built under ``torch.device("meta")``) from `source`.
 
@@ -544,7 +645,10 @@ def stream_into(
     tensors that were on the meta device are zero-filled. `progress(done_bytes,
     total_bytes)` is called after each tensor. `dry_run`: only plan (check
     names, shapes and dtypes against the module, reading headers only) and
-    return the report; the module is left untouched.
+    return the report; the module is left untouched. `mmap`: on a CPU
+    device, tensors stored whole in the final dtype become copy-on-write views
+    of the mapped checkpoint instead of copies (see the module docstring); the
+    rest is copied as usual. Ignored for in-memory sources and other devices.
 
     Returns a `LoadReport`; the module's tensors are replaced in place.
     """
@@ -593,9 +697,16 @@ def stream_into(
         report.loaded = [s.name for s in item_slots.values()]
         return report
 
-    # Allocate each destination once, in its final dtype and device.
+    # Mapped candidates: the whole of a slot from one file, as stored.
+    to_map: set[int] = set()
+    if mmap and mapping is None and dev.type == "cpu" and os.name == "posix":
+        for it in items:
+            it.file, it.begin = file_of[it.key]
+        to_map = {id(it.slot) for it in items if _mappable(it)}
+    # Allocate each other destination once, in its final dtype and device.
     for slot in item_slots.values():
-        slot.new = torch.empty(slot.shape, dtype=slot.dtype, device=dev)
+        if id(slot) not in to_map:
+            slot.new = torch.empty(slot.shape, dtype=slot.dtype, device=dev)
 
     total = sum(it.nbytes for it in items)
     done = 0
@@ -614,10 +725,13 @@ def stream_into(
             it.file, it.begin = file_of[it.key]
             by_file.setdefault(it.file, []).append(it)
 
-        def on_done(it: _Item) -> None:
+        def on_done(it: _Item, mapped: bool) -> None:
             nonlocal done
             done += it.nbytes
             report.bytes_read += it.nbytes
+            if mapped:
+                report.bytes_mapped += it.nbytes
+                report.mapped.append(it.slot.name)
             if progress:
                 progress(done, total)
 
@@ -625,7 +739,7 @@ def stream_into(
         pool = ThreadPoolExecutor(n_threads, thread_name_prefix="dflash-load") if n_threads > 1 else None
         try:
             for path, file_items in by_file.items():
-                _read_file(path, file_items, dev, staging, pool, on_done)
+                _read_file(path, file_items, dev, staging, pool, on_done, to_map)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
