@@ -207,19 +207,30 @@ def test_stream_into_copies_unless_asked_and_ignores_mmap_off_cpu_sources(tmp_pa
     assert rep.mapped == [] and torch.equal(mod.a.weight, tensors["a.weight"])
 
 
-def test_file_truncated_before_mapping_names_file_and_tensor(tiny_target, tmp_path, monkeypatch):
+def _truncate_last_shard_around_mapping(tiny_target, tmp_path, monkeypatch, *, before: bool, size) -> tuple[Path, Path]:
+    """A copy of a tiny checkpoint whose last shard is truncated to `size(old size)` just before
+    (or just after) the loader maps it, i.e. after its header was validated."""
     src, _ = tiny_target("qwen3", "float32", False)
     path = tmp_path / "ckpt"
     shutil.copytree(src, path)
     real = stream_mod._map_items
     victim = sorted(path.glob("*.safetensors"))[-1]
 
-    def truncate_then_map(fd, p, items):
-        if Path(p) == victim:
-            os.truncate(victim, victim.stat().st_size - 4)  # after the header check, before the mapping
-        return real(fd, p, items)
+    def truncate_around(fd, p, items):
+        hit = Path(p) == victim
+        if hit and before:
+            os.truncate(victim, size(victim.stat().st_size))
+        ok = real(fd, p, items)
+        if hit and not before:
+            os.truncate(victim, size(victim.stat().st_size))
+        return ok
 
-    monkeypatch.setattr(stream_mod, "_map_items", truncate_then_map)
+    monkeypatch.setattr(stream_mod, "_map_items", truncate_around)
+    return path, victim
+
+
+def test_file_truncated_before_mapping_names_file_and_tensor(tiny_target, tmp_path, monkeypatch):
+    path, victim = _truncate_last_shard_around_mapping(tiny_target, tmp_path, monkeypatch, before=True, size=lambda n: n - 4)
     with pytest.raises(CheckpointError, match=rf"`{victim}`, tensor `[^`]+`: file truncated after its header was validated"):
         load_model(path)
 
@@ -229,18 +240,7 @@ def test_file_shrinking_while_pages_are_faulted_in_is_an_error_not_sigbus(tiny_t
     """MADV_POPULATE_READ reports EFAULT where a read would raise SIGBUS; the loader turns it into an error."""
     if stream_mod._madvise is None or not stream_mod._populate_read_ok:
         pytest.skip("madvise(MADV_POPULATE_READ) is not available on this kernel")
-    src, _ = tiny_target("qwen3", "float32", False)
-    path = tmp_path / "ckpt"
-    shutil.copytree(src, path)
-    real = stream_mod._map_items
-    victim = sorted(path.glob("*.safetensors"))[-1]
-
-    def map_then_truncate(fd, p, items):
-        ok = real(fd, p, items)
-        if Path(p) == victim:
-            os.truncate(victim, 8)  # every tensor of this shard now lies past the end of the file
-        return ok
-
-    monkeypatch.setattr(stream_mod, "_map_items", map_then_truncate)
+    # after the mapping, every tensor of the shard lies past the end of the file
+    path, victim = _truncate_last_shard_around_mapping(tiny_target, tmp_path, monkeypatch, before=False, size=lambda n: 8)
     with pytest.raises(CheckpointError, match=rf"`{victim}`, tensor `[^`]+`: the file shrank while it was being loaded"):
         load_model(path)
