@@ -9,16 +9,17 @@ shards), with ``load_model(mmap=False)`` (private copies) and with
 subprocess. The goal is stated for the default; the copy mode is printed so
 its cost is on record too.
 
-Timed region, identical for both: load + touch every weight (a sum over each
-parameter and buffer). The model class is imported before the timer for both. transformers 5 memory-maps bf16 tensors and
-returns before reading them, so the touch is inside the timing. Peak RSS is
+Timed region, identical for all three: load + touch every weight (a sum over
+each parameter and buffer). The model class is imported before the timer for
+all. transformers 5 and our default memory-map bf16 tensors, so the touch is
+inside the timing. Peak RSS is
 measured over the process's baseline taken after imports, by a psutil sampling
 thread (every 2 ms) and by ``getrusage(RUSAGE_SELF).ru_maxrss``; the larger is
 reported, divided by the checkpoint's tensor bytes.
 
-Page cache: both loaders run once unmeasured to warm the cache, then the
-measured runs alternate (ours, transformers, ours, ...) so neither side gets a
-colder cache; the median of the runs is reported.
+Page cache: each loader runs once unmeasured to warm the cache, then the
+measured rounds run the loaders in alternating order (forward, then reversed)
+so no loader always gets the colder cache; the median of the runs is reported.
 
 ``--cold`` measures cold loads instead: the page cache is dropped
 (``/proc/sys/vm/drop_caches``, Linux, root) before every run and there is no

@@ -697,11 +697,12 @@ def stream_into(
         report.loaded = [s.name for s in item_slots.values()]
         return report
 
+    if mapping is None:
+        for it in items:
+            it.file, it.begin = file_of[it.key]
     # Mapped candidates: the whole of a slot from one file, as stored.
     to_map: set[int] = set()
     if mmap and mapping is None and dev.type == "cpu" and os.name == "posix":
-        for it in items:
-            it.file, it.begin = file_of[it.key]
         to_map = {id(it.slot) for it in items if _mappable(it)}
     # Allocate each other destination once, in its final dtype and device.
     for slot in item_slots.values():
@@ -722,7 +723,6 @@ def stream_into(
         staging = _Staging(pin=dev.type == "cuda")
         by_file: dict[Path, list[_Item]] = {}
         for it in items:
-            it.file, it.begin = file_of[it.key]
             by_file.setdefault(it.file, []).append(it)
 
         def on_done(it: _Item, mapped: bool) -> None:
