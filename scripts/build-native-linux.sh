@@ -27,6 +27,8 @@ die() {
   exit 1
 }
 log() { printf 'build-native-linux: %s\n' "$*" >&2; }
+# shellcheck source=scripts/lib/verify-native-client.sh
+. "$root/scripts/lib/verify-native-client.sh"
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -106,16 +108,7 @@ done
 log "rpaths: $runpath"
 
 # Verify it runs a `noop` job with nothing in the environment but PATH.
-job=$(mktemp -d)
-trap 'rm -rf "$job"' EXIT
-printf '%s\n' '{"schema_version": 1, "spec": {"stages": ["noop"], "noop": {"steps": 2, "step_seconds": 0}}}' >"$job/spec.json"
-if ! env -i PATH=/usr/bin:/bin "$nc" --job-dir "$job" >"$job/events.jsonl" 2>"$job/stderr.log"; then
-  cat "$job/stderr.log" >&2
-  die "\`env -i PATH=/usr/bin:/bin $nc --job-dir DIR\` did not run the noop job"
-fi
-grep -q '"event": *"done"' "$job/events.jsonl" || die "the noop job ended without a \`done\` event"
-version=$(env -i PATH=/usr/bin:/bin "$nc" --version)
-log "verified: $version runs a noop job with an empty environment"
+verify_noop_job "$nc"
 
 commit=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 "$python" - "$out/build-info.json" "$version" "$commit" "linux-$(uname -m)" "$python" "$pyver" \

@@ -66,6 +66,7 @@ def built(tmp_path_factory) -> Path:
 
     assert f"torch {torch.__version__}" in r.stderr, r.stderr
     assert "CUDA available: " in r.stderr, r.stderr
+    assert "runs a noop job with an empty environment" in r.stderr, r.stderr  # the script's own check ran
     return out
 
 
@@ -78,6 +79,7 @@ def test_binaries_and_build_info(built):
     import torch
 
     assert info["torch_version"] == torch.__version__
+    assert info["native_client_version"].startswith("dflash-native-client "), info
     r = subprocess.run([str(built / "run-manager"), "--version"], capture_output=True, text=True, env=EMPTY_ENV, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("run-manager "), r
 
