@@ -152,6 +152,33 @@ fn check_report(summary: &serde_json::Value, steps: u64) -> serde_json::Value {
     body
 }
 
+/// A current-thread runtime and an embedded coordinator started inside it,
+/// with state under `DIR/coord` and artifacts under `DIR/work/jobs`; returns
+/// the work directory too. `args`: extra `serve` flags.
+fn runtime_with_coordinator(
+    py: &Path,
+    dir: &Path,
+    args: &[&str],
+) -> (tokio::runtime::Runtime, EmbeddedCoordinator, PathBuf) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    let work = dir.join("work");
+    std::fs::create_dir_all(work.join("jobs")).expect("mkdir");
+    let coordinator = {
+        let _guard = rt.enter();
+        rt.block_on(EmbeddedCoordinator::start_with_args(
+            py,
+            &dir.join("coord"),
+            &work.join("jobs"),
+            args,
+        ))
+        .expect("coordinator")
+    };
+    (rt, coordinator, work)
+}
+
 #[test]
 fn local_noop_job_end_to_end() {
     let Some(py) = python() else { return };
@@ -402,21 +429,9 @@ fn version_mismatch_exits_10_and_approval_lets_it_run() {
 fn cancel_directive_stops_the_worker_with_a_checkpoint() {
     let Some(py) = python() else { return };
     let dir = temp_dir("cancel");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("rt");
+    let (rt, coordinator, work) = runtime_with_coordinator(&py, &dir, &[]);
     // Channels are created inside the runtime (tonic spawns onto it).
     let _guard = rt.enter();
-    let work = dir.join("work");
-    std::fs::create_dir_all(work.join("jobs")).expect("mkdir");
-    let coordinator = rt
-        .block_on(EmbeddedCoordinator::start(
-            &py,
-            &dir.join("coord"),
-            &work.join("jobs"),
-        ))
-        .expect("coordinator");
     let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
     let (token, run) = rt.block_on(async {
         let token = admin
@@ -648,21 +663,9 @@ fn native_client_maps_python_failures_to_exit_codes() {
 fn stale_lease_kills_the_worker_and_abandons_the_attempt() {
     let Some(py) = python() else { return };
     let dir = temp_dir("stale");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("rt");
+    let (rt, coordinator, work) = runtime_with_coordinator(&py, &dir, &["--lease-ttl", "1"]);
+    // Channels are created inside the runtime (tonic spawns onto it).
     let _guard = rt.enter();
-    let work = dir.join("work");
-    std::fs::create_dir_all(work.join("jobs")).expect("mkdir");
-    let coordinator = rt
-        .block_on(EmbeddedCoordinator::start_with_args(
-            &py,
-            &dir.join("coord"),
-            &work.join("jobs"),
-            &["--lease-ttl", "1"],
-        ))
-        .expect("coordinator");
     let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
     let token = rt.block_on(async {
         let token = admin
@@ -973,20 +976,9 @@ fn docker_mode_cancel_stops_and_removes_the_container() {
     let Some(py) = python() else { return };
     let dir = temp_dir("docker-cancel");
     let (bin, state) = fake_docker(&dir);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("rt");
+    let (rt, coordinator, work) = runtime_with_coordinator(&py, &dir, &[]);
+    // Channels are created inside the runtime (tonic spawns onto it).
     let _guard = rt.enter();
-    let work = dir.join("work");
-    std::fs::create_dir_all(work.join("jobs")).expect("mkdir");
-    let coordinator = rt
-        .block_on(EmbeddedCoordinator::start(
-            &py,
-            &dir.join("coord"),
-            &work.join("jobs"),
-        ))
-        .expect("coordinator");
     let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
     let image = format!("registry.example:5000/dflash@sha256:{}", "0f".repeat(32));
     let (token, run) = rt.block_on(async {
