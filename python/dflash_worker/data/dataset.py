@@ -10,10 +10,11 @@ from typing import Any, Iterator, Sequence
 from ..errors import DataError
 from ..manifest import read_manifest_json, sha256_file
 from .prepare import FORMAT, SPLIT_NAMES
+from .schema import Conversation
 
 
 @dataclass(frozen=True)
-class Example:
+class Example(Conversation):
     """One prepared row; `file`/`line` locate it in the prepared split file."""
 
     split: str
@@ -23,14 +24,6 @@ class Example:
     messages: tuple[dict[str, str], ...]
     source: str
     origin: dict[str, Any]
-
-    @property
-    def has_response(self) -> bool:
-        return self.messages[-1]["role"] == "assistant"
-
-    @property
-    def prompt_messages(self) -> tuple[dict[str, str], ...]:
-        return self.messages[:-1] if self.has_response else self.messages
 
 
 class PreparedData:

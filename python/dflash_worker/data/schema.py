@@ -35,14 +35,10 @@ MESSAGE_KEYS = ("role", "content", "reasoning_content")
 SCHEMAS = ("messages", "prompt_response", "prompt_completion", "prompt_only")
 
 
-@dataclass(frozen=True)
-class Row:
-    """A normalised row: chat messages plus where it came from."""
+class Conversation:
+    """Chat `messages` (set by the subclass) whose last one may be the response to train on."""
 
     messages: tuple[dict[str, str], ...]
-    schema: str
-    source: str
-    ignored: tuple[str, ...]
 
     @property
     def has_response(self) -> bool:
@@ -51,6 +47,16 @@ class Row:
     @property
     def prompt_messages(self) -> tuple[dict[str, str], ...]:
         return self.messages[:-1] if self.has_response else self.messages
+
+
+@dataclass(frozen=True)
+class Row(Conversation):
+    """A normalised row: chat messages plus where it came from."""
+
+    messages: tuple[dict[str, str], ...]
+    schema: str
+    source: str
+    ignored: tuple[str, ...]
 
 
 def fold_text(text: str) -> str:
