@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dflash-worker/cargo-target
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-python test-rust proto lock bench-effectiveness
+.PHONY: install demo test lint test-python test-rust proto lock bench-effectiveness
 
 install:
 	@scripts/setup-env.sh
@@ -24,7 +24,11 @@ demo: install
 	@scripts/demo.sh
 
 test: install
-	@$(MAKE) --no-print-directory test-python test-rust
+	@$(MAKE) --no-print-directory lint test-python test-rust
+
+# Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml.
+lint:
+	$$(cat $(VENV)/.dflash-shared-env)/bin/ruff check --no-cache .
 
 test-python:
 	@scripts/run-pytest.sh $(PYTEST_ARGS)

@@ -28,9 +28,9 @@ def log(msg: str) -> None:
 
 
 def build(args):
+    from dflash.model import DFlash2DraftModel
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash.model import DFlash2DraftModel
     from dflash_worker.model import DraftConfig, DraftModel
     from dflash_worker.testing.tiny import tiny_qwen3_config
     from dflash_worker.testing.tiny_draft import tiny_dflash2_config
@@ -111,9 +111,9 @@ def main(argv=None) -> int:
     reps = args.repeats or (2 if args.quick else 5)
     torch.set_num_threads(args.threads)
 
+    import dflash.model as ref_mod
     from dflash.model import dflash_generate
 
-    import dflash.model as ref_mod
     from dflash_worker.evaluate import speculative_generate
 
     # the reference's timing helper calls torch.cuda.synchronize(); we time outside it

@@ -40,7 +40,7 @@ import sys
 import sysconfig
 import textwrap
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -291,7 +291,15 @@ def build_tokenizer(texts: list[str], vocab: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from dflash_worker.testing.tokenizer import IM_END, IM_START, PAD_TOKEN, QWEN3_STYLE_CHAT_TEMPLATE, SPECIAL_TOKENS, THINK_END, THINK_START
+    from dflash_worker.testing.tokenizer import (
+        IM_END,
+        IM_START,
+        PAD_TOKEN,
+        QWEN3_STYLE_CHAT_TEMPLATE,
+        SPECIAL_TOKENS,
+        THINK_END,
+        THINK_START,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -32,8 +32,8 @@ from torch.nn import functional as F
 from dflash_worker.model import DraftConfig, build_draft
 from dflash_worker.testing.tiny import tiny_qwen3_config
 from dflash_worker.testing.tiny_draft import tiny_dflash2_config
-from dflash_worker.train.objectives import block_labels, position_weights, selector_loss_sum, token_loss_sum, weight_total
 from dflash_worker.train.loop import _fused_adamw
+from dflash_worker.train.objectives import block_labels, position_weights, selector_loss_sum, token_loss_sum, weight_total
 from dflash_worker.train.preflight import _PeakRSS
 from dflash_worker.train.scopes import scope_names
 

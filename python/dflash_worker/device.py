@@ -23,8 +23,9 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -287,7 +288,7 @@ class SyncTimer:
         self.seconds = 0.0
         self._start = 0.0
 
-    def __enter__(self) -> "SyncTimer":
+    def __enter__(self) -> SyncTimer:
         synchronize(self.device)
         self._start = time.perf_counter()
         return self

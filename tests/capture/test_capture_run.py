@@ -19,7 +19,7 @@ import torch
 
 from dflash_worker.capture import open_capture, read_target_layer_ids, run_capture
 from dflash_worker.data import PreparedData, render_example
-from dflash_worker.errors import CheckpointError, DataError, ResumeError
+from dflash_worker.errors import DataError, ResumeError
 from dflash_worker.recipe import load_recipe
 
 from .conftest import LAYER_IDS, one_thread_env, payload, write_recipe

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from e2e_helpers import (
     NATIVE_CLIENT,
     Coordinator,

@@ -19,7 +19,13 @@ from dflash_worker.families import (
     validate_pair,
     validate_target,
 )
-from dflash_worker.testing.tiny import dflash2_draft_shapes, save_tiny_dflash2_draft, tiny_dflash2_draft_config, tiny_qwen3_config, tiny_qwen3_moe_config
+from dflash_worker.testing.tiny import (
+    dflash2_draft_shapes,
+    save_tiny_dflash2_draft,
+    tiny_dflash2_draft_config,
+    tiny_qwen3_config,
+    tiny_qwen3_moe_config,
+)
 
 from .conftest import rewrite_target
 

@@ -12,8 +12,8 @@ import torch
 from af4g64_oracle import mx, mx_bits, np_bits
 
 from dflash_worker.errors import ExportError
-from dflash_worker.export import read_manifest, write_af4g64
 from dflash_worker.export import af4g64 as af4g64_mod
+from dflash_worker.export import read_manifest, write_af4g64
 from dflash_worker.manifest import sha256_file
 from dflash_worker.model.quant import fake_quantize_af4g64, full_projection, selector_context
 

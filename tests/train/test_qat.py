@@ -8,11 +8,11 @@ import signal
 
 import pytest
 import torch
+from test_resume import N, _final, _run_to_end, _same_optimizer, _start_and_signal, _steps
 from torch import nn
 
 from dflash_worker.recipe import load_recipe
 from dflash_worker.train import Hooks, Trainer
-from test_resume import N, _final, _run_to_end, _same_optimizer, _start_and_signal, _steps
 
 
 def _qat_recipe(pipeline, name, **kw):

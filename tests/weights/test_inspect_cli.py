@@ -100,7 +100,7 @@ def test_bad_headers_in_process(tmp_path, capsys, case, words):
     header = {
         "unknown dtype": {"w": {**e, "dtype": "Q4"}},
         "byte count": {"w": {**e, "shape": [3]}},
-        "duplicate": '{"w": %s, "w": %s}' % (json.dumps(e), json.dumps(e)),
+        "duplicate": f'{{"w": {json.dumps(e)}, "w": {json.dumps(e)}}}',
         "invalid json": '{"w": ',
         "out of range": {"w": {**e, "data_offsets": [0, 8]}},
     }[case]
@@ -154,8 +154,8 @@ def test_good_text_and_headers_only_file(tmp_path, capsys):
 def test_inspect_does_not_import_torch_for_drafts_and_files(tmp_path):
     p = _good(tmp_path)
     code = (
-        "import sys; from dflash_worker.cli import main; rc = main(['inspect-checkpoint', %r]); "
-        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)" % str(p)
+        f"import sys; from dflash_worker.cli import main; rc = main(['inspect-checkpoint', {str(p)!r}]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

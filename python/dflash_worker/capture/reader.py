@@ -13,9 +13,10 @@ one at a time, so iterating never holds more than one example's features.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import DataError
 from ..manifest import read_manifest_json, sha256_file

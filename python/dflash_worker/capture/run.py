@@ -39,14 +39,15 @@ import os
 import struct
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .. import __version__
 from ..data import PreparedData, check_data, load_tokenizer, render_example, render_prompt
-from ..families import check_recipe_pair
 from ..errors import CheckpointError, DataError, ResumeError
+from ..families import check_recipe_pair
 from ..manifest import (
     commit_file,
     device_provenance,

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from ..errors import FamilyError
-from ..weights.checkpoint import INDEX_NAME
 from ..families import (
     Problem,
     draft_problems,
@@ -16,6 +15,7 @@ from ..families import (
     read_checkpoint_info,
     target_problems,
 )
+from ..weights.checkpoint import INDEX_NAME
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

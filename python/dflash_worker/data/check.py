@@ -25,9 +25,10 @@ reasoning), ``no_reasoning`` (thinking on, final turn has no reasoning).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..errors import CheckpointError, DataError
 from .dataset import Example, PreparedData

@@ -21,9 +21,10 @@ decides between failing (the default) and a counted drop (``--skip-invalid``).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 BOM = b"\xef\xbb\xbf"
 DEFAULT_MAX_LINE_BYTES = 4 << 20  # 4 MiB: ~1M tokens of text, far above any context we train

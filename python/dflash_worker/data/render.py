@@ -20,8 +20,9 @@ rendered the way the model produces it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import DataError
 

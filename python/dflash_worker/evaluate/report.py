@@ -30,8 +30,9 @@ Outputs in the report directory: ``report.json``, ``report.md`` and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 VERDICTS = ("improved", "tied", "regressed")
 

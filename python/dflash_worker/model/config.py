@@ -172,7 +172,7 @@ class DraftConfig:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>", kind: str | None = None) -> "DraftConfig":
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>", kind: str | None = None) -> DraftConfig:
         """Parse a draft `config.json` dict (never mutated)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: draft config must be a JSON object, found `{type(raw).__name__}`")
@@ -241,7 +241,7 @@ class DraftConfig:
             raise ConfigError(f"{source}: invalid draft config: {exc}") from exc
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "DraftConfig":
+    def from_file(cls, path: str | Path) -> DraftConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"

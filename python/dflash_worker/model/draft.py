@@ -17,7 +17,7 @@ target's frozen head (`logits`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -132,7 +132,7 @@ class DraftModel(nn.Module):
         return self.config.kind
 
     @torch.no_grad()
-    def init_weights_(self, seed: int | None = None, std: float = 0.02) -> "DraftModel":
+    def init_weights_(self, seed: int | None = None, std: float = 0.02) -> DraftModel:
         """Random init for tests and from-scratch runs: normal(0, std) matrices, unit norms,
         identity convolution bases (tap 0 = 1)."""
         gen = torch.Generator(device="cpu")

@@ -74,8 +74,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn

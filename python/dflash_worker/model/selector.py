@@ -69,7 +69,7 @@ class CandidateSelector(nn.Module):
         scores = first
         for t in range(T):
             if t:
-                scores = trans[rows, t - 1, choice]
+                scores = trans[rows, t - 1, choice]  # noqa: F821 - `choice` is bound at t == 0
             if temperature > 0:
                 q = sampling_probs(scores, temperature)
                 choice = draw(q, generator)

@@ -49,8 +49,9 @@ class CapturedSplit:
         self.reader = open_capture(capture_dir, verify=verify)
         self.split = split
         self._where: list[tuple[int, int, int, str]] = []  # (shard, begin, end, id)
-        from safetensors import safe_open
         import json
+
+        from safetensors import safe_open
 
         for si, path in enumerate(self.reader.shards):
             with safe_open(str(path), framework="pt") as f:

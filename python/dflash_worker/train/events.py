@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ENV_EVENTS_FD = "DFLASH_EVENTS_FD"
 

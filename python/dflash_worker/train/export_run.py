@@ -46,8 +46,7 @@ def export_dir_name(fmt: str) -> str:
 
 def quant_names_for(draft_dir: Path, qat_scope: str) -> list[str]:
     """Names the AF4G64 scope selector picks on the draft (built on the meta device)."""
-    from ..model import DraftConfig, DraftModel
-    from ..model import quant
+    from ..model import DraftConfig, DraftModel, quant
 
     with torch.device("meta"):
         model = DraftModel(DraftConfig.from_file(draft_dir))
@@ -137,8 +136,9 @@ def export_run(
         res = write_bf16(released, values, out, manifest_extra=extra, overwrite=overwrite)
         return RunExport(res.out_dir, fmt, res.manifest)
 
-    from ..export.af4g64 import write_af4g64
     from safetensors.torch import load_file
+
+    from ..export.af4g64 import write_af4g64
 
     qnames = quant_names_for(released, cfg.qat_scope)
     tensors: dict[str, torch.Tensor] = {}

@@ -39,9 +39,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -155,8 +156,8 @@ class Hooks:
     """Test and job-runner hooks. `after_step(trainer, step)` runs after each step's checkpoint
     decision; `inside_validation(trainer)` runs while export values are swapped in."""
 
-    after_step: Callable[["Trainer", int], None] | None = None
-    inside_validation: Callable[["Trainer"], None] | None = None
+    after_step: Callable[[Trainer, int], None] | None = None
+    inside_validation: Callable[[Trainer], None] | None = None
 
 
 def _autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:

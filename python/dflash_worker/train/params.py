@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn

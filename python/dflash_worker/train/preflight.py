@@ -35,7 +35,7 @@ MARGIN = 1.10
 class _PeakRSS:
     """Peak resident set size of this process over a `with` block."""
 
-    def __enter__(self) -> "_PeakRSS":
+    def __enter__(self) -> _PeakRSS:
         self.method = "sampled rss (5 ms)"
         self.peak = 0
         self._stop = threading.Event()
@@ -98,14 +98,13 @@ def _device_memory(device: torch.device) -> tuple[int, str]:
 def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     """Measure the capture and optimization peaks of one near-max-length step; returns the report."""
     from ..device import provenance, resolve_device
+    from ..families import check_recipe_pair
     from ..model import load_draft
     from ..weights import load_model
     from .data import sample_anchors
     from .objectives import block_labels, position_weights, selector_loss_sum, token_loss_sum, weight_total
     from .params import load_target_head
     from .scopes import includes_selector, scope_names
-
-    from ..families import check_recipe_pair
 
     cfg = recipe.require("train")
     cap = recipe.capture

@@ -15,7 +15,7 @@ exported byte-identical to the released draft.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..errors import ConfigError
 

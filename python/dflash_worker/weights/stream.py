@@ -58,7 +58,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 import torch
 from torch import nn
@@ -88,8 +87,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 
-Source = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
-KeyMapping = Union[Mapping[str, str], Callable[[str], str], None]
+Source = str | os.PathLike | Mapping[str, torch.Tensor]
+KeyMapping = Mapping[str, str] | Callable[[str], str] | None
 ProgressFn = Callable[[int, int], None]
 
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
