@@ -2,9 +2,9 @@
 //! - embeds the git commit the binary was built from (`DFLASH_GIT_COMMIT`), so
 //!   `run-manager --version` can name it (`unknown` outside a checkout);
 //! - generates the gRPC client for `proto/dflash/v1` with the `protoc` that the
-//!   `protoc-bin-vendored` crate ships, so no system `protoc` is needed;
-//! - gives `dflash-native-client` an rpath to the directory holding libpython,
-//!   so the embedded interpreter loads without `LD_LIBRARY_PATH`.
+//!   `protoc-bin-vendored` crate ships, so no system `protoc` is needed.
+//!
+//! Nothing here needs a Python (the native client's build script does).
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -14,7 +14,6 @@ fn main() {
         // A build script reports failure by panicking; there is no caller to return to.
         panic!("generating the gRPC client from proto/dflash/v1 failed: {err}");
     }
-    native_client_rpath();
 }
 
 fn embed_git_commit() {
@@ -68,19 +67,4 @@ fn generate_grpc() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .compile_protos(&protos, &[proto_root])?;
     Ok(())
-}
-
-fn native_client_rpath() {
-    let config = pyo3_build_config::get();
-    let v = config.version();
-    // `dflash-native-client --version` names the Python it embeds.
-    println!(
-        "cargo:rustc-env=DFLASH_EMBEDDED_PYTHON={}.{}",
-        v.major, v.minor
-    );
-    if let Some(lib_dir) = config.lib_dir() {
-        if std::env::var("CARGO_CFG_UNIX").is_ok() {
-            println!("cargo:rustc-link-arg-bin=dflash-native-client=-Wl,-rpath,{lib_dir}");
-        }
-    }
 }

@@ -85,7 +85,7 @@ log "cargo build --release (PYO3_PYTHON=$python)"
 cargo build --release --locked -p run-manager --bin run-manager
 # `cargo rustc` passes the rpath flags to the final binary only, so the
 # dependencies stay shared with any other release build in CARGO_TARGET_DIR.
-cargo rustc --release --locked -p run-manager --bin dflash-native-client -- \
+cargo rustc --release --locked -p dflash-native-client --bin dflash-native-client -- \
   -C "link-arg=-Wl,-rpath,$libdir" -C "link-arg=-Wl,-rpath,$torch_lib"
 
 target_dir=${CARGO_TARGET_DIR:-$root/target}

@@ -92,7 +92,8 @@ cd "$root"
 export PYO3_PYTHON=$python
 export DFLASH_BUILD_PYTHON_HOME=$prefix
 log "cargo build --release (PYO3_PYTHON=$python)"
-cargo build --release --locked -p run-manager --bin run-manager --bin dflash-native-client
+cargo build --release --locked -p run-manager --bin run-manager
+cargo build --release --locked -p dflash-native-client --bin dflash-native-client
 
 target_dir=${CARGO_TARGET_DIR:-$root/target}
 mkdir -p "$out"

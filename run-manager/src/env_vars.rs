@@ -61,7 +61,7 @@ pub const NO_COLOR: &str = "NO_COLOR";
 /// Set by the native client and read by it: a Python prefix or virtual
 /// environment whose site-packages the embedded interpreter should import from.
 pub const PYTHON_HOME: &str = "DFLASH_PYTHON_HOME";
-/// Read at BUILD time (`option_env!` in `src/bin/native_client.rs`, which must
+/// Read at BUILD time (`option_env!` in `native-client/src/main.rs`, which must
 /// spell the same name): the environment a standalone native client imports
 /// from when nothing else names one. Set by `scripts/build-native-*.sh`.
 pub const BUILD_PYTHON_HOME: &str = "DFLASH_BUILD_PYTHON_HOME";

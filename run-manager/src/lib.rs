@@ -2,9 +2,9 @@
 //! DFlash2 worker as a child process and relays its progress.
 //!
 //! `main.rs` only parses arguments, builds the runtime and maps exit codes;
-//! everything else lives in this library so tests can call it. The native
-//! client (`src/bin/native_client.rs`) is the only part that embeds Python;
-//! nothing in this library links libpython.
+//! everything else lives in this library so tests can call it. Nothing here
+//! needs or links Python: the native client, the worker launcher that embeds
+//! it, is the `dflash-native-client` crate (`native-client/`).
 
 pub mod attempt;
 pub mod backoff;
@@ -18,7 +18,6 @@ pub mod error;
 pub mod events;
 pub mod jobdir;
 pub mod logging;
-pub mod native;
 pub mod paths;
 pub mod policy;
 pub mod proto;

@@ -3,6 +3,8 @@
 //!
 //! They skip (with a message) when `.venv/bin/python` or the coordinator /
 //! job modules are missing, so `cargo test` works before `make install`.
+//! The native client is another crate's binary (`native-client/`), which
+//! `cargo test --workspace` builds next to `run-manager` (see [`native_client`]).
 //! The `--help` snapshot needs nothing and always runs
 //! (`UPDATE_SNAPSHOTS=1 cargo test` rewrites it after an intended change).
 
@@ -21,7 +23,19 @@ use run_manager::proto::{
 use sha2::Digest;
 
 const RUN_MANAGER: &str = env!("CARGO_BIN_EXE_run-manager");
-const NATIVE_CLIENT: &str = env!("CARGO_BIN_EXE_dflash-native-client");
+
+/// The native client next to the run-manager binary. Cargo names only a
+/// package's own binaries (`CARGO_BIN_EXE_*`); `cargo test --workspace`
+/// builds this one too, because its crate has integration tests of its own.
+fn native_client() -> PathBuf {
+    let p = Path::new(RUN_MANAGER).with_file_name("dflash-native-client");
+    assert!(
+        p.is_file(),
+        "`{}` is missing\nhint: run `cargo test --workspace` (or `cargo build -p dflash-native-client` first)",
+        p.display()
+    );
+    p
+}
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -75,7 +89,8 @@ fn run_manager(work: &Path) -> Command {
         .env("NO_COLOR", "1")
         .arg("--work-dir")
         .arg(work)
-        .args(["--native-client", NATIVE_CLIENT])
+        .arg("--native-client")
+        .arg(native_client())
         .args(["--device", "cpu", "--log-format", "json"])
         .args([
             "--restart-backoff-ms",
@@ -611,55 +626,6 @@ fn local_run_this_machine_cannot_take_fails_after_the_idle_timeout() {
 }
 
 #[test]
-fn native_client_maps_python_failures_to_exit_codes() {
-    if python().is_none() {
-        return;
-    }
-    let dir = temp_dir("native");
-    let spec = serde_json::json!({"schema_version": 1, "spec": {"stages": ["warp_drive"]}});
-    std::fs::write(dir.join("spec.json"), spec.to_string()).expect("write");
-    let run = |home: &Path| {
-        Command::new(NATIVE_CLIENT)
-            .env_remove("VIRTUAL_ENV")
-            .arg("--job-dir")
-            .arg(&dir)
-            .arg("--python-home")
-            .arg(home)
-            .output()
-            .expect("run")
-    };
-    // A bad spec: the job reports a non-retryable error event and exits 1.
-    let out = run(&venv_dir());
-    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
-    let last = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()
-        .unwrap_or_default()
-        .to_string();
-    let ev = run_manager::events::parse_event(&last).expect("event");
-    assert!(
-        matches!(ev, run_manager::events::WorkerEvent::Error { retryable: false, ref message } if message.contains("warp_drive")),
-        "{ev:?}"
-    );
-    // No usable environment: exit 2 with a hint, never a crash.
-    let out = run(&dir.join("no-such-env"));
-    assert_eq!(out.status.code(), Some(2), "{}", show(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("hint:"),
-        "{}",
-        show(&out)
-    );
-    // A job directory without spec.json is a user error before Python starts.
-    let out = Command::new(NATIVE_CLIENT)
-        .arg("--job-dir")
-        .arg(dir.join("missing"))
-        .output()
-        .expect("run");
-    assert_eq!(out.status.code(), Some(1), "{}", show(&out));
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-#[test]
 fn stale_lease_kills_the_worker_and_abandons_the_attempt() {
     let Some(py) = python() else { return };
     let dir = temp_dir("stale");
@@ -845,7 +811,7 @@ fn run_manager_docker(work: &Path, bin: &Path, state: &Path) -> Command {
     c.env("PATH", std::env::join_paths(dirs).expect("PATH"))
         .env("VIRTUAL_ENV", venv_dir())
         .env("FAKE_DOCKER_STATE", state)
-        .env("FAKE_DOCKER_ENTRYPOINT", NATIVE_CLIENT)
+        .env("FAKE_DOCKER_ENTRYPOINT", native_client())
         .env("NO_COLOR", "1")
         .arg("--work-dir")
         .arg(work)

@@ -1,5 +1,5 @@
-//! Python-environment discovery for the native client (no Python linked here:
-//! `src/bin/native_client.rs` embeds the interpreter and calls these).
+//! Python-environment discovery for the native client, and its exit codes
+//! (plain Rust, testable without an interpreter; `embed` calls these).
 //!
 //! The native client embeds the CPython it was built against and must import
 //! the packages of the environment that holds `dflash_worker` and torch. It
@@ -150,8 +150,8 @@ mod tests {
     fn error_event_is_a_valid_event() {
         let line = error_event_line("boom \"quoted\"\nnext", true);
         assert!(!line.contains('\n'));
-        match crate::events::parse_event(&line).expect("parses") {
-            crate::events::WorkerEvent::Error { message, retryable } => {
+        match run_manager::events::parse_event(&line).expect("parses") {
+            run_manager::events::WorkerEvent::Error { message, retryable } => {
                 assert!(retryable);
                 assert!(message.contains("quoted"));
             }
