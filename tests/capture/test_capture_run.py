@@ -98,7 +98,7 @@ KILLER = textwrap.dedent(
     from dflash_worker.recipe import load_recipe
 
     def on_event(e):
-        if e["event"] == "shard_committed" and e["shard"] == 0:
+        if e.name == "progress" and e.metrics.get("shards_committed") == 1:
             print("COMMITTED", flush=True)
             time.sleep(300)  # the test SIGKILLs us here
 

@@ -1,27 +1,48 @@
 """`capture`: run the frozen teacher over prepared data and cache the draft's target features.
 
-Order of work, cheapest checks first:
+Order of work, cheapest checks first, one function per step:
 
-1. read the recipe sections, verify the prepared data hashes, load the
-   tokenizer and run `check_data` (no weights read yet);
-2. read `target_layer_ids` from the released draft's config.json
-   (`dflash_config` first, then top level) and check them against the
-   target's `num_hidden_layers`; check the tokenizer fits the target vocab;
-3. hash the teacher files and the tokenizer into the *capture key*: every
-   input that shapes the payload bytes (no paths, no timestamps);
-4. resume: shards whose sidecar names the same key and whose sha256 verifies
-   are kept; the first one that does not verify, and everything after it,
-   is rewritten; a dir holding a different capture is refused;
-5. stream the teacher in (`dflash_worker.weights.load_model`), optionally
-   regenerate each response (greedy or per-example seeded sampling), run the
-   teacher once over prompt+response with `output_hidden_states` and keep
-   ``hidden_states[id + 1]`` for each target layer id;
-6. write shards atomically (shard, then sidecar) on a writer thread that
-   overlaps the next examples' forward passes; release the teacher
-   (``del`` + ``gc``), write ``manifest.json`` last.
+1. `plan_capture`: read the recipe sections, verify the prepared data hashes,
+   load the tokenizer and run `check_data` (no weights read yet); read
+   `target_layer_ids` from the released draft's config.json (`dflash_config`
+   first, then top level) and check them against the target's
+   `num_hidden_layers`; check the tokenizer fits the target vocab
+   (`read_geometry`); hash the teacher files and the tokenizer into the
+   *capture key* (`capture_key`): every input that shapes the payload bytes
+   (no paths, no timestamps);
+2. `resume`: shards whose sidecar names the same key and whose sha256 verifies
+   are kept; the first one that does not verify, and everything after it, is
+   removed and rewritten; a dir holding a different capture is refused;
+3. `_run_teacher`: stream the teacher in (`dflash_worker.weights.load_model`),
+   optionally regenerate each response (greedy or per-example seeded
+   sampling), run the teacher once over prompt+response with
+   `output_hidden_states` and keep ``hidden_states[id + 1]`` for each target
+   layer id; a `ShardWriter` writes shards atomically (shard, then sidecar) on
+   a writer thread that overlaps the next examples' forward passes; release
+   the teacher (``del`` + ``gc``);
+4. `capture_manifest`: ``manifest.json``, written last.
 
 Examples run one at a time (batch 1, no padding), so a stored feature equals a
 plain forward of that example bit for bit.
+
+Events (`worker.events`, to the `on_event` sink, in this order):
+
+- ``Log`` (debug) ``data checked: ...`` after the data check;
+- ``Log`` ``already complete (K shards verified)`` and nothing more when every
+  shard and the manifest verify (the manifest is returned as it is);
+- ``Log`` ``N examples, resuming at S (K shards reused)`` and
+  ``Progress(phase="capture", step=S, total_steps=N, metrics={"shards_reused": K})``;
+- ``Log`` ``teacher loaded in X.Xs`` (only when examples are left to capture);
+- per example i: ``Progress(step=i + 1, total_steps=N, metrics={"tokens": ...})``;
+- per committed shard: ``Progress(step=<examples captured so far>, total_steps=N,
+  metrics={"shard": index, "shards_committed": count, "examples_committed": end,
+  "shard_examples": ..., "shard_tokens": ...})``, reported once the shard and its
+  sidecar are on disk and before the next shard is handed to the writer;
+- ``Log`` (debug) ``K shards committed``, ``Log`` (debug) ``teacher released``
+  (a warning when something still holds it), ``Log`` (debug) after the manifest.
+
+The sink may raise (a job stops this way): shards already committed stay, the
+shard being filled is redone on resume.
 
 Note on the last layer: in transformers 5, ``hidden_states[num_layers]`` is the
 *final-normed* output (it equals ``last_hidden_state``), not the raw output of
@@ -39,13 +60,13 @@ import os
 import struct
 import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .. import __version__
-from ..data import PreparedData, check_data, load_tokenizer, render_example, render_prompt
+from ..data import Example, PreparedData, check_data, load_tokenizer, render_example, render_prompt
 from ..errors import CheckpointError, DataError, ResumeError
 from ..families import check_recipe_pair
 from ..manifest import (
@@ -57,10 +78,12 @@ from ..manifest import (
     software_versions,
     write_json_atomic,
 )
-from ..recipe import Recipe
+from ..recipe import CaptureConfig, Recipe
+from ..worker.events import Event, EventSink, Log, Progress
 from .layout import FORMAT, MANIFEST, SHARD_FORMAT, shard_path, sidecar_path
 
-EventFn = Callable[[dict[str, Any]], None]
+if TYPE_CHECKING:
+    from ..device import DeviceChoice
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -75,6 +98,11 @@ TOKENIZER_FILES = (
 )
 
 
+def _ignore(event: Event) -> None:
+    pass
+
+
+# --------------------------------------------------------------------- 1. plan
 def read_target_layer_ids(draft_dir: str | Path) -> list[int]:
     """`target_layer_ids` of a released draft: `dflash_config.target_layer_ids` first, then top level."""
     cfg = Path(draft_dir) / "config.json"
@@ -99,6 +127,40 @@ def read_target_layer_ids(draft_dir: str | Path) -> list[int]:
     return list(ids)
 
 
+@dataclass(frozen=True)
+class TeacherGeometry:
+    """The target's shape as far as capture cares, and the layers the draft reads."""
+
+    config: dict[str, Any]  # the target's config.json
+    layer_ids: list[int]
+    num_layers: int
+    hidden: int
+    vocab: int
+
+
+def read_geometry(target: Path, draft: Path, tokenizer: Any) -> TeacherGeometry:
+    """The target's geometry from its config.json, checked against the draft's layer ids and the tokenizer."""
+    from ..weights.loader import read_config_json
+
+    tcfg = read_config_json(target)
+    layer_ids = read_target_layer_ids(draft)
+    n_layers, hidden, vocab = tcfg.get("num_hidden_layers"), tcfg.get("hidden_size"), tcfg.get("vocab_size")
+    if not (isinstance(n_layers, int) and isinstance(hidden, int) and isinstance(vocab, int)):
+        raise CheckpointError(f"`{target / 'config.json'}` lacks `num_hidden_layers`/`hidden_size`/`vocab_size`")
+    bad = [i for i in layer_ids if i >= n_layers]
+    if bad:
+        raise CheckpointError(
+            f"draft `target_layer_ids` `{layer_ids}` name layer `{bad[0]}`, but the target has `{n_layers}` layers\n"
+            "hint: this draft was released for a different target"
+        )
+    if len(tokenizer) > vocab:
+        raise CheckpointError(
+            f"the tokenizer has `{len(tokenizer)}` tokens but the target's `vocab_size` is `{vocab}`\n"
+            "hint: tokenizer and weights of `[model].target` do not belong together"
+        )
+    return TeacherGeometry(tcfg, layer_ids, n_layers, hidden, vocab)
+
+
 def _teacher_hashes(target: Path) -> dict[str, str]:
     files = sorted(p for p in target.iterdir() if p.is_file() and (p.suffix == ".safetensors" or p.name == "model.safetensors.index.json" or p.name == "config.json"))
     if not any(p.suffix == ".safetensors" for p in files):
@@ -110,6 +172,219 @@ def _tokenizer_hashes(target: Path) -> dict[str, str]:
     return {n: sha256_file(target / n) for n in TOKENIZER_FILES if (target / n).is_file()}
 
 
+@dataclass(frozen=True)
+class CaptureKey:
+    """The capture key and the inputs it hashes (recorded in the manifest as `key_inputs`)."""
+
+    key: str
+    inputs: dict[str, Any]
+    teacher_files: dict[str, str]
+    tokenizer_files: dict[str, str]
+    chat_template_sha256: str
+    generation: dict[str, Any] | None  # the regeneration settings; None without `regenerate`
+
+
+def _generation(cap: CaptureConfig) -> dict[str, Any] | None:
+    if not cap.regenerate:
+        return None
+    sampled = cap.sampling == "sampled"
+    return {
+        "sampling": cap.sampling,
+        "temperature": cap.temperature if sampled else None,
+        "top_p": cap.top_p if sampled else None,
+        "seed": cap.seed if sampled else None,
+        "max_new_tokens": cap.max_new_tokens,
+    }
+
+
+def capture_key(recipe: Recipe, prepared: PreparedData, tokenizer: Any, layer_ids: list[int], device_type: str) -> CaptureKey:
+    """Fingerprint of everything that shapes the payload bytes (no paths, no timestamps)."""
+    cap, dcfg = recipe.require("capture"), recipe.data
+    teacher = _teacher_hashes(recipe.model.target)
+    tok_files = _tokenizer_hashes(recipe.model.target)
+    chat_sha = sha256_bytes(tokenizer.chat_template.encode("utf-8"))
+    generation = _generation(cap)
+    inputs = {
+        "format": FORMAT,
+        "teacher_files": teacher,
+        "tokenizer_files": tok_files,
+        "chat_template_sha256": chat_sha,
+        "thinking": dcfg.thinking,
+        "max_length": dcfg.max_length,
+        "target_layer_ids": layer_ids,
+        "dtype": cap.dtype,
+        "device_type": device_type,
+        "split_fingerprint": prepared.split_fingerprint,
+        "splits": list(cap.splits),
+        "regenerate": generation,
+        "shard_policy": {"examples": cap.shard_examples} if cap.shard_tokens is None else {"tokens": cap.shard_tokens},
+    }
+    return CaptureKey(fingerprint(inputs), inputs, teacher, tok_files, chat_sha, generation)
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """Everything checked and decided before any weight is read."""
+
+    recipe: Recipe
+    cap: CaptureConfig
+    prepared: PreparedData
+    tokenizer: Any
+    geometry: TeacherGeometry
+    choice: DeviceChoice
+    key: CaptureKey
+
+
+def plan_capture(recipe: Recipe, emit: EventSink) -> CapturePlan:
+    """Data check, pair check, geometry, device and capture key: every refusal before weights load."""
+    cap = recipe.require("capture")
+    mcfg, dcfg = recipe.model, recipe.data
+    prepared = PreparedData(dcfg.dir)
+    tokenizer = load_tokenizer(mcfg.target)
+    report = check_data(
+        prepared, tokenizer, thinking=dcfg.thinking, max_length=dcfg.max_length, regenerate=cap.regenerate, splits=cap.splits
+    )
+    report.raise_if_failed()
+    emit(Log(level="debug", message=f"data checked: `{report.examples}` examples"))
+    check_recipe_pair(mcfg.target, mcfg.draft, mcfg.family)  # headers and config.json only
+    geometry = read_geometry(mcfg.target, mcfg.draft, tokenizer)
+
+    from ..device import resolve_device
+
+    choice = resolve_device(cap.device)
+    key = capture_key(recipe, prepared, tokenizer, geometry.layer_ids, choice.type)
+    return CapturePlan(recipe, cap, prepared, tokenizer, geometry, choice, key)
+
+
+# --------------------------------------------------------------------- 2. resume
+@dataclass(frozen=True, kw_only=True)
+class ShardRecord:
+    """A committed shard as its sidecar (`shard-NNNNN.json`) describes it."""
+
+    capture_key: str
+    shard: int
+    file: str
+    first: int  # index of its first example in the capture order
+    end: int  # one past its last example
+    examples: int
+    tokens: int
+    loss_tokens: int
+    generation_truncated: int  # regenerated responses that hit `max_new_tokens` before a stop token
+    sha256: str
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": SHARD_FORMAT, **asdict(self)}
+
+    def manifest_entry(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("file", "sha256", "bytes", "first", "end", "examples", "tokens", "loss_tokens")}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ShardRecord | None:
+        """The record of a sidecar, or None when a field is missing or of the wrong type."""
+        doc = {"generation_truncated": 0, **doc}  # sidecars from before the field existed
+        values = {}
+        for f in fields(cls):
+            v = doc.get(f.name)
+            want = str if f.type == "str" else int
+            if not isinstance(v, want) or isinstance(v, bool):
+                return None
+            values[f.name] = v
+        return cls(**values)
+
+
+def _verify_shard(root: Path, i: int, key: str) -> ShardRecord | None:
+    """The record of shard `i` if the shard is complete; None if missing or corrupt.
+
+    A sidecar written for another capture key raises ResumeError: the dir holds a different capture.
+    """
+    sc, sp = sidecar_path(root, i), shard_path(root, i)
+    if not sc.is_file() or not sp.is_file():
+        return None
+    try:
+        side = json.loads(sc.read_text(encoding="utf-8"))
+        if side.get("format") != SHARD_FORMAT:
+            return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    if side.get("capture_key") != key:
+        raise ResumeError(
+            f"`{sc}` belongs to a different capture (key `{side.get('capture_key')}`, this recipe gives `{key}`)\n"
+            "hint: point `[capture].output` at a new dir, or delete the old capture"
+        )
+    record = ShardRecord.from_json(side)
+    if record is None or sp.stat().st_size != record.bytes or sha256_file(sp) != record.sha256:
+        return None
+    return record
+
+
+def _remove_from(root: Path, first: int) -> int:
+    """Delete shards and sidecars with index >= `first`, stale temporaries, and the manifest."""
+    removed = 0
+    for p in root.iterdir():
+        name = p.name
+        if name.startswith(".shard-") and ".tmp-" in name or name.startswith(f".{MANIFEST}.tmp-"):
+            p.unlink(missing_ok=True)
+        elif name.startswith("shard-") and name.endswith((".safetensors", ".json")):
+            try:
+                idx = int(name[6:11])
+            except ValueError:
+                continue
+            if idx >= first:
+                p.unlink(missing_ok=True)
+                removed += 1
+    (root / MANIFEST).unlink(missing_ok=True)
+    return removed
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest at `path`, or None when it is missing or unreadable (then it is rewritten)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """What survives in the capture dir: the verified leading shards, and the manifest if it is complete."""
+
+    records: list[ShardRecord]
+    complete: dict[str, Any] | None  # the finished manifest when nothing is left to do
+
+    @property
+    def start(self) -> int:
+        """Index of the first example still to capture."""
+        return self.records[-1].end if self.records else 0
+
+
+def resume(out: Path, key: str) -> ResumePoint:
+    """Keep the leading shards that verify under `key`, remove everything after them.
+
+    A finished capture (its manifest counts exactly the verified shards) is left untouched;
+    a dir holding another capture is refused with `ResumeError`.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    old = _read_manifest(out / MANIFEST)
+    old_key = old.get("capture_key") if old is not None else None
+    if old_key is not None and old_key != key:
+        raise ResumeError(
+            f"`{out}` holds a different capture (key `{old_key}`, this recipe gives `{key}`)\n"
+            "hint: point `[capture].output` at a new dir, or delete the old capture"
+        )
+    records: list[ShardRecord] = []
+    while (record := _verify_shard(out, len(records), key)) is not None:
+        if record.first != (records[-1].end if records else 0):
+            break
+        records.append(record)
+    if old is not None and records and old.get("shards_total") == len(records):
+        return ResumePoint(records, old)
+    _remove_from(out, len(records))
+    return ResumePoint(records, None)
+
+
+# --------------------------------------------------------------------- 3. teacher and shards
 def _stop_ids(tokenizer: Any, config: dict[str, Any]) -> list[int]:
     ids: set[int] = set()
     eos = config.get("eos_token_id")
@@ -135,47 +410,13 @@ def teacher_features(model: Any, input_ids: list[int], layer_ids: list[int], dev
         return torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1).to("cpu")
 
 
-def _verify_shard(root: Path, i: int, key: str) -> dict[str, Any] | None:
-    """The sidecar of shard `i` if the shard is complete; None if missing or corrupt.
+class ShardItem(TypedDict):
+    """One captured example as a shard stores it."""
 
-    A sidecar written for another capture key raises ResumeError: the dir holds a different capture.
-    """
-    sc, sp = sidecar_path(root, i), shard_path(root, i)
-    if not sc.is_file() or not sp.is_file():
-        return None
-    try:
-        side = json.loads(sc.read_text(encoding="utf-8"))
-        if side.get("format") != SHARD_FORMAT:
-            return None
-    except (OSError, ValueError, AttributeError):
-        return None
-    if side.get("capture_key") != key:
-        raise ResumeError(
-            f"`{sc}` belongs to a different capture (key `{side.get('capture_key')}`, this recipe gives `{key}`)\n"
-            "hint: point `[capture].output` at a new dir, or delete the old capture"
-        )
-    if sp.stat().st_size != side.get("bytes") or sha256_file(sp) != side.get("sha256"):
-        return None
-    return side
-
-
-def _remove_from(root: Path, first: int) -> int:
-    """Delete shards and sidecars with index >= `first`, stale temporaries, and the manifest."""
-    removed = 0
-    for p in root.iterdir():
-        name = p.name
-        if name.startswith(".shard-") and ".tmp-" in name or name.startswith(f".{MANIFEST}.tmp-"):
-            p.unlink(missing_ok=True)
-        elif name.startswith("shard-") and name.endswith((".safetensors", ".json")):
-            try:
-                idx = int(name[6:11])
-            except ValueError:
-                continue
-            if idx >= first:
-                p.unlink(missing_ok=True)
-                removed += 1
-    (root / MANIFEST).unlink(missing_ok=True)
-    return removed
+    index: int  # position in the capture order
+    ids: list[int]
+    mask: list[int]
+    features: Any  # CPU tensor [T, F]
 
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32", "int64": "I64", "uint8": "U8"}
@@ -188,7 +429,7 @@ def _raw(t: Any) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def _write_shard(path: Path, items: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[str, int]:
+def _write_shard(path: Path, items: list[ShardItem], meta: dict[str, Any]) -> tuple[str, int]:
     """Stream one shard to `path` atomically in safetensors format; returns `(sha256, bytes)`.
 
     Written by hand instead of `safetensors.torch.save` so each example's features go
@@ -244,271 +485,270 @@ def _write_shard(path: Path, items: list[dict[str, Any]], meta: dict[str, Any]) 
     return h.hexdigest(), total
 
 
-def _commit_shard(root: Path, items: list[dict[str, Any]], meta: dict[str, Any], side: dict[str, Any]) -> dict[str, Any]:
-    """Write one shard, then its sidecar (both atomic); returns the sidecar."""
+def _commit_shard(root: Path, items: list[ShardItem], meta: dict[str, Any], side: dict[str, Any]) -> ShardRecord:
+    """Write one shard, then its sidecar (both atomic); returns the shard's record."""
     sha, nbytes = _write_shard(shard_path(root, side["shard"]), items, meta)
-    side = {**side, "sha256": sha, "bytes": nbytes}
-    write_json_atomic(sidecar_path(root, side["shard"]), side)
-    return side
+    record = ShardRecord(**side, sha256=sha, bytes=nbytes)
+    write_json_atomic(sidecar_path(root, record.shard), record.to_json())
+    return record
 
 
-def run_capture(recipe: Recipe, *, on_event: EventFn | None = None) -> dict[str, Any]:
-    """Run (or resume) the capture described by `recipe`; returns the manifest written."""
-    emit: EventFn = on_event or (lambda e: None)
-    t0 = time.perf_counter()
-    cap = recipe.require("capture")
-    mcfg, dcfg = recipe.model, recipe.data
+class ShardWriter:
+    """Groups captured examples into shards, commits each one on a writer thread, reports progress.
 
-    # 1. data and tokenizer, no weights
-    prepared = PreparedData(dcfg.dir)
-    tokenizer = load_tokenizer(mcfg.target)
-    report = check_data(
-        prepared, tokenizer, thinking=dcfg.thinking, max_length=dcfg.max_length, regenerate=cap.regenerate, splits=cap.splits
-    )
-    report.raise_if_failed()
-    emit({"event": "data_checked", "examples": report.examples})
-    check_recipe_pair(mcfg.target, mcfg.draft, mcfg.family)  # headers and config.json only
+    Shards are encoded, hashed and written on one writer thread while the teacher runs the
+    next examples; at most one shard is in flight, so memory stays at two shards. A shard is
+    reported (a `Progress` event, from the caller's thread) once its write has finished,
+    before the next shard is handed to the writer. Use as a context manager and call
+    `close()` after the last example: leaving the block on an error waits for the shard in
+    flight (it stays valid on disk) but commits nothing more.
+    """
 
-    # 2. geometry
-    from ..weights.loader import read_config_json
-
-    tcfg = read_config_json(mcfg.target)
-    layer_ids = read_target_layer_ids(mcfg.draft)
-    n_layers, hidden, vocab = tcfg.get("num_hidden_layers"), tcfg.get("hidden_size"), tcfg.get("vocab_size")
-    if not all(isinstance(v, int) for v in (n_layers, hidden, vocab)):
-        raise CheckpointError(f"`{mcfg.target / 'config.json'}` lacks `num_hidden_layers`/`hidden_size`/`vocab_size`")
-    bad = [i for i in layer_ids if i >= n_layers]
-    if bad:
-        raise CheckpointError(
-            f"draft `target_layer_ids` `{layer_ids}` name layer `{bad[0]}`, but the target has `{n_layers}` layers\n"
-            "hint: this draft was released for a different target"
-        )
-    if len(tokenizer) > vocab:
-        raise CheckpointError(
-            f"the tokenizer has `{len(tokenizer)}` tokens but the target's `vocab_size` is `{vocab}`\n"
-            "hint: tokenizer and weights of `[model].target` do not belong together"
-        )
-
-    from ..device import memory_peak, reset_peak, resolve_device
-
-    choice = resolve_device(cap.device)
-
-    # 3. capture key: everything that shapes payload bytes
-    teacher = _teacher_hashes(mcfg.target)
-    tok_files = _tokenizer_hashes(mcfg.target)
-    chat_sha = sha256_bytes(tokenizer.chat_template.encode("utf-8"))
-    generation = (
-        {
-            "sampling": cap.sampling,
-            "temperature": cap.temperature if cap.sampling == "sampled" else None,
-            "top_p": cap.top_p if cap.sampling == "sampled" else None,
-            "seed": cap.seed if cap.sampling == "sampled" else None,
-            "max_new_tokens": cap.max_new_tokens,
+    def __init__(self, plan: CapturePlan, records: list[ShardRecord], *, total: int, emit: EventSink) -> None:
+        self.root = plan.cap.output
+        self.shard_examples = plan.cap.shard_examples
+        self.shard_tokens = plan.cap.shard_tokens
+        self.key = plan.key.key
+        self.meta = {
+            "format": SHARD_FORMAT,
+            "capture_key": self.key,
+            "target_layer_ids": plan.geometry.layer_ids,
+            "hidden_size": plan.geometry.hidden,
+            "dtype": plan.cap.dtype,
         }
-        if cap.regenerate
-        else None
-    )
-    shard_policy = {"examples": cap.shard_examples} if cap.shard_tokens is None else {"tokens": cap.shard_tokens}
-    key_doc = {
-        "format": FORMAT,
-        "teacher_files": teacher,
-        "tokenizer_files": tok_files,
-        "chat_template_sha256": chat_sha,
-        "thinking": dcfg.thinking,
-        "max_length": dcfg.max_length,
-        "target_layer_ids": layer_ids,
-        "dtype": cap.dtype,
-        "device_type": choice.type,
-        "split_fingerprint": prepared.split_fingerprint,
-        "splits": list(cap.splits),
-        "regenerate": generation,
-        "shard_policy": shard_policy,
-    }
-    key = fingerprint(key_doc)
+        self.records = records  # committed shards; the writer appends to the caller's list
+        self.total = total
+        self.emit = emit
+        self.position = records[-1].end if records else 0  # examples captured so far
+        self._items: list[ShardItem] = []
+        self._names: list[list[str]] = []  # [split, id] of each open item
+        self._tokens = 0
+        self._truncated = 0
+        self._pending: Future[ShardRecord] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-capture-writer")
 
-    # 4. resume
-    out = cap.output
-    out.mkdir(parents=True, exist_ok=True)
-    old = out / MANIFEST
-    if old.is_file():
-        try:
-            old_key = json.loads(old.read_text(encoding="utf-8")).get("capture_key")
-        except (OSError, ValueError, AttributeError):
-            old_key = None
-        if old_key is not None and old_key != key:
-            raise ResumeError(
-                f"`{out}` holds a different capture (key `{old_key}`, this recipe gives `{key}`)\n"
-                "hint: point `[capture].output` at a new dir, or delete the old capture"
-            )
-    sides: list[dict[str, Any]] = []
-    while (side := _verify_shard(out, len(sides), key)) is not None:
-        if side.get("first") != (sides[-1]["end"] if sides else 0):
-            break
-        sides.append(side)
-    reused = len(sides)
-    if old.is_file() and reused and json.loads(old.read_text(encoding="utf-8")).get("shards_total") == reused:
-        manifest = json.loads(old.read_text(encoding="utf-8"))
-        emit({"event": "already_complete", "shards": reused})
-        return manifest
-    _remove_from(out, reused)
-    for side in sides:
-        emit({"event": "shard_reused", "shard": side["shard"], "examples": side["examples"], "tokens": side["tokens"]})
+    def __enter__(self) -> ShardWriter:
+        return self
 
-    examples = list(prepared.examples(cap.splits))
-    start = sides[-1]["end"] if sides else 0
-    emit({"event": "start", "examples": len(examples), "resume_from": start, "shards_reused": reused})
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)
 
+    def make_room(self, tokens: int) -> None:
+        """Under `shard_tokens`, commit the open shard if an example of `tokens` tokens would overflow it."""
+        if self.shard_tokens is not None and self._items and self._tokens + tokens > self.shard_tokens:
+            self._flush()
+
+    def add(self, item: ShardItem, example: Example, *, truncated: bool) -> None:
+        """Append one captured example, report it, and commit the shard when `shard_examples` is reached."""
+        self._items.append(item)
+        self._names.append([example.split, example.id])
+        self._tokens += len(item["ids"])
+        self._truncated += int(truncated)
+        self.position = item["index"] + 1
+        self.emit(Progress(phase="capture", step=self.position, total_steps=self.total, metrics={"tokens": len(item["ids"])}))
+        if self.shard_tokens is None and len(self._items) >= self.shard_examples:
+            self._flush()
+
+    def close(self) -> None:
+        """Commit the last, partly filled shard and wait for every write."""
+        if self._items:
+            self._flush()
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._pending is None:
+            return
+        record = self._pending.result()
+        self._pending = None
+        self.records.append(record)
+        metrics = {
+            "shard": record.shard,
+            "shards_committed": len(self.records),
+            "examples_committed": record.end,
+            "shard_examples": record.examples,
+            "shard_tokens": record.tokens,
+        }
+        self.emit(Progress(phase="capture", step=self.position, total_steps=self.total, metrics=metrics))
+
+    def _flush(self) -> None:
+        self._settle()
+        idx = len(self.records)
+        items = self._items
+        side = {
+            "capture_key": self.key,
+            "shard": idx,
+            "file": shard_path(self.root, idx).name,
+            "first": items[0]["index"],
+            "end": items[-1]["index"] + 1,
+            "examples": len(items),
+            "tokens": self._tokens,
+            "loss_tokens": sum(sum(it["mask"]) for it in items),
+            "generation_truncated": self._truncated,
+        }
+        meta = {**self.meta, "examples": self._names}
+        self._pending = self._pool.submit(_commit_shard, self.root, items, meta, side)
+        self._items, self._names, self._tokens, self._truncated = [], [], 0, 0
+
+
+def _example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int]) -> tuple[list[int], list[int], bool]:
+    """(input ids, loss mask, truncated) of one example: rendered as prepared, or with a regenerated response."""
+    from .generate import example_seed, generate
+
+    cap, dcfg, tokenizer = plan.cap, plan.recipe.data, plan.tokenizer
+    if cap.regenerate:
+        prompt = render_prompt(tokenizer, ex.prompt_messages, thinking=dcfg.thinking)
+        budget = min(cap.max_new_tokens, dcfg.max_length - len(prompt))
+        g = generate(
+            model, prompt, max_new_tokens=budget, stop_ids=stops, greedy=cap.sampling == "greedy",
+            temperature=cap.temperature, top_p=cap.top_p, seed=example_seed(cap.seed, ex.id),
+            device=plan.choice.device,
+        )
+        ids, mask, truncated = prompt + g.ids, [0] * len(prompt) + [1] * len(g.ids), not g.stopped
+    else:
+        r = render_example(tokenizer, ex.messages, thinking=dcfg.thinking)
+        ids, mask, truncated = r.input_ids, r.loss_mask, False
+    if len(ids) > dcfg.max_length:  # check_data guarantees this never happens
+        raise DataError(f"`{ex.file}` line {ex.line}: `{len(ids)}` tokens > max_length `{dcfg.max_length}`")
+    return ids, mask, truncated
+
+
+def _capture_examples(plan: CapturePlan, model: Any, examples: list[Example], records: list[ShardRecord], emit: EventSink) -> None:
+    """Capture `examples[start:]` into shards appended to `records`."""
     import torch
 
-    dtype = getattr(torch, cap.dtype)
-    reset_peak(choice)
-    load_seconds = 0.0
-    truncated_total = sum(s.get("generation_truncated", 0) for s in sides)
-    if start < len(examples):
-        from ..weights import load_model
+    dtype = getattr(torch, plan.cap.dtype)
+    stops = _stop_ids(plan.tokenizer, plan.geometry.config)
+    with ShardWriter(plan, records, total=len(examples), emit=emit) as writer:
+        for i in range(writer.position, len(examples)):
+            ex = examples[i]
+            ids, mask, truncated = _example_tokens(plan, model, ex, stops)
+            writer.make_room(len(ids))
+            feats = teacher_features(model, ids, plan.geometry.layer_ids, plan.choice.device).to(dtype)
+            writer.add(ShardItem(index=i, ids=ids, mask=mask, features=feats), ex, truncated=truncated)
+        writer.close()
+    emit(Log(level="debug", message=f"{len(records)} shards committed"))
 
-        tl = time.perf_counter()
-        model = load_model(mcfg.target, device=choice.device, dtype=dtype)
-        load_seconds = time.perf_counter() - tl
-        model_ref = weakref.ref(model)
-        emit({"event": "teacher_loaded", "seconds": load_seconds})
-        stops = _stop_ids(tokenizer, tcfg)
-        items: list[dict[str, Any]] = []
-        item_tokens = 0
-        truncated_in_shard = 0
 
-        # Shards are encoded, hashed and written on one writer thread while the teacher runs
-        # the next examples; at most one shard is in flight, so memory stays at two shards.
-        # Commit events are emitted from this thread, once the write has finished.
-        pending: Future | None = None
+@dataclass(frozen=True)
+class TeacherRun:
+    """Facts of one pass of the teacher, for the manifest's `run` section."""
 
-        def settle() -> None:
-            nonlocal pending
-            if pending is not None:
-                side = pending.result()
-                pending = None
-                sides.append(side)
-                emit({"event": "shard_committed", "shard": side["shard"], "examples": side["examples"], "tokens": side["tokens"], "end": side["end"]})  # noqa: E501
+    load_seconds: float
+    released: bool
 
-        def flush() -> None:
-            nonlocal items, item_tokens, truncated_in_shard, pending
-            settle()
-            idx = len(sides)
-            meta = {
-                "format": SHARD_FORMAT,
-                "capture_key": key,
-                "target_layer_ids": layer_ids,
-                "hidden_size": hidden,
-                "dtype": cap.dtype,
-                "examples": [[it["split"], it["id"]] for it in items],
-            }
-            side = {
-                "format": SHARD_FORMAT,
-                "capture_key": key,
-                "shard": idx,
-                "file": shard_path(out, idx).name,
-                "first": items[0]["index"],
-                "end": items[-1]["index"] + 1,
-                "examples": len(items),
-                "tokens": item_tokens,
-                "loss_tokens": sum(sum(it["mask"]) for it in items),
-                "generation_truncated": truncated_in_shard,
-            }
-            pending = pool.submit(_commit_shard, out, items, meta, side)
-            items, item_tokens, truncated_in_shard = [], 0, 0
 
-        from .generate import example_seed, generate
+def _run_teacher(plan: CapturePlan, examples: list[Example], records: list[ShardRecord], emit: EventSink) -> TeacherRun:
+    """Load the teacher, capture the examples the committed `records` do not cover, release it."""
+    import torch
 
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-capture-writer") as pool:
-            for i in range(start, len(examples)):
-                ex = examples[i]
-                if cap.regenerate:
-                    prompt = render_prompt(tokenizer, ex.prompt_messages, thinking=dcfg.thinking)
-                    budget = min(cap.max_new_tokens, dcfg.max_length - len(prompt))
-                    g = generate(
-                        model, prompt, max_new_tokens=budget, stop_ids=stops, greedy=cap.sampling == "greedy",
-                        temperature=cap.temperature, top_p=cap.top_p, seed=example_seed(cap.seed, ex.id),
-                        device=choice.device,
-                    )
-                    ids, mask = prompt + g.ids, [0] * len(prompt) + [1] * len(g.ids)
-                    if not g.stopped:
-                        truncated_in_shard += 1
-                        truncated_total += 1
-                else:
-                    r = render_example(tokenizer, ex.messages, thinking=dcfg.thinking)
-                    ids, mask = r.input_ids, r.loss_mask
-                if len(ids) > dcfg.max_length:  # check_data guarantees this never happens
-                    raise DataError(f"`{ex.file}` line {ex.line}: `{len(ids)}` tokens > max_length `{dcfg.max_length}`")
-                if cap.shard_tokens is not None and items and item_tokens + len(ids) > cap.shard_tokens:
-                    flush()
-                feats = teacher_features(model, ids, layer_ids, choice.device).to(dtype)
-                items.append({"index": i, "split": ex.split, "id": ex.id, "ids": ids, "mask": mask, "features": feats})
-                item_tokens += len(ids)
-                emit({"event": "example", "index": i, "total": len(examples), "tokens": len(ids)})
-                if cap.shard_tokens is None and len(items) >= cap.shard_examples:
-                    flush()
-            if items:
-                flush()
-            settle()
-        emit({"event": "shards_done", "shards": len(sides)})
-        # 6. release the teacher before anything else allocates
-        del model
-        gc.collect()
-        if choice.type == "cuda":
-            torch.cuda.empty_cache()
-        released = model_ref() is None
-        emit({"event": "teacher_released", "released": released})
+    from ..weights import load_model
+
+    t = time.perf_counter()
+    model = load_model(plan.recipe.model.target, device=plan.choice.device, dtype=getattr(torch, plan.cap.dtype))
+    load_seconds = time.perf_counter() - t
+    model_ref = weakref.ref(model)
+    emit(Log(message=f"teacher loaded in {load_seconds:.1f}s"))
+    _capture_examples(plan, model, examples, records, emit)
+    # release the teacher before anything else allocates
+    del model
+    gc.collect()
+    if plan.choice.type == "cuda":
+        torch.cuda.empty_cache()
+    released = model_ref() is None
+    if released:
+        emit(Log(level="debug", message="teacher released"))
     else:
-        released = True
-    peak = memory_peak(choice)
+        emit(Log(level="warning", message="the teacher is still referenced after capture; its memory was not released"))
+    return TeacherRun(load_seconds, released)
 
+
+# --------------------------------------------------------------------- 4. manifest
+def capture_manifest(plan: CapturePlan, records: list[ShardRecord], examples: list[Example], run: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a finished capture; `run` (timings, memory) is the only part that differs between runs."""
+    recipe, cap, geo, key = plan.recipe, plan.cap, plan.geometry, plan.key
+    mcfg, dcfg, tokenizer = recipe.model, recipe.data, plan.tokenizer
     by_split: dict[str, int] = {s: 0 for s in cap.splits}
     for ex in examples:
         by_split[ex.split] += 1
-    manifest = {
+    return {
         "format": FORMAT,
-        "capture_key": key,
-        "key_inputs": key_doc,
+        "capture_key": key.key,
+        "key_inputs": key.inputs,
         "recipe_fingerprint": recipe.fingerprint(),
         "recipe": recipe.resolved(),
-        "teacher": {"path": str(mcfg.target), "family": mcfg.family, "files": teacher, "num_hidden_layers": n_layers, "hidden_size": hidden, "vocab_size": vocab},  # noqa: E501
+        "teacher": {
+            "path": str(mcfg.target), "family": mcfg.family, "files": key.teacher_files,
+            "num_hidden_layers": geo.num_layers, "hidden_size": geo.hidden, "vocab_size": geo.vocab,
+        },
         "draft": {"path": str(mcfg.draft), "config_sha256": sha256_file(mcfg.draft / "config.json")},
-        "tokenizer": {"files": tok_files, "fingerprint": fingerprint(tok_files), "chat_template_sha256": chat_sha, "tokens": len(tokenizer)},  # noqa: E501
+        "tokenizer": {
+            "files": key.tokenizer_files, "fingerprint": fingerprint(key.tokenizer_files),
+            "chat_template_sha256": key.chat_template_sha256, "tokens": len(tokenizer),
+        },
         "thinking": dcfg.thinking,
         "max_length": dcfg.max_length,
-        "target_layer_ids": layer_ids,
-        "hidden_size": hidden,
-        "feature_dim": hidden * len(layer_ids),
+        "target_layer_ids": geo.layer_ids,
+        "hidden_size": geo.hidden,
+        "feature_dim": geo.hidden * len(geo.layer_ids),
         "dtype": cap.dtype,
-        "data": {"dir": str(dcfg.dir), "split_fingerprint": prepared.split_fingerprint, "manifest_fingerprint": prepared.manifest.get("fingerprint"), "splits": list(cap.splits)},  # noqa: E501
-        "generation": generation,
-        "shards": [
-            {k: s[k] for k in ("file", "sha256", "bytes", "first", "end", "examples", "tokens", "loss_tokens")} for s in sides
-        ],
-        "shards_total": len(sides),
+        "data": {
+            "dir": str(dcfg.dir), "split_fingerprint": plan.prepared.split_fingerprint,
+            "manifest_fingerprint": plan.prepared.manifest.get("fingerprint"), "splits": list(cap.splits),
+        },
+        "generation": key.generation,
+        "shards": [r.manifest_entry() for r in records],
+        "shards_total": len(records),
         "totals": {
-            "examples": sum(s["examples"] for s in sides),
-            "tokens": sum(s["tokens"] for s in sides),
-            "loss_tokens": sum(s["loss_tokens"] for s in sides),
-            "payload_bytes": sum(s["bytes"] for s in sides),
+            "examples": sum(r.examples for r in records),
+            "tokens": sum(r.tokens for r in records),
+            "loss_tokens": sum(r.loss_tokens for r in records),
+            "payload_bytes": sum(r.bytes for r in records),
             "examples_by_split": by_split,
-            "generation_truncated": truncated_total,
+            "generation_truncated": sum(r.generation_truncated for r in records),
         },
         "software": software_versions() | {"dflash-worker": __version__},
-        "device": device_provenance(choice),
+        "device": device_provenance(plan.choice),
         # Everything below describes this run, not the payload; it differs between runs.
-        "run": {
-            "shards_reused": reused,
-            "shards_written": len(sides) - reused,
-            "teacher_load_seconds": round(load_seconds, 3),
-            "seconds": round(time.perf_counter() - t0, 3),
-            "teacher_released": released,
-            "peak_memory": peak,
-            # CPU float results can depend on the intra-op thread count; byte-identity holds at equal counts
-            "torch_threads": torch.get_num_threads(),
-        },
+        "run": run,
     }
-    assert manifest["totals"]["examples"] == len(examples), "shards must cover every example exactly once"
-    write_json_atomic(out / MANIFEST, manifest)
-    emit({"event": "done", "shards": len(sides), "tokens": manifest["totals"]["tokens"]})
+
+
+def run_capture(recipe: Recipe, *, on_event: EventSink | None = None) -> dict[str, Any]:
+    """Run (or resume) the capture described by `recipe`; returns the manifest written.
+
+    Progress and milestones go to `on_event` as `worker.events` objects (module docstring).
+    """
+    emit = on_event or _ignore
+    t0 = time.perf_counter()
+    plan = plan_capture(recipe, emit)
+    point = resume(plan.cap.output, plan.key.key)
+    records = list(point.records)
+    if point.complete is not None:
+        emit(Log(message=f"already complete ({len(records)} shards verified)"))
+        return point.complete
+    examples = list(plan.prepared.examples(plan.cap.splits))
+    reused, n = len(records), len(examples)
+    emit(Log(message=f"{n} examples, resuming at {point.start} ({reused} shards reused)"))
+    emit(Progress(phase="capture", step=point.start, total_steps=n, metrics={"shards_reused": reused}))
+
+    import torch
+
+    from ..device import memory_peak, reset_peak
+
+    reset_peak(plan.choice)
+    teacher = _run_teacher(plan, examples, records, emit) if point.start < n else TeacherRun(0.0, True)
+    run = {
+        "shards_reused": reused,
+        "shards_written": len(records) - reused,
+        "teacher_load_seconds": round(teacher.load_seconds, 3),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "teacher_released": teacher.released,
+        "peak_memory": memory_peak(plan.choice),
+        # CPU float results can depend on the intra-op thread count; byte-identity holds at equal counts
+        "torch_threads": torch.get_num_threads(),
+    }
+    manifest = capture_manifest(plan, records, examples, run)
+    assert manifest["totals"]["examples"] == n, "shards must cover every example exactly once"
+    write_json_atomic(plan.cap.output / MANIFEST, manifest)
+    emit(Log(level="debug", message=f"wrote `{MANIFEST}`: {len(records)} shards, {manifest['totals']['tokens']} tokens"))
     return manifest

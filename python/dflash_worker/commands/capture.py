@@ -18,23 +18,21 @@ def run(args: argparse.Namespace) -> int:
 
     from ..capture import run_capture
     from ..recipe import load_recipe
+    from ..worker.events import Event, Log, Progress
 
     recipe = load_recipe(args.recipe)
     bar = None
     tty = sys.stderr.isatty()
 
-    def on_event(e: dict) -> None:
+    def on_event(e: Event) -> None:
         nonlocal bar
-        kind = e["event"]
-        if kind == "start":
-            print(f"capture: {e['examples']} examples, resuming at {e['resume_from']} ({e['shards_reused']} shards reused)", file=sys.stderr)
-            bar = tqdm(total=e["examples"], initial=e["resume_from"], unit="ex", disable=not tty)
-        elif kind == "example" and bar is not None:
-            bar.update(1)
-        elif kind == "teacher_loaded":
-            print(f"capture: teacher loaded in {e['seconds']:.1f}s", file=sys.stderr)
-        elif kind == "already_complete":
-            print(f"capture: already complete ({e['shards']} shards verified)", file=sys.stderr)
+        if isinstance(e, Log) and e.level != "debug":
+            print(f"capture: {e.message}", file=sys.stderr)
+        elif isinstance(e, Progress):
+            if bar is None:  # the first progress says where a resumed capture starts
+                bar = tqdm(total=e.total_steps, initial=e.step, unit="ex", disable=not tty)
+            elif e.step > bar.n:
+                bar.update(e.step - bar.n)
 
     manifest = run_capture(recipe, on_event=on_event)
     if bar is not None:
