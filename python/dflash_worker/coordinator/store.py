@@ -43,6 +43,7 @@ from ..errors import (
     PolicyError,
     StaleLeaseError,
 )
+from ..strict_json import no_duplicate_keys
 from .artifacts import ArtifactRecord
 from .policy import (
     CHECKPOINT_POLICIES,
@@ -160,15 +161,6 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(8)}"
 
 
-def _no_duplicates(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key `{k}`")
-        out[k] = v
-    return out
-
-
 def _no_constant(name):
     raise ValueError(f"`{name}` is not valid JSON")
 
@@ -178,7 +170,7 @@ def parse_spec_json(text: str) -> dict:
     if len(text.encode("utf-8")) > MAX_SPEC_JSON_BYTES:
         raise ConfigError(f"`spec.spec_json` is larger than {MAX_SPEC_JSON_BYTES} bytes")
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        value = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
         raise ConfigError(

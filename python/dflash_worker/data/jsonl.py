@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..strict_json import DuplicateKeyError, no_duplicate_keys
+
 BOM = b"\xef\xbb\xbf"
 DEFAULT_MAX_LINE_BYTES = 4 << 20  # 4 MiB: ~1M tokens of text, far above any context we train
 _SKIP_CHUNK = 1 << 20
@@ -50,25 +52,12 @@ class FileStats:
     bom: bool = False
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
 def parse_json_line(text: str, line: int) -> Any | LineError:
     """Parse one decoded line; a LineError on invalid JSON, deep nesting or duplicate keys."""
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as exc:
-        return LineError(line, "duplicate_key", f"duplicate key `{exc.args[0]}` in one object")
+        return json.loads(text, object_pairs_hook=no_duplicate_keys)
+    except DuplicateKeyError as exc:
+        return LineError(line, "duplicate_key", f"duplicate key `{exc.key}` in one object")
     except json.JSONDecodeError as exc:
         return LineError(line, "invalid_json", f"invalid JSON at column {exc.colno}: {exc.msg}")
     except RecursionError:

@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 from ..errors import CheckpointError
+from ..strict_json import DuplicateKeyError, no_duplicate_keys
 from .header import Header, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -66,17 +67,10 @@ def _read_index(index: Path) -> dict[str, str]:
         raw = index.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"`{index}`: cannot read index: {exc.strerror or exc}") from None
-
-    def no_dups(pairs):
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise CheckpointError(f"`{index}`: duplicate key `{k}` in index")
-            out[k] = v
-        return out
-
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=no_dups)
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    except DuplicateKeyError as exc:
+        raise CheckpointError(f"`{index}`: duplicate key `{exc.key}` in index") from None
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"`{index}`: index is not valid UTF-8 (byte {exc.start})") from None
     except (ValueError, RecursionError) as exc:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from ..strict_json import DuplicateKeyError, no_duplicate_keys
 
 # Upper bound on the JSON header. Real headers are a few MB at most (about 100
 # bytes per tensor); anything larger is corrupt or hostile and would be read
@@ -107,20 +108,6 @@ def _err(path: Path, msg: str, tensor: str | None = None, hint: str | None = Non
     return CheckpointError(text)
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: str):
-        self.key = key
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def _reject_constant(name: str) -> Any:
     # json accepts NaN/Infinity by default; they are not JSON and never valid here
     raise ValueError(f"non-standard JSON constant `{name}`")
@@ -137,8 +124,8 @@ def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> Header:
     except UnicodeDecodeError as exc:
         raise _err(path, f"header is not valid UTF-8 (byte {exc.start} of the header)") from None
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except _DuplicateKey as exc:
+        doc = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant)
+    except DuplicateKeyError as exc:
         raise _err(path, f"header has duplicate key `{exc.key}`", tensor=exc.key) from None
     except (ValueError, RecursionError) as exc:
         raise _err(path, f"header is not valid JSON: {exc}") from None
