@@ -5,58 +5,48 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .tiny_draft import place_overrides
+
+# The dense geometry both tiny families share (a Qwen3-MoE layer keeps the dense attention).
+_TINY_QWEN3: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+# What the MoE family adds: 4 routed experts, top-2, on every layer.
+_TINY_QWEN3_MOE_EXTRA: dict[str, Any] = dict(
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+)
+
 
 def tiny_qwen3_config(**overrides: Any):
     """A dense Qwen3 config small enough for CPU tests (4 layers, hidden 64)."""
     from transformers import Qwen3Config
 
-    kw: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    kw.update(overrides)
-    return Qwen3Config(**kw)
+    return Qwen3Config(**{**_TINY_QWEN3, **overrides})
 
 
 def tiny_qwen3_moe_config(**overrides: Any):
     """A Qwen3-MoE config small enough for CPU tests (4 experts, top-2)."""
     from transformers import Qwen3MoeConfig
 
-    kw: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    kw.update(overrides)
-    return Qwen3MoeConfig(**kw)
+    return Qwen3MoeConfig(**{**_TINY_QWEN3, **_TINY_QWEN3_MOE_EXTRA, **overrides})
 
 
 def save_tiny_target(
@@ -87,17 +77,8 @@ def tiny_dflash2_draft_config(target_config, **overrides: Any) -> dict[str, Any]
     """config.json contents of a tiny DFlash2 draft for `target_config` (a transformers config).
 
     Qwen3-style top level plus `dflash_config`; `overrides` replace top-level
-    keys, except keys of `dflash_config`, which go there.
+    keys, except draft fields (`DRAFT_FIELDS`), which go to `dflash_config`.
     """
-    dflash_keys = {
-        "target_layer_ids",
-        "block_size",
-        "mask_token_id",
-        "selector_rank",
-        "selector_top_k",
-        "conv_kernel_size",
-        "conv_group_size",
-    }
     n_target = target_config.num_hidden_layers
     cfg: dict[str, Any] = {
         "architectures": ["DFlash2DraftModel"],
@@ -126,12 +107,7 @@ def tiny_dflash2_draft_config(target_config, **overrides: Any) -> dict[str, Any]
             "conv_group_size": 16,
         },
     }
-    for key, value in overrides.items():
-        if key in dflash_keys:
-            cfg["dflash_config"][key] = value
-        else:
-            cfg[key] = value
-    return cfg
+    return place_overrides(cfg, overrides)
 
 
 def dflash2_draft_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

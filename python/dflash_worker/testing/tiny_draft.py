@@ -44,12 +44,18 @@ def _base(target_config, num_layers: int) -> dict[str, Any]:
     }
 
 
-def _apply(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def place_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set each override in draft config `cfg`: draft fields (`DRAFT_FIELDS`) in `dflash_config`, the rest at the top level."""
     for key, value in overrides.items():
         if key in DRAFT_FIELDS:
             cfg["dflash_config"][key] = value
         else:
             cfg[key] = value
+    return cfg
+
+
+def _apply(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    place_overrides(cfg, overrides)
     n = cfg["num_hidden_layers"]
     if len(cfg["layer_types"]) != n and "layer_types" not in overrides:
         cfg["layer_types"] = (["sliding_attention"] + ["full_attention"] * n)[:n]
