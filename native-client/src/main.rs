@@ -10,8 +10,8 @@ use std::process::ExitCode;
 use std::sync::LazyLock;
 
 use clap::Parser;
-use dflash_native_client::python_env::{self, EXIT_USER};
 use dflash_native_client::embed;
+use dflash_native_client::python_env::{self, EXIT_USER};
 use run_manager::{env_vars, version};
 
 /// `<version> (commit <sha>, python <X.Y>)`; the commit stamp is the run-manager crate's.

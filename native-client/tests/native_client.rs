@@ -26,7 +26,10 @@ fn python() -> Option<PathBuf> {
             .map(|s| s.success())
             .unwrap_or(false);
     if !ok {
-        eprintln!("SKIP: `{}` cannot import dflash_worker.job (run `make install`)", py.display());
+        eprintln!(
+            "SKIP: `{}` cannot import dflash_worker.job (run `make install`)",
+            py.display()
+        );
         return None;
     }
     Some(py)

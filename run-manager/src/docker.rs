@@ -12,6 +12,9 @@
 //! - The job directory is bind-mounted at the same absolute path inside the
 //!   container, so every path in `spec.json` and in the worker's events means
 //!   the same file on both sides (artifacts are verified against the host path).
+//!   A resume checkpoint from another work directory on this machine is
+//!   visible the same way: its directory (the parent of the checkpoint's
+//!   `manifest.json`) is mounted read-only at its own path.
 //! - Hardening: no `--privileged`, `--cap-drop ALL`, `--security-opt
 //!   no-new-privileges`, `--read-only` root filesystem; writable are only the
 //!   job directory and a tmpfs scratch directory (`/tmp`, also `HOME`). The
@@ -192,8 +195,9 @@ pub struct RunRequest<'a> {
     pub run_id: &'a str,
     pub job_id: &'a str,
     pub attempt: u32,
-    /// A resume checkpoint outside the job directory, mounted read-only.
-    pub extra_file: Option<&'a Path>,
+    /// The directory of a resume checkpoint outside the job directory (the
+    /// parent of its `manifest.json`), mounted read-only at the same path.
+    pub resume_dir: Option<&'a Path>,
 }
 
 fn bind(src: &Path, readonly: bool) -> OsString {
@@ -260,7 +264,7 @@ pub fn run_args(cfg: &DockerConfig, req: &RunRequest<'_>) -> Vec<OsString> {
         .ro_mounts
         .iter()
         .map(PathBuf::as_path)
-        .chain(req.extra_file)
+        .chain(req.resume_dir)
     {
         a.push("--mount".into());
         a.push(bind(ro, true));
@@ -460,7 +464,7 @@ mod tests {
             run_id: "r1",
             job_id: "j1",
             attempt: 2,
-            extra_file: None,
+            resume_dir: None,
         };
         let args: Vec<String> = run_args(&cfg, &req)
             .into_iter()

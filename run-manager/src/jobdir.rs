@@ -77,7 +77,6 @@ pub struct JobSpecFile {
 
 impl JobSpecFile {
     /// Build the spec for `lease` (whose `spec_json` was already parsed to `spec`).
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         lease: &Lease,
         spec: serde_json::Value,

@@ -2,8 +2,6 @@
 
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
-
 use crate::attempt::{run_attempt, AttemptConfig, AttemptResult};
 use crate::client::{retry, AdminClient, ProviderClient};
 use crate::error::{Error, Result};
@@ -11,6 +9,7 @@ use crate::proto::{
     acquire_lease_response, AcquireLeaseRequest, GetRunRequest, GetRunResponse, LaunchMode,
     RegisterRequest, RegisterResponse,
 };
+use crate::shutdown::{signalled, Shutdown};
 use crate::version::{CLIENT_VERSION, PROTOCOL_VERSION};
 
 /// Job states after which a job never runs again.
@@ -95,25 +94,13 @@ async fn run_done(admin: &mut AdminClient, run_id: &str) -> Result<bool> {
             .all(|j| TERMINAL_JOB_STATES.contains(&j.state.as_str())))
 }
 
-/// Wait for a shutdown signal; pending forever when none can come.
-async fn signalled(shutdown: &mut watch::Receiver<Option<i32>>) -> i32 {
-    loop {
-        if let Some(sig) = *shutdown.borrow_and_update() {
-            return sig;
-        }
-        if shutdown.changed().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    }
-}
-
 /// Register, then lease and run jobs until `until`, `max_jobs`, the idle
 /// timeout or a signal ends it. Returns the attempts it ran.
 pub async fn run_loop(
     client: &ProviderClient,
     cfg: &ProviderConfig,
     mut until: Until,
-    shutdown: &mut watch::Receiver<Option<i32>>,
+    shutdown: &mut Shutdown,
 ) -> Result<Vec<AttemptResult>> {
     let reg = register(client, cfg).await?;
     let mut attempt_cfg = cfg.attempt.clone();

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 
 use tokio::io::BufReader;
-use tokio::process::{Child, Command};
+use tokio::process::{Child, ChildStderr, ChildStdout, Command};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -49,20 +49,26 @@ pub struct LogTags {
     pub rank: u32,
 }
 
-/// A running worker.
+/// A running worker: the process, its events and its log relay, as separate
+/// parts so a supervisor can wait on the process while reading the events.
 pub struct Worker {
     pub child: Child,
     pub pid: u32,
     /// Parsed events from stdout; closes when stdout does.
     pub events: mpsc::Receiver<WorkerEvent>,
+    pub logs: LogRelay,
+}
+
+/// The tasks reading the worker's stdout (events) and stderr (logs).
+pub struct LogRelay {
     stdout_task: JoinHandle<()>,
     stderr_task: JoinHandle<()>,
 }
 
-impl Worker {
+impl LogRelay {
     /// Wait for the log relay to finish reading stderr (bounded: a grandchild
     /// holding the pipe open must not hang the run-manager).
-    pub async fn finish_logs(self, within: std::time::Duration) {
+    pub async fn finish(self, within: std::time::Duration) {
         let _ = tokio::time::timeout(within, self.stderr_task).await;
         self.stdout_task.abort();
     }
@@ -101,53 +107,60 @@ pub fn spawn(cmd: &WorkerCommand, job_dir: &Path, tags: LogTags) -> Result<Worke
         .take()
         .ok_or_else(|| Error::Internal("worker stderr was not piped".into()))?;
     let (tx, events) = mpsc::channel(256);
-    let t = tags.clone();
-    let stdout_task = tokio::spawn(async move {
-        let mut r = BufReader::new(stdout);
-        loop {
-            match read_bounded_line(&mut r, MAX_LINE_BYTES).await {
-                Ok(None) => break,
-                Ok(Some(Line::TooLong(n))) => {
-                    tracing::warn!(run_id = %t.run_id, job_id = %t.job_id, rank = t.rank, "ignored a {n}-byte line on worker stdout (limit {MAX_LINE_BYTES})")
-                }
-                Ok(Some(Line::Text(line))) if line.trim().is_empty() => {}
-                Ok(Some(Line::Text(line))) => match parse_event(&line) {
-                    Ok(ev) => {
-                        if tx.send(ev).await.is_err() {
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        let shown: String = line.chars().take(200).collect();
-                        tracing::warn!(run_id = %t.run_id, job_id = %t.job_id, rank = t.rank, "ignored worker stdout line ({e}): {shown}")
-                    }
-                },
-                Err(e) => {
-                    tracing::warn!(run_id = %t.run_id, job_id = %t.job_id, "reading worker stdout failed: {e}");
-                    break;
-                }
-            }
-        }
-    });
-    let stderr_task = tokio::spawn(async move {
-        let mut r = BufReader::new(stderr);
-        loop {
-            match read_bounded_line(&mut r, MAX_LINE_BYTES).await {
-                Ok(None) | Err(_) => break,
-                Ok(Some(Line::TooLong(n))) => {
-                    relay_log(&tags, "warn", &format!("<{n}-byte log line dropped>"), None)
-                }
-                Ok(Some(Line::Text(line))) => relay_stderr_line(&tags, &line),
-            }
-        }
-    });
+    let stdout_task = tokio::spawn(read_events(stdout, tx, tags.clone()));
+    let stderr_task = tokio::spawn(relay_logs(stderr, tags));
     Ok(Worker {
         child,
         pid,
         events,
-        stdout_task,
-        stderr_task,
+        logs: LogRelay {
+            stdout_task,
+            stderr_task,
+        },
     })
+}
+
+/// Parse the worker's stdout into events until it closes (or nobody listens).
+async fn read_events(stdout: ChildStdout, tx: mpsc::Sender<WorkerEvent>, t: LogTags) {
+    let mut r = BufReader::new(stdout);
+    loop {
+        match read_bounded_line(&mut r, MAX_LINE_BYTES).await {
+            Ok(None) => break,
+            Ok(Some(Line::TooLong(n))) => {
+                tracing::warn!(run_id = %t.run_id, job_id = %t.job_id, rank = t.rank, "ignored a {n}-byte line on worker stdout (limit {MAX_LINE_BYTES})")
+            }
+            Ok(Some(Line::Text(line))) if line.trim().is_empty() => {}
+            Ok(Some(Line::Text(line))) => match parse_event(&line) {
+                Ok(ev) => {
+                    if tx.send(ev).await.is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    let shown: String = line.chars().take(200).collect();
+                    tracing::warn!(run_id = %t.run_id, job_id = %t.job_id, rank = t.rank, "ignored worker stdout line ({e}): {shown}")
+                }
+            },
+            Err(e) => {
+                tracing::warn!(run_id = %t.run_id, job_id = %t.job_id, "reading worker stdout failed: {e}");
+                break;
+            }
+        }
+    }
+}
+
+/// Re-emit the worker's stderr lines as tagged log records until it closes.
+async fn relay_logs(stderr: ChildStderr, tags: LogTags) {
+    let mut r = BufReader::new(stderr);
+    loop {
+        match read_bounded_line(&mut r, MAX_LINE_BYTES).await {
+            Ok(None) | Err(_) => break,
+            Ok(Some(Line::TooLong(n))) => {
+                relay_log(&tags, "warn", &format!("<{n}-byte log line dropped>"), None)
+            }
+            Ok(Some(Line::Text(line))) => relay_stderr_line(&tags, &line),
+        }
+    }
 }
 
 /// A worker log line: JSON `{"level": ..., "message": ..., "logger": ...}` or plain text.

@@ -383,6 +383,84 @@ fn worker_that_keeps_crashing_ends_the_attempt_retryable() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A stand-in worker: the first start commits a checkpoint (its
+/// `manifest.json`, the one file a checkpoint artifact names) and crashes at
+/// once, so the event may be read before or after the exit is seen; the
+/// restart must find that manifest as `resume_checkpoint` in `spec.json`.
+const CHECKPOINT_THEN_CRASH: &str = r#"#!/bin/sh
+set -eu
+job=$2
+if grep -q '"restart": 0,' "$job/spec.json"; then
+  d="$job/run/checkpoints/step-00000004"
+  mkdir -p "$d"
+  printf '{"step": 4}' > "$d/manifest.json"
+  sha=$(sha256sum "$d/manifest.json" | cut -d' ' -f1)
+  size=$(wc -c < "$d/manifest.json" | tr -d ' ')
+  printf '{"event":"artifact","name":"checkpoints/step-00000004","kind":"checkpoint","path":"%s","sha256":"%s","size_bytes":%s,"step":4}\n' "$d/manifest.json" "$sha" "$size"
+  exit 1
+fi
+if grep -qF "\"resume_checkpoint\": \"$job/run/checkpoints/step-00000004/manifest.json\"," "$job/spec.json" \
+  && grep -q '"resume_step": 4,' "$job/spec.json"; then
+  echo '{"event":"done"}'
+  exit 0
+fi
+echo '{"event":"error","message":"spec.json does not name the committed manifest","retryable":false}'
+exit 1
+"#;
+
+#[test]
+fn checkpoint_announced_just_before_a_crash_is_what_the_restart_resumes_from() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(py) = python() else { return };
+    let dir = temp_dir("ckpt-crash");
+    let script = dir.join("worker.sh");
+    std::fs::write(&script, CHECKPOINT_THEN_CRASH).expect("write");
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut cmd = Command::new(RUN_MANAGER);
+    cmd.env("NO_COLOR", "1")
+        .arg("--work-dir")
+        .arg(dir.join("work"))
+        .arg("--worker-cmd")
+        .arg(&script)
+        .args([
+            "--device",
+            "cpu",
+            "--log-format",
+            "json",
+            "--local",
+            "--json",
+        ])
+        .args(["--restart-backoff-ms", "10", "--python"])
+        .arg(&py)
+        .arg("--spec")
+        .arg(write_spec(&dir, serde_json::json!({})));
+    let out = cmd.output().expect("run");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("restarting from checkpoint at step 4"),
+        "{err}"
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary");
+    let job = &summary["jobs"][0];
+    assert_eq!(job["state"], "succeeded", "{summary:#}");
+    assert_eq!(job["attempts"], 1, "{summary:#}");
+    let ckpt = job["artifacts"]
+        .as_array()
+        .expect("artifacts")
+        .iter()
+        .find(|a| a["kind"] == "checkpoint")
+        .expect("checkpoint artifact");
+    assert_eq!(ckpt["step"], 4, "{ckpt}");
+    assert!(
+        ckpt["uri"]
+            .as_str()
+            .is_some_and(|u| u.ends_with("/run/checkpoints/step-00000004/manifest.json")),
+        "{ckpt}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn version_mismatch_exits_10_and_approval_lets_it_run() {
     let Some(py) = python() else { return };
