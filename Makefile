@@ -26,9 +26,14 @@ demo: install
 test: install
 	@$(MAKE) --no-print-directory lint test-python test-rust
 
-# Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml.
+# Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml;
+# rustfmt, and clippy with the workspace's lint levels ([workspace.lints]) as errors.
+# `rustup component add` is a quick no-op when both are installed (a fresh CI machine may lack them).
 lint:
 	$$(cat $(VENV)/.dflash-shared-env)/bin/ruff check --no-cache .
+	@if command -v rustup >/dev/null; then rustup --quiet component add rustfmt clippy; fi
+	cargo fmt --all --check
+	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --workspace --all-targets --locked -- -D warnings
 
 test-python:
 	@scripts/run-pytest.sh $(PYTEST_ARGS)
