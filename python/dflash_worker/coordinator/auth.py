@@ -11,6 +11,7 @@ inside are turned into status codes by `status.status_for`.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 from collections.abc import Callable
@@ -102,47 +103,45 @@ async def _checked(request_iterator, method: str):
         yield _check(request, method)
 
 
+@contextlib.asynccontextmanager
+async def _serving(context, method: str, principal: Principal | None, refusal: DflashError | None):
+    """Around one call's handler: refuse it, or set the principal and map what it raises to a status code."""
+    if refusal is not None:
+        await _abort(context, refusal, method)
+    _principal.set(principal)
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - mapped to a status code
+        await _abort(context, exc, method)
+
+
 def _wrap(handler: grpc.RpcMethodHandler, method: str, principal: Principal | None, refusal: DflashError | None):
     """A handler of the same kind as `handler` that sets the principal and maps errors."""
 
     if handler.request_streaming and handler.response_streaming:
-        inner = handler.stream_stream
+        inner_stream = handler.stream_stream
 
         async def stream_stream(request_iterator, context):
-            if refusal is not None:
-                await _abort(context, refusal, method)
-            _principal.set(principal)
-            try:
-                async for response in inner(_checked(request_iterator, method), context):
+            async with _serving(context, method, principal, refusal):
+                async for response in inner_stream(_checked(request_iterator, method), context):
                     yield response
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - mapped to a status code
-                await _abort(context, exc, method)
 
-        return grpc.stream_stream_rpc_method_handler(
-            stream_stream, request_deserializer=_tolerant(handler.request_deserializer), response_serializer=handler.response_serializer
-        )
-
-    if not handler.request_streaming and not handler.response_streaming:
-        inner = handler.unary_unary
+        behaviour, make_handler = stream_stream, grpc.stream_stream_rpc_method_handler
+    elif not handler.request_streaming and not handler.response_streaming:
+        inner_unary = handler.unary_unary
 
         async def unary_unary(request, context):
-            if refusal is not None:
-                await _abort(context, refusal, method)
-            _principal.set(principal)
-            try:
-                return await inner(_check(request, method), context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - mapped to a status code
-                await _abort(context, exc, method)
+            async with _serving(context, method, principal, refusal):
+                return await inner_unary(_check(request, method), context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=_tolerant(handler.request_deserializer), response_serializer=handler.response_serializer
-        )
-
-    raise AssertionError(f"{method}: dflash.v1 has no unary-stream or stream-unary methods")
+        behaviour, make_handler = unary_unary, grpc.unary_unary_rpc_method_handler
+    else:
+        raise AssertionError(f"{method}: dflash.v1 has no unary-stream or stream-unary methods")
+    return make_handler(
+        behaviour, request_deserializer=_tolerant(handler.request_deserializer), response_serializer=handler.response_serializer
+    )
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -1,0 +1,111 @@
+"""auth._wrap: both handler kinds refuse, set the principal and map errors the same way (no server needed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from dflash_worker.coordinator import auth
+from dflash_worker.coordinator.store import Principal
+from dflash_worker.errors import AuthenticationError, NotFoundError
+
+METHOD = "/dflash.v1.ProviderService/Test"
+PRINCIPAL = Principal(admin=False, provider_id="p-1")
+
+
+class FakeContext:
+    def __init__(self):
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code, details):
+        self.aborted = (code, details)
+        raise grpc.aio.AbortError()
+
+
+def _handler(kind: str, behaviour):
+    """A wrapped handler of `kind` whose inner behaviour is `behaviour(request)`."""
+    if kind == "unary":
+
+        async def inner(request, context):
+            return behaviour(request)
+
+        return grpc.unary_unary_rpc_method_handler(inner, request_deserializer=bytes, response_serializer=bytes)
+
+    async def inner_stream(request_iterator, context):
+        async for request in request_iterator:
+            yield behaviour(request)
+
+    return grpc.stream_stream_rpc_method_handler(inner_stream, request_deserializer=bytes, response_serializer=bytes)
+
+
+def _call(kind: str, behaviour, refusal=None):
+    """(responses, context) of one call to the wrapped handler with request b"x"."""
+    wrapped = auth._wrap(_handler(kind, behaviour), METHOD, PRINCIPAL, refusal)
+    ctx = FakeContext()
+
+    async def go():
+        if kind == "unary":
+            return [await wrapped.unary_unary(b"x", ctx)]
+
+        async def requests():
+            yield b"x"
+
+        return [r async for r in wrapped.stream_stream(requests(), ctx)]
+
+    try:
+        return asyncio.run(go()), ctx
+    except grpc.aio.AbortError:
+        return None, ctx
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_the_principal_is_set_for_the_handler(kind):
+    responses, ctx = _call(kind, lambda request: auth.current_principal())
+    assert responses == [PRINCIPAL] and ctx.aborted is None
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_a_refusal_aborts_before_the_handler_runs(kind):
+    ran = []
+    responses, ctx = _call(kind, ran.append, refusal=AuthenticationError("no token"))
+    assert responses is None and ran == []
+    assert ctx.aborted == (grpc.StatusCode.UNAUTHENTICATED, "no token")
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_a_dflash_error_maps_to_its_code(kind):
+    def behaviour(request):
+        raise NotFoundError("no run `r-1`")
+
+    assert _call(kind, behaviour)[1].aborted == (grpc.StatusCode.NOT_FOUND, "no run `r-1`")
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_an_unexpected_error_is_internal_and_hides_its_message(kind):
+    def behaviour(request):
+        raise RuntimeError("secret detail")
+
+    assert _call(kind, behaviour)[1].aborted == (grpc.StatusCode.INTERNAL, "internal error; see the coordinator log")
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_an_undecodable_request_is_invalid_argument(kind):
+    wrapped = auth._wrap(_handler(kind, lambda request: request), METHOD, PRINCIPAL, None)
+    # What the tolerant deserializer returns for bytes that are no protobuf message.
+    bad = auth._Undecodable(ValueError("truncated"))
+    ctx = FakeContext()
+
+    async def go():
+        if kind == "unary":
+            return await wrapped.unary_unary(bad, ctx)
+
+        async def requests():
+            yield bad
+
+        return [r async for r in wrapped.stream_stream(requests(), ctx)]
+
+    with pytest.raises(grpc.aio.AbortError):
+        asyncio.run(go())
+    assert ctx.aborted == (grpc.StatusCode.INVALID_ARGUMENT, "`/dflash.v1.ProviderService/Test` request is not a valid protobuf message: truncated")
