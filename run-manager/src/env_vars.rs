@@ -71,3 +71,8 @@ pub const VIRTUAL_ENV: &str = "VIRTUAL_ENV";
 /// Set for the worker so the embedded interpreter does not buffer stdout
 /// (progress events must arrive as they are written).
 pub const PYTHONUNBUFFERED: &str = "PYTHONUNBUFFERED";
+
+/// Test-only: where the `jobdir::tests::writes_fixture_spec_json_for_python`
+/// unit test writes a sample `spec.json` for the Python side's round-trip test
+/// (`tests/worker/test_rust_spec.py`); unset, it writes nothing.
+pub const SPEC_FIXTURE_OUT: &str = "DFLASH_SPEC_FIXTURE_OUT";
