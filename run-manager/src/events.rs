@@ -6,8 +6,8 @@
 //! ```json
 //! {"event": "progress", "phase": "train", "step": 3, "total_steps": 10,
 //!  "metrics": {"loss": 2.5}, "committed_step": 2}
-//! {"event": "artifact", "name": "checkpoints/step-2", "kind": "checkpoint",
-//!  "path": "checkpoints/step-2/state.safetensors", "sha256": "<64 hex>",
+//! {"event": "artifact", "name": "checkpoints/step-00000002", "kind": "checkpoint",
+//!  "path": "run/checkpoints/step-00000002/manifest.json", "sha256": "<64 hex>",
 //!  "size_bytes": 1234, "step": 2}
 //! {"event": "done"}
 //! {"event": "error", "message": "bad recipe: ...", "retryable": false}
@@ -24,7 +24,8 @@
 //!   artifact's relative name in the job's namespace; `kind` is one of
 //!   `checkpoint export manifest report metrics capture`; `sha256`/`size_bytes`
 //!   are checked against the file before it is reported. A `checkpoint`
-//!   artifact is what a restarted worker resumes from.
+//!   artifact is one file per committed checkpoint, its `manifest.json`: the
+//!   last one is what a restarted worker resumes from (`resume_checkpoint`).
 //! - `done`: the job finished; the worker then exits 0.
 //! - `error`: the job failed; `retryable: false` means another attempt would
 //!   fail the same way (bad spec, bad data), so the worker is not restarted.

@@ -60,7 +60,8 @@ pub struct JobSpecFile {
     /// The lease's `spec_json`, parsed (always a JSON object).
     pub spec: serde_json::Value,
     pub lease: LeaseInfo,
-    /// Absolute path of the checkpoint to resume from, or null to start fresh.
+    /// Absolute path of the checkpoint to resume from (its `manifest.json`, as
+    /// the worker's last `checkpoint` artifact named it), or null to start fresh.
     pub resume_checkpoint: Option<PathBuf>,
     /// Step of that checkpoint (0 when none).
     pub resume_step: u64,
