@@ -282,3 +282,36 @@ def test_streamed_shard_is_a_valid_safetensors_file(tmp_path, dtype):
     # same input, same bytes
     _write_shard(tmp_path / "t.safetensors", items, {"a": [1, "x"], "b": 2})
     assert (tmp_path / "t.safetensors").read_bytes() == path.read_bytes()
+
+
+def test_capture_reports_typed_events(tmp_path, targets, draft_dir, prepared_dir):
+    from dflash_worker.worker.events import Log, Progress, event_from_json
+
+    r = write_recipe(tmp_path / "r.toml", target=targets["qwen3"], draft=draft_dir, data=prepared_dir,
+                     output=tmp_path / "ev", splits=["train"], shard_examples=3)
+    events = []
+    m = run_capture(load_recipe(r), on_event=events.append)
+    n = m["totals"]["examples"]
+    assert all(isinstance(e, (Progress, Log)) for e in events)
+    assert all(event_from_json(e.to_json()) == e for e in events)
+    progress = [e for e in events if isinstance(e, Progress)]
+    assert {e.phase for e in progress} == {"capture"} and {e.total_steps for e in progress} == {n}
+    assert progress[0].step == 0 and progress[0].metrics == {"shards_reused": 0.0}
+    per_example = [e for e in progress if "tokens" in e.metrics]
+    assert [e.step for e in per_example] == list(range(1, n + 1))
+    assert sum(e.metrics["tokens"] for e in per_example) == m["totals"]["tokens"]
+    commits = [e for e in progress if "shards_committed" in e.metrics]
+    assert [e.metrics["shards_committed"] for e in commits] == list(range(1, m["shards_total"] + 1))
+    assert [e.metrics["examples_committed"] for e in commits] == [s["end"] for s in m["shards"]]
+    steps = [e.step for e in progress]
+    assert steps == sorted(steps)  # progress never goes back
+    messages = [e.message for e in events if isinstance(e, Log) and e.level == "info"]
+    assert messages[0] == f"{n} examples, resuming at 0 (0 shards reused)"
+    assert messages[1].startswith("teacher loaded in ")
+
+    again = []
+    run_capture(load_recipe(r), on_event=again.append)
+    assert [e.message for e in again if isinstance(e, Log) and e.level == "info"] == [
+        f"already complete ({m['shards_total']} shards verified)"
+    ]
+    assert not [e for e in again if isinstance(e, Progress)]

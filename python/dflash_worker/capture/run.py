@@ -235,8 +235,11 @@ class CapturePlan:
     key: CaptureKey
 
 
-def plan_capture(recipe: Recipe, emit: EventSink) -> CapturePlan:
-    """Data check, pair check, geometry, device and capture key: every refusal before weights load."""
+def plan_capture(recipe: Recipe, emit: EventSink, device: DeviceChoice | None = None) -> CapturePlan:
+    """Data check, pair check, geometry, device and capture key: every refusal before weights load.
+
+    `device`: where to run (the job runner's placement); None resolves `[capture].device` here.
+    """
     cap = recipe.require("capture")
     mcfg, dcfg = recipe.model, recipe.data
     prepared = PreparedData(dcfg.dir)
@@ -251,7 +254,7 @@ def plan_capture(recipe: Recipe, emit: EventSink) -> CapturePlan:
 
     from ..device import resolve_device
 
-    choice = resolve_device(cap.device)
+    choice = device or resolve_device(cap.device)
     key = capture_key(recipe, prepared, tokenizer, geometry.layer_ids, choice.type)
     return CapturePlan(recipe, cap, prepared, tokenizer, geometry, choice, key)
 
@@ -713,14 +716,15 @@ def capture_manifest(plan: CapturePlan, records: list[ShardRecord], examples: li
     }
 
 
-def run_capture(recipe: Recipe, *, on_event: EventSink | None = None) -> dict[str, Any]:
+def run_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: DeviceChoice | None = None) -> dict[str, Any]:
     """Run (or resume) the capture described by `recipe`; returns the manifest written.
 
     Progress and milestones go to `on_event` as `worker.events` objects (module docstring).
+    `device`: where to run (a job's placement); None resolves `[capture].device`.
     """
     emit = on_event or _ignore
     t0 = time.perf_counter()
-    plan = plan_capture(recipe, emit)
+    plan = plan_capture(recipe, emit, device)
     point = resume(plan.cap.output, plan.key.key)
     records = list(point.records)
     if point.complete is not None:
