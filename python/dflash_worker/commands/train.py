@@ -25,22 +25,23 @@ def run(args: argparse.Namespace) -> int:
 
     from ..recipe import load_recipe
     from ..train import train
+    from ..worker.events import Event, Log, Progress
 
     recipe = load_recipe(args.recipe)
     tty = sys.stderr.isatty()
     bar = None
     logged: set[str] = set()
 
-    def on_event(e: dict) -> None:
+    def on_event(e: Event) -> None:
         nonlocal bar
-        if e["event"] == "progress":
+        if isinstance(e, Progress):
             if bar is None:
-                bar = tqdm(total=e["total_steps"], initial=e["step"] - 1, unit="step", disable=not tty)
+                bar = tqdm(total=e.total_steps, initial=e.step - 1, unit="step", disable=not tty)
             bar.update(1)
-            bar.set_postfix(loss=f"{e['metrics']['loss']:.4f}", lr=f"{e['metrics']['lr']:.2e}")
-        elif e["event"] == "log":
-            logged.add(e["message"])
-            print(f"train: {e['message']}", file=sys.stderr)
+            bar.set_postfix(loss=f"{e.metrics.get('loss', float('nan')):.4f}", lr=f"{e.metrics.get('lr', float('nan')):.2e}")
+        elif isinstance(e, Log):
+            logged.add(e.message)
+            print(f"train: {e.message}", file=sys.stderr)
 
     try:
         result = train(recipe, run_dir=args.run_dir, resume=args.resume, on_event=on_event)

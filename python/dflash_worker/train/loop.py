@@ -2,7 +2,10 @@
 
 `train(recipe, run_dir=..., resume=...)` is the library entry point behind
 `dflash-worker train`; `Trainer` holds one run's state so tests and the job
-runner can drive it step by step.
+runner can drive it step by step. `Trainer.setup` loads what a run trains
+(`TrainSetup`: draft, target head, optimizer, captured data); training and
+validation share one forward path (`Trainer.score`: forward -> token loss ->
+selector terms -> proposals -> match counts).
 
 Run directory::
 
@@ -32,6 +35,20 @@ the capture fingerprint (sha256 of the capture manifest, which names the
 teacher's and data's hashes) and the draft fingerprint (sha256 of every file
 of the released draft) must all equal the checkpoint's; otherwise
 `ResumeError` names the differing fields.
+
+Events (`worker.events`, to the `on_event` sink of `train`):
+
+- ``Log`` ``resumed from `CHECKPOINT` at step S`` after a resume;
+- ``Artifact(kind="checkpoint")`` after each commit: the checkpoint's
+  ``manifest.json`` (absolute path), named ``checkpoints/step-NNNNNNNN/manifest.json``
+  (relative to the run dir), ``step`` its step;
+- ``Progress(phase="train", step, total_steps, metrics={loss, lr, grad_norm,
+  train_matching_proposals}, committed_step)`` after every optimizer step (after
+  its checkpoint, if any); ``committed_step`` is None before the first commit;
+- ``Log`` ``stopped by SIGNAL at step S/N; ...`` when a signal stops the run;
+- ``Artifact(kind="export")`` for every file of the export directory, named
+  ``<export dir>/<file>`` (relative to the run dir), ``step`` the selected step,
+  once ``selection.json`` is written. A verified (already complete) run emits nothing.
 """
 
 from __future__ import annotations
@@ -39,19 +56,19 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ConfigError, ResumeError
 from ..manifest import fingerprint, sha256_file
-from ..recipe import Recipe
+from ..recipe import Recipe, TrainConfig
+from ..worker.events import Artifact, Event, EventSink, Log, Progress
 from . import checkpoint as ckpt
 from .data import CapturedSplit, Order, Sequence, mix, sample_anchors
-from .events import EventFn, Events
 from .objectives import (
     block_labels,
     match_counts,
@@ -63,10 +80,14 @@ from .objectives import (
     token_loss_sum,
     weight_total,
 )
-from .params import export_values, load_target_head, swapped
+from .params import TargetHead, export_values, load_target_head, swapped
 from .schedule import lr_factor
 from .scopes import includes_selector, scope_names
 from .signals import SignalGuard, StopFlags
+
+if TYPE_CHECKING:
+    from ..device import DeviceChoice
+    from ..model import DraftModel
 
 RESUME_IGNORED = frozenset(
     {
@@ -182,8 +203,154 @@ def _fused_adamw(device: torch.device) -> bool | None:
     return True if device.type in _get_fused_kernels_supported_devices() else None
 
 
+# --------------------------------------------------------------------- setup
+@dataclass(frozen=True)
+class TrainedTensors:
+    """Which draft tensors train, which the forward fake-quantizes, which validation swaps in."""
+
+    names: list[str]  # trained, in model order
+    name_set: frozenset[str]
+    quant_names: list[str]  # what AF4G64 quantizes (QAT or an AF4G64 export); else empty
+    qat_names: list[str]  # fake-quantized in the training forward: every quantized projection, frozen ones too
+    val_quant: list[str]  # read as their AF4G64 values in validation (an AF4G64 export)
+    export_names: list[str]  # validation measures the export: trained tensors (BF16) plus `val_quant`
+
+
+def select_tensors(model: DraftModel, cfg: TrainConfig, export_format: str) -> TrainedTensors:
+    """The tensors of `[train].scope` and of the QAT / export quantization scope; refuses a QAT scope that misses them."""
+    every = [n for n, _ in model.named_parameters()]
+    names = scope_names(cfg.scope, every)
+    name_set = frozenset(names)
+    quant_names: list[str] = []
+    if cfg.qat or export_format == "af4g64":
+        from ..model import quant
+
+        sel = quant.selector_context if cfg.qat_scope == "selector_context" else quant.full_projection
+        chosen = sel(model)
+        quant_names = list(chosen.names)
+        if cfg.qat and not set(quant_names) & name_set:
+            raise ConfigError(
+                f"`[train].qat_scope` `{cfg.qat_scope}` selects no tensor of scope `{cfg.scope}`"
+                + (f" (skipped: {', '.join(f'`{n}` ({why})' for n, why in chosen.skipped)})" if chosen.skipped else "")
+                + "\nhint: choose a qat_scope that overlaps the trained scope"
+            )
+    val_quant = set(quant_names) if export_format == "af4g64" else set()
+    return TrainedTensors(
+        names=names,
+        name_set=name_set,
+        quant_names=quant_names,
+        qat_names=quant_names if cfg.qat else [],
+        val_quant=[n for n in every if n in val_quant],
+        export_names=[n for n in every if n in name_set or n in val_quant],
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class LossWeights:
+    """Block size, position weights [T-1] and the weights of the two objectives (see `objectives`)."""
+
+    block_size: int
+    positions: torch.Tensor
+    main: float  # 0 for scope `selector`, whose tensors do not change the logits
+    selector: float  # 0 when the draft has no candidate selector
+
+
+def loss_weights(model: DraftModel, cfg: TrainConfig, device: torch.device) -> LossWeights:
+    T = model.block_size
+    main = 0.0 if cfg.scope == "selector" else 1.0
+    sel_w = cfg.selector_weight
+    selector = (1.0 if includes_selector(cfg.scope) else 0.0) if sel_w is None else float(sel_w)
+    if model.candidate_selector is None:
+        selector = 0.0
+    if main == 0 and selector == 0:
+        raise ConfigError("scope `selector` with `selector_weight = 0` trains nothing\nhint: remove `selector_weight`")
+    return LossWeights(T, position_weights(T, cfg.gamma, cfg.position_weights, device=device), main, selector)
+
+
+@dataclass(frozen=True, eq=False)
+class TrainSetup:
+    """What `Trainer.setup` loads: the draft (FP32 masters), the target head, the optimizer, the data."""
+
+    device: torch.device
+    model: DraftModel
+    head: TargetHead
+    tensors: TrainedTensors
+    params: list[torch.nn.Parameter]  # the trained tensors' parameters, in model order
+    weights: LossWeights
+    autocast: torch.dtype | None
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_split: CapturedSplit
+    val_split: CapturedSplit | None
+    order: Order
+
+    @classmethod
+    def load(cls, recipe: Recipe, export_format: str, choice: DeviceChoice | None = None) -> TrainSetup:
+        """Everything a run trains with; `choice` replaces resolving `[train].device` when given."""
+        from ..device import resolve_device
+        from ..model import load_draft
+
+        cfg, cap = recipe.require("train"), recipe.require("capture")
+        device = (choice or resolve_device(cfg.device)).torch_device
+        model = load_draft(recipe.model.draft, device=device, dtype=torch.float32)
+        head = load_target_head(recipe.model.target, device=device, dtype=torch.float32)
+        tensors = select_tensors(model, cfg, export_format)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in tensors.name_set)
+        params = [p for n, p in model.named_parameters() if n in tensors.name_set]
+        weights = loss_weights(model, cfg, device)
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8, fused=_fused_adamw(device)
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: lr_factor(s, total=cfg.steps, warmup=cfg.warmup_steps, kind=cfg.schedule, min_ratio=cfg.min_lr_ratio),
+        )
+        train_split = CapturedSplit(cap.output, "train", verify=True)
+        val_split = CapturedSplit(cap.output, "val", verify=False) if "val" in cap.splits else None
+        return cls(
+            device=device, model=model, head=head, tensors=tensors, params=params, weights=weights,
+            autocast=_autocast_dtype(cfg.autocast, device), optimizer=optimizer, scheduler=scheduler,
+            train_split=train_split, val_split=val_split, order=Order(len(train_split), cfg.seed),
+        )
+
+
+# --------------------------------------------------------------------- the shared forward path
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """The anchored blocks of one sequence with their labels (`objectives.block_labels`)."""
+
+    seq: Sequence
+    anchors: torch.Tensor  # [M]
+    labels: torch.Tensor  # [M, T-1], on the device
+    valid: torch.Tensor  # [M, T-1] bool, on the device
+
+
+@dataclass(frozen=True, eq=False)
+class BlockScores:
+    """What one forward over `Blocks` gives training and validation alike."""
+
+    ce_sum: torch.Tensor  # token loss sum of the objective asked for (graph attached when grad is on)
+    selector_sum: torch.Tensor  # selector CE sum; 0 when the selector was not scored
+    counts: dict[str, list[int]]  # `objectives.match_counts` of the draft's proposals
+
+
+VAL_KEYS = ("matching_proposals", "ce", "selector_ce", "blocks", "reached", "covered", "selected")
+PROGRESS_KEYS = ("loss", "lr", "grad_norm", "train_matching_proposals")
+
+
+def _ignore(event: Event) -> None:
+    pass
+
+
 class Trainer:
-    """One training run. Construct, then `run()`; see the module docstring."""
+    """One training run. Construct, then `run()`; see the module docstring.
+
+    `__init__` checks and fingerprints the inputs (no weights read) and holds the run's
+    progress (`step`, `val_history`, `committed_step`); `setup()` loads the `TrainSetup`.
+    `device` (a resolved placement) replaces resolving `[train].device`; `attention` is the
+    draft forward's attention backend (`DraftModel.forward_blocks`).
+    """
 
     def __init__(
         self,
@@ -191,19 +358,24 @@ class Trainer:
         run_dir: str | Path,
         *,
         resume: bool = False,
-        on_event: EventFn | None = None,
+        on_event: EventSink | None = None,
         flags: StopFlags | None = None,
         hooks: Hooks | None = None,
         skip_data_check: bool = False,
+        device: DeviceChoice | None = None,
+        attention: str = "auto",
     ) -> None:
         self.recipe = recipe
         self.cfg = recipe.require("train")
         self.cap = recipe.require("capture")
         self.run_dir = Path(run_dir)
-        self.events = Events(on_event)
+        self.emit: EventSink = on_event or _ignore
         self.flags = flags or StopFlags()
         self.hooks = hooks or Hooks()
         self.resume = resume
+        self.device_choice = device
+        self.attention = attention
+        self.export_format = recipe.export.format if recipe.export is not None else "bf16"
         if not skip_data_check:
             self._check_data()
         from ..families import check_recipe_pair
@@ -215,8 +387,11 @@ class Trainer:
             "data_fingerprint": capture_fingerprint(self.cap.output),
             "draft_fingerprint": draft_fingerprint(recipe.model.draft),
         }
+        self.step = 0
+        self.val_history: list[dict[str, Any]] = []
+        self.committed_step: int | None = None
+        self._setup: TrainSetup | None = None
 
-    # ----------------------------------------------------------------- setup
     def _check_data(self) -> None:
         """check-data before any weights load (a failure names file and line)."""
         from ..data import check_data, load_tokenizer
@@ -233,70 +408,63 @@ class Trainer:
 
     def setup(self) -> None:
         """Load the draft (FP32 masters), the target head and the captured data."""
-        from ..device import resolve_device
-        from ..model import load_draft
+        self._setup = TrainSetup.load(self.recipe, self.export_format, self.device_choice)
 
-        cfg = self.cfg
-        self.choice = resolve_device(cfg.device)
-        self.device = self.choice.torch_device
-        self.model = load_draft(self.recipe.model.draft, device=self.device, dtype=torch.float32)
-        self.head = load_target_head(self.recipe.model.target, device=self.device, dtype=torch.float32)
-        names = [n for n, _ in self.model.named_parameters()]
-        self.names = scope_names(cfg.scope, names)
-        self.name_set = set(self.names)
-        for n, p in self.model.named_parameters():
-            p.requires_grad_(n in self.name_set)
-        self.params = [p for n, p in self.model.named_parameters() if n in self.name_set]
-        self.export_format = self.recipe.export.format if self.recipe.export is not None else "bf16"
-        self.quant_names: list[str] = []
-        if cfg.qat or self.export_format == "af4g64":
-            from ..model import quant
+    # Read-only views of the setup, for the methods below, hooks and tests.
+    @property
+    def parts(self) -> TrainSetup:
+        assert self._setup is not None, "`Trainer.setup()` must run first"
+        return self._setup
 
-            sel = quant.selector_context if cfg.qat_scope == "selector_context" else quant.full_projection
-            chosen = sel(self.model)
-            self.quant_names = list(chosen.names)
-            if cfg.qat and not set(self.quant_names) & self.name_set:
-                raise ConfigError(
-                    f"`[train].qat_scope` `{cfg.qat_scope}` selects no tensor of scope `{cfg.scope}`"
-                    + (f" (skipped: {', '.join(f'`{n}` ({why})' for n, why in chosen.skipped)})" if chosen.skipped else "")
-                    + "\nhint: choose a qat_scope that overlaps the trained scope"
-                )
-        # QAT forward: every quantized projection reads its fake-quantized value (frozen ones too).
-        self.qat_names = self.quant_names if cfg.qat else []
-        # Validation measures the export: trained tensors (BF16) plus, for AF4G64, every quantized one.
-        val_quant = set(self.quant_names) if self.export_format == "af4g64" else set()
-        self.val_quant = [n for n in names if n in val_quant]
-        self.export_names = [n for n in names if n in self.name_set or n in val_quant]
-        self.T = self.model.block_size
-        self.pw = position_weights(self.T, cfg.gamma, cfg.position_weights, device=self.device)
-        self.main_weight = 0.0 if cfg.scope == "selector" else 1.0
-        sel_w = cfg.selector_weight
-        self.selector_weight = (1.0 if includes_selector(cfg.scope) else 0.0) if sel_w is None else float(sel_w)
-        if self.model.candidate_selector is None:
-            self.selector_weight = 0.0
-        if self.main_weight == 0 and self.selector_weight == 0:
-            raise ConfigError("scope `selector` with `selector_weight = 0` trains nothing\nhint: remove `selector_weight`")
-        self.autocast = _autocast_dtype(cfg.autocast, self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8,
-            fused=_fused_adamw(self.device),
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_factor(s, total=cfg.steps, warmup=cfg.warmup_steps, kind=cfg.schedule, min_ratio=cfg.min_lr_ratio),
-        )
-        self.train_split = CapturedSplit(self.cap.output, "train", verify=True)
-        self.val_split = CapturedSplit(self.cap.output, "val", verify=False) if "val" in self.cap.splits else None
-        self.order = Order(len(self.train_split), cfg.seed)
-        self.step = 0
-        self.val_history: list[dict[str, Any]] = []
-        self.committed_step: int | None = None
+    @property
+    def model(self) -> DraftModel:
+        return self.parts.model
+
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        return self.parts.optimizer
+
+    @property
+    def train_split(self) -> CapturedSplit:
+        return self.parts.train_split
+
+    @property
+    def val_split(self) -> CapturedSplit | None:
+        return self.parts.val_split
+
+    @property
+    def order(self) -> Order:
+        return self.parts.order
+
+    @property
+    def names(self) -> list[str]:
+        return self.parts.tensors.names
+
+    @property
+    def name_set(self) -> frozenset[str]:
+        return self.parts.tensors.name_set
+
+    @property
+    def qat_names(self) -> list[str]:
+        return self.parts.tensors.qat_names
+
+    @property
+    def T(self) -> int:
+        return self.parts.weights.block_size
+
+    @property
+    def pw(self) -> torch.Tensor:
+        return self.parts.weights.positions
+
+    @property
+    def main_weight(self) -> float:
+        return self.parts.weights.main
 
     # ----------------------------------------------------------------- state
     def state(self) -> dict[str, Any]:
         return {
             "sequences_seen": self.step * self.cfg.grad_accum,
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.parts.scheduler.state_dict(),
             "recipe": self.recipe.resolved(),
             **self.identity,
             "val_history": self.val_history,
@@ -306,6 +474,7 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Path:
+        """Commit a checkpoint of this step, prune old ones, report its manifest as an artifact."""
         from ..device import capture_rng_state
 
         path = ckpt.save(
@@ -319,17 +488,9 @@ class Trainer:
         self.committed_step = self.step
         best = self.best()
         ckpt.prune(self.run_dir, keep=self.cfg.keep_checkpoints, protect={best["step"]} if best else set())
-        self.events.emit(
-            {
-                "event": "artifact",
-                "name": path.name,
-                "kind": "checkpoint",
-                "path": str(path),
-                "sha256": sha256_file(path / "manifest.json"),
-                "size_bytes": sum(f.stat().st_size for f in path.iterdir()),
-                "step": self.step,
-            }
-        )
+        manifest = path / "manifest.json"
+        name = f"{ckpt.CHECKPOINTS}/{path.name}/{manifest.name}"
+        self.emit(Artifact.for_file(manifest.absolute(), artifact=name, kind="checkpoint", step=self.step))
         return path
 
     def restore(self, loaded: ckpt.Loaded) -> None:
@@ -343,7 +504,7 @@ class Trainer:
                 if n in self.name_set:
                     p.copy_(loaded.trainable[n].to(p.device))
         self.optimizer.load_state_dict(loaded.optimizer)
-        self.scheduler.load_state_dict(loaded.state["scheduler"])
+        self.parts.scheduler.load_state_dict(loaded.state["scheduler"])
         restore_rng_state(loaded.rng)
         self.step = loaded.step
         self.val_history = list(loaded.state.get("val_history") or [])
@@ -352,28 +513,48 @@ class Trainer:
 
     # ----------------------------------------------------------------- compute
     def _autocast(self):
-        if self.autocast is None:
+        if self.parts.autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast)
+        return torch.autocast(self.parts.device.type, dtype=self.parts.autocast)
 
     def forward(self, seq: Sequence, anchors: torch.Tensor):
         """(hidden [M, T-1, H], logits [M, T-1, V]) of the blocks at `anchors` of one sequence."""
-        dev = self.device
+        dev, head = self.parts.device, self.parts.head
         ids = seq.input_ids.to(dev)
         feats = seq.features.to(dev, torch.float32)[None]
         a = anchors.to(dev)[None]
         blocks = self.model.make_blocks(ids[None], a)
-        embeds = self.model.embed(blocks, self.head.embed)
+        embeds = self.model.embed(blocks, head.embed)
         with self._autocast():
             if self.cfg.gradient_checkpointing and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
 
-                hidden = checkpoint(self.model.forward_blocks, feats, a, embeds, use_reentrant=False)
+                hidden = checkpoint(self.model.forward_blocks, feats, a, embeds, attention=self.attention, use_reentrant=False)
             else:
-                hidden = self.model.forward_blocks(feats, a, embeds)
+                hidden = self.model.forward_blocks(feats, a, embeds, attention=self.attention)
             h = hidden[0, :, 1:]
-            logits = self.model.logits(h, self.head.head)
+            logits = self.model.logits(h, head.head)
         return h.float(), logits.float()
+
+    def blocks(self, seq: Sequence, anchors: torch.Tensor) -> Blocks:
+        labels, valid = block_labels(seq.input_ids, seq.loss_mask, anchors, self.T)
+        return Blocks(seq, anchors, labels.to(self.parts.device), valid.to(self.parts.device))
+
+    def score(self, b: Blocks, *, objective: str, with_selector: bool) -> BlockScores:
+        """The one forward path of training and validation: forward, token loss of `objective`,
+        selector terms (when `with_selector`), the draft's proposals and their match counts."""
+        h, logits = self.forward(b.seq, b.anchors)
+        ce_sum = token_loss_sum(logits, b.labels, b.valid, self.pw, objective)
+        anchor_ids = b.seq.input_ids.to(self.parts.device)[b.anchors.to(self.parts.device)]
+        if with_selector:
+            sel_sum, scores, cand = selector_terms(self.model.candidate_selector, h, logits, anchor_ids, b.labels, b.valid, self.pw)
+            # the loss already ranked the vocabulary and scored the candidates: reuse that
+            # (same values as `proposals` recomputing them) instead of a second top-k
+            prop, cov = proposals_from_scores(scores.detach(), cand, b.labels)
+        else:
+            sel_sum = torch.zeros((), device=self.parts.device)
+            prop, cov = proposals(self.model, h.detach(), logits.detach(), anchor_ids, b.labels)
+        return BlockScores(ce_sum, sel_sum, match_counts(prop, cov, b.labels, b.valid))
 
     def _qat(self):
         if not self.qat_names:
@@ -382,60 +563,54 @@ class Trainer:
 
         return quantized_weights(self.model, self.qat_names)
 
-    def train_step(self) -> dict[str, Any]:
+    def _micro_batches(self) -> list[Blocks]:
+        """The `grad_accum` sequences of this step and their seeded anchors (`data` module docstring)."""
         cfg = self.cfg
-        t0 = time.perf_counter()
-        self.model.train()
-        batch = []
+        out = []
         for j in range(cfg.grad_accum):
             g = self.step * cfg.grad_accum + j
             seq = self.train_split.get(self.order(g))
-            anchors = sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 1, g))
-            labels, valid = block_labels(seq.input_ids, seq.loss_mask, anchors, self.T)
-            batch.append((seq, anchors, labels.to(self.device), valid.to(self.device)))
-        denom = sum(weight_total(v, self.pw) for _, a, _, v in batch if a.numel())
-        tot = {"loss": 0.0, "ce": 0.0, "selector_ce": 0.0, "positions": 0, "blocks": 0}
-        counts = []
-        for seq, anchors, labels, valid in batch:
-            if anchors.numel() == 0 or denom == 0:
-                continue
-            with self._qat():
-                h, logits = self.forward(seq, anchors)
-                ce_sum = token_loss_sum(logits, labels, valid, self.pw, cfg.objective)
-                loss_sum = self.main_weight * ce_sum
-                sel_sum = torch.zeros((), device=self.device)
-                anchor_ids = seq.input_ids.to(self.device)[anchors.to(self.device)]
-                scored = None
-                if self.selector_weight > 0:
-                    sel_sum, scores, cand = selector_terms(
-                        self.model.candidate_selector, h, logits, anchor_ids, labels, valid, self.pw
-                    )
-                    scored = (scores.detach(), cand)
-                    loss_sum = loss_sum + self.selector_weight * sel_sum
-                (loss_sum / denom).backward()
-                # the loss already ranked the vocabulary and scored the candidates: reuse that
-                # (same values as `proposals` recomputing them) instead of a second top-k
-                if scored is not None:
-                    prop, cov = proposals_from_scores(*scored, labels)
-                else:
-                    prop, cov = proposals(self.model, h.detach(), logits.detach(), anchor_ids, labels)
-            counts.append(match_counts(prop, cov, labels, valid))
-            tot["loss"] += float(loss_sum.detach()) / denom
-            tot["ce"] += float(ce_sum.detach()) / denom
-            tot["selector_ce"] += float(sel_sum.detach()) / denom
-            tot["positions"] += int(valid.sum())
-            tot["blocks"] += int(anchors.numel())
-        if cfg.grad_clip > 0:
-            gnorm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-        else:
-            gnorm = torch.nn.utils.clip_grad_norm_(self.params, float("inf"))
+            out.append(self.blocks(seq, sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 1, g))))
+        return out
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Clip, AdamW step, scheduler step; returns (grad norm before clipping, lr used)."""
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(self.parts.params, clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        self.scheduler.step()
+        self.parts.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        return float(gnorm), lr
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `grad_accum` micro-batches; returns its metrics line."""
+        w = self.parts.weights
+        t0 = time.perf_counter()
+        self.model.train()
+        batch = self._micro_batches()
+        denom = sum(weight_total(b.valid, w.positions) for b in batch if b.anchors.numel())
+        tot = {"loss": 0.0, "ce": 0.0, "selector_ce": 0.0, "positions": 0, "blocks": 0}
+        counts = []
+        for b in batch:
+            if b.anchors.numel() == 0 or denom == 0:
+                continue
+            with self._qat():
+                s = self.score(b, objective=self.cfg.objective, with_selector=w.selector > 0)
+                loss_sum = w.main * s.ce_sum
+                if w.selector > 0:
+                    loss_sum = loss_sum + w.selector * s.selector_sum
+                (loss_sum / denom).backward()
+            counts.append(s.counts)
+            tot["loss"] += float(loss_sum.detach()) / denom
+            tot["ce"] += float(s.ce_sum.detach()) / denom
+            tot["selector_ce"] += float(s.selector_sum.detach()) / denom
+            tot["positions"] += int(b.valid.sum())
+            tot["blocks"] += int(b.anchors.numel())
+        gnorm, lr = self._optimizer_step()
         secs = time.perf_counter() - t0
-        tokens = sum(int(a.numel()) * self.T for _, a, _, _ in batch)
+        tokens = sum(int(b.anchors.numel()) * self.T for b in batch)
         summary = summarize(counts, self.T - 1)
         return {
             "step": self.step,
@@ -443,7 +618,7 @@ class Trainer:
             "ce": tot["ce"],
             "selector_ce": tot["selector_ce"],
             "lr": lr,
-            "grad_norm": float(gnorm),
+            "grad_norm": gnorm,
             "blocks": tot["blocks"],
             "positions": tot["positions"],
             "train_matching_proposals": summary["matching_proposals"],
@@ -451,14 +626,23 @@ class Trainer:
             "tokens_per_s": tokens / secs if secs > 0 else None,
         }
 
+    def _val_blocks(self) -> Iterator[Blocks]:
+        """The first `val_examples` validation sequences with anchors (the same at every validation)."""
+        cfg, split = self.cfg, self.val_split
+        for i in range(min(len(split), cfg.val_examples) if split is not None else 0):
+            seq = split.get(i)
+            anchors = sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 2, i))
+            if anchors.numel():
+                yield self.blocks(seq, anchors)
+
     def validate(self) -> dict[str, Any]:
         """Matching proposals on the validation split, computed with exactly the export's weights.
 
         The FP32 masters are swapped out for `export_values` (BF16, or AF4G64 for QAT names) and
         the very same parameter objects are put back afterwards, success or failure.
         """
-        cfg = self.cfg
-        values = export_values(dict(self.model.named_parameters()), self.export_names, qat_names=self.val_quant)
+        tensors = self.parts.tensors
+        values = export_values(dict(self.model.named_parameters()), tensors.export_names, qat_names=tensors.val_quant)
         counts = []
         ce = sel = denom = 0.0
         was_training = self.model.training
@@ -467,27 +651,12 @@ class Trainer:
             with swapped(self.model, values), torch.no_grad():
                 if self.hooks.inside_validation is not None:
                     self.hooks.inside_validation(self)
-                n = min(len(self.val_split), cfg.val_examples) if self.val_split is not None else 0
-                for i in range(n):
-                    seq = self.val_split.get(i)
-                    anchors = sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 2, i))
-                    if anchors.numel() == 0:
-                        continue
-                    labels, valid = block_labels(seq.input_ids, seq.loss_mask, anchors, self.T)
-                    labels, valid = labels.to(self.device), valid.to(self.device)
-                    h, logits = self.forward(seq, anchors)
-                    anchor_ids = seq.input_ids.to(self.device)[anchors.to(self.device)]
-                    if self.model.candidate_selector is not None:
-                        sel_sum, scores, cand = selector_terms(
-                            self.model.candidate_selector, h, logits, anchor_ids, labels, valid, self.pw
-                        )
-                        sel += float(sel_sum)
-                        prop, cov = proposals_from_scores(scores, cand, labels)
-                    else:
-                        prop, cov = proposals(self.model, h, logits, anchor_ids, labels)
-                    counts.append(match_counts(prop, cov, labels, valid))
-                    ce += float(token_loss_sum(logits, labels, valid, self.pw, "weighted_ce"))
-                    denom += weight_total(valid, self.pw)
+                for b in self._val_blocks():
+                    s = self.score(b, objective="weighted_ce", with_selector=self.model.candidate_selector is not None)
+                    counts.append(s.counts)
+                    ce += float(s.ce_sum)
+                    sel += float(s.selector_sum)
+                    denom += weight_total(b.valid, self.pw)
         finally:
             self.model.train(was_training)
         out = summarize(counts, self.T - 1)
@@ -505,63 +674,55 @@ class Trainer:
 
     # ----------------------------------------------------------------- run
     def run(self) -> TrainResult:
-        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        sel_path = self.run_dir / SELECTION
         existing = ckpt.latest(self.run_dir)
         if existing is not None and not self.resume:
             raise ResumeError(
                 f"run directory `{self.run_dir}` already holds checkpoints\n"
                 "hint: pass `--resume` to continue it, or choose another `--run-dir`"
             )
-        if self.resume and sel_path.is_file():
+        if self.resume and (self.run_dir / SELECTION).is_file():
             return self.verify_completed()
         self.setup()
         if self.resume and existing is not None:
-            loaded = ckpt.load(existing)
-            self.restore(loaded)
-            self.events.log(f"resumed from `{existing}` at step {self.step}")
+            self.restore(ckpt.load(existing))
+            self.emit(Log(message=f"resumed from `{existing}` at step {self.step}"))
         else:  # a fresh start (also `--resume` before the first commit): no metric line survives
             (self.run_dir / METRICS).unlink(missing_ok=True)
-        metrics_path = self.run_dir / METRICS
-        with SignalGuard(self.flags), open(metrics_path, "a", encoding="utf-8") as mf:
-            while self.step < cfg.steps:
-                line = self.train_step()
-                last = self.step == cfg.steps
-                validated = False
-                if self.val_split is not None and len(self.val_split) and (
-                    (cfg.val_every and self.step % cfg.val_every == 0) or last
-                ):
-                    v = self.validate()
-                    self.val_history.append(v)
-                    line["val"] = {k: v[k] for k in ("matching_proposals", "ce", "selector_ce", "blocks", "reached", "covered", "selected")}
-                    validated = True
-                mf.write(json.dumps(line, sort_keys=True, allow_nan=False) + "\n")
-                mf.flush()
-                stop = self.flags.stop_signal is not None
-                usr = self.flags.take_checkpoint_request()
-                if validated or last or stop or usr or self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
-                self.events.emit(
-                    {
-                        "event": "progress",
-                        "phase": "train",
-                        "step": self.step,
-                        "total_steps": cfg.steps,
-                        "metrics": {k: line[k] for k in ("loss", "lr", "grad_norm", "train_matching_proposals")},
-                        "committed_step": self.committed_step,
-                    }
-                )
-                if self.hooks.after_step is not None:
-                    self.hooks.after_step(self, self.step)
-                if stop:
-                    msg = (
-                        f"stopped by {self.flags.stop_signal} at step {self.step}/{cfg.steps}; "
-                        f"checkpoint committed, continue with `--resume`"
-                    )
-                    self.events.log(msg)
-                    return TrainResult(self.run_dir, "stopped", self.step, cfg.steps, msg, checkpoint=ckpt.latest(self.run_dir))
+        with SignalGuard(self.flags), open(self.run_dir / METRICS, "a", encoding="utf-8") as mf:
+            while self.step < self.cfg.steps:
+                stopped = self._advance(mf)
+                if stopped is not None:
+                    return stopped
         return self.finish()
+
+    def _advance(self, mf: IO[str]) -> TrainResult | None:
+        """One step in the order of the module docstring; the result when a signal stops the run."""
+        cfg = self.cfg
+        line = self.train_step()
+        last = self.step == cfg.steps
+        validated = bool(self.val_split is not None and len(self.val_split)) and (
+            bool(cfg.val_every and self.step % cfg.val_every == 0) or last
+        )
+        if validated:
+            v = self.validate()
+            self.val_history.append(v)
+            line["val"] = {k: v[k] for k in VAL_KEYS}
+        mf.write(json.dumps(line, sort_keys=True, allow_nan=False) + "\n")
+        mf.flush()
+        stop = self.flags.stop_signal is not None
+        usr = self.flags.take_checkpoint_request()
+        if validated or last or stop or usr or self.step % cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        metrics = {k: line[k] for k in PROGRESS_KEYS}
+        self.emit(Progress(phase="train", step=self.step, total_steps=cfg.steps, metrics=metrics, committed_step=self.committed_step))
+        if self.hooks.after_step is not None:
+            self.hooks.after_step(self, self.step)
+        if not stop:
+            return None
+        msg = f"stopped by {self.flags.stop_signal} at step {self.step}/{cfg.steps}; checkpoint committed, continue with `--resume`"
+        self.emit(Log(message=msg))
+        return TrainResult(self.run_dir, "stopped", self.step, cfg.steps, msg, checkpoint=ckpt.latest(self.run_dir))
 
     def finish(self) -> TrainResult:
         """Select the best checkpoint, export it and write `selection.json` (last: marks completion)."""
@@ -584,17 +745,9 @@ class Trainer:
         result = export_run(self.run_dir, fmt=fmt, recipe=self.recipe, selection=selection)
         selection["export"] = {"format": fmt, "dir": result.out_dir.name, "manifest_sha256": sha256_file(result.out_dir / "manifest.json")}
         ckpt.write_json(self.run_dir / SELECTION, selection)
-        self.events.emit(
-            {
-                "event": "artifact",
-                "name": result.out_dir.name,
-                "kind": "export",
-                "path": str(result.out_dir),
-                "sha256": selection["export"]["manifest_sha256"],
-                "size_bytes": sum(f.stat().st_size for f in result.out_dir.iterdir()),
-                "step": chosen,
-            }
-        )
+        for f in sorted(p for p in result.out_dir.rglob("*") if p.is_file()):
+            name = f"{result.out_dir.name}/{f.relative_to(result.out_dir).as_posix()}"
+            self.emit(Artifact.for_file(f.absolute(), artifact=name, kind="export", step=chosen))
         msg = f"trained {self.step} steps; selected step {chosen}; exported `{result.out_dir}`"
         return TrainResult(self.run_dir, "completed", self.step, self.cfg.steps, msg, selection, result.out_dir, path)
 
@@ -647,13 +800,19 @@ def train(
     *,
     run_dir: str | Path | None = None,
     resume: bool = False,
-    on_event: EventFn | None = None,
+    on_event: EventSink | None = None,
     flags: StopFlags | None = None,
     hooks: Hooks | None = None,
+    device: DeviceChoice | None = None,
+    attention: str = "auto",
 ) -> TrainResult:
-    """Run (or resume, or verify) the training run of `recipe` in `run_dir`."""
-    trainer = Trainer(recipe, resolve_run_dir(recipe, run_dir), resume=resume, on_event=on_event, flags=flags, hooks=hooks)
-    try:
-        return trainer.run()
-    finally:
-        trainer.events.close()
+    """Run (or resume, or verify) the training run of `recipe` in `run_dir`.
+
+    Events go to `on_event` as `worker.events` objects (module docstring); `device` and
+    `attention` are the job runner's placement (see `Trainer`).
+    """
+    trainer = Trainer(
+        recipe, resolve_run_dir(recipe, run_dir), resume=resume, on_event=on_event, flags=flags, hooks=hooks,
+        device=device, attention=attention,
+    )
+    return trainer.run()
