@@ -221,20 +221,9 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A `spec.json` as the run-manager writes it, for the Python side's
-    /// round-trip test (`tests/worker/test_rust_spec.py`): written by
-    /// [`JobSpecFile::write`] to `$DFLASH_SPEC_FIXTURE_OUT` when that is set
-    /// (the job directory is then that file's directory); always checks that
-    /// every documented field is serialized.
-    #[test]
-    fn writes_fixture_spec_json_for_python() {
-        let out = std::env::var_os(crate::env_vars::SPEC_FIXTURE_OUT).map(PathBuf::from);
-        let job_dir = match out.as_deref().and_then(Path::parent) {
-            Some(d) => d.to_path_buf(),
-            None => std::env::temp_dir().join(format!("rm-spec-fixture-{}", std::process::id())),
-        };
-        std::fs::create_dir_all(&job_dir).expect("mkdir");
-        let job_dir = job_dir.canonicalize().expect("canonical");
+    /// The sample spec: a CPU device, one rank, `flash_attention_2` downgraded
+    /// to `sdpa`, a resume checkpoint (its `manifest.json`) and a restart.
+    fn fixture_spec(job_dir: &Path) -> JobSpecFile {
         let lease = Lease {
             lease_id: "lease-fixture".into(),
             run_id: "run-fixture".into(),
@@ -259,25 +248,46 @@ mod tests {
             reason: "`flash_attention_2` needs CUDA; this provider runs `cpu`".into(),
         };
         let spec = serde_json::json!({"stages": ["noop"], "noop": {"steps": 6, "step_seconds": 0.05, "checkpoint_every": 2}});
-        let mut s = JobSpecFile::new(&lease, spec, &job_dir, &caps, 1, vec![downgrade]);
+        let mut s = JobSpecFile::new(&lease, spec, job_dir, &caps, 1, vec![downgrade]);
         s.resume_checkpoint = Some(job_dir.join("checkpoints/step-000004/manifest.json"));
         s.resume_step = 4;
         s.restart = 1;
+        s
+    }
 
+    /// Check that `v` is an object with exactly the keys `names`.
+    fn assert_keys(v: &serde_json::Value, names: &[&str]) {
+        let mut have: Vec<&str> = v
+            .as_object()
+            .expect("object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut want = names.to_vec();
+        have.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(have, want, "{v:#}");
+    }
+
+    /// A `spec.json` as the run-manager writes it, for the Python side's
+    /// round-trip test (`tests/worker/test_rust_spec.py`): written by
+    /// [`JobSpecFile::write`] to `$DFLASH_SPEC_FIXTURE_OUT` when that is set
+    /// (the job directory is then that file's directory); always checks that
+    /// every documented field is serialized.
+    #[test]
+    fn writes_fixture_spec_json_for_python() {
+        let out = std::env::var_os(crate::env_vars::SPEC_FIXTURE_OUT).map(PathBuf::from);
+        let job_dir = match out.as_deref().and_then(Path::parent) {
+            Some(d) => d.to_path_buf(),
+            None => std::env::temp_dir().join(format!("rm-spec-fixture-{}", std::process::id())),
+        };
+        std::fs::create_dir_all(&job_dir).expect("mkdir");
+        let job_dir = job_dir.canonicalize().expect("canonical");
+        let s = fixture_spec(&job_dir);
         let v = serde_json::to_value(&s).expect("json");
-        let keys = |v: &serde_json::Value| {
-            let mut k: Vec<String> = v.as_object().expect("object").keys().cloned().collect();
-            k.sort();
-            k
-        };
-        let sorted = |names: &[&str]| {
-            let mut k: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-            k.sort();
-            k
-        };
-        assert_eq!(
-            keys(&v),
-            sorted(&[
+        assert_keys(
+            &v,
+            &[
                 "schema_version",
                 "spec",
                 "lease",
@@ -289,11 +299,11 @@ mod tests {
                 "local_ranks",
                 "downgrades",
                 "client_version",
-            ])
+            ],
         );
-        assert_eq!(
-            keys(&v["lease"]),
-            sorted(&[
+        assert_keys(
+            &v["lease"],
+            &[
                 "lease_id",
                 "run_id",
                 "job_id",
@@ -301,33 +311,33 @@ mod tests {
                 "checkpoint_policy",
                 "required_features",
                 "required_client_version",
-            ])
+            ],
         );
-        assert_eq!(
-            keys(&v["device"]),
-            sorted(&[
+        assert_keys(
+            &v["device"],
+            &[
                 "backend",
                 "device_count",
                 "memory_bytes",
                 "supports_bf16",
                 "features",
-                "platform"
-            ])
+                "platform",
+            ],
         );
+        assert_keys(&v["downgrades"][0], &["feature", "replacement", "reason"]);
         assert_eq!(
-            keys(&v["downgrades"][0]),
-            sorted(&["feature", "replacement", "reason"])
+            (&v["local_ranks"], &v["downgrades"][0]["replacement"]),
+            (&1.into(), &"sdpa".into())
         );
-        assert_eq!(v["local_ranks"], 1);
-        assert_eq!(v["downgrades"][0]["replacement"], "sdpa");
-
         let written = s.write().expect("write");
-        if let Some(out) = out {
-            if written != out {
-                std::fs::rename(&written, &out).expect("rename to DFLASH_SPEC_FIXTURE_OUT");
+        match out {
+            Some(out) if written != out => {
+                std::fs::rename(&written, &out).expect("rename to DFLASH_SPEC_FIXTURE_OUT")
             }
-        } else {
-            let _ = std::fs::remove_dir_all(&job_dir);
+            Some(_) => {}
+            None => {
+                let _ = std::fs::remove_dir_all(&job_dir);
+            }
         }
     }
 }
