@@ -18,34 +18,15 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-python=${PYTHON:-$root/.venv/bin/python}
-out=$root/dist/native
-
-die() {
-  printf 'build-native-linux: error: %s\n' "$1" >&2
-  [ -z "${2:-}" ] || printf 'hint: %s\n' "$2" >&2
-  exit 1
-}
-log() { printf 'build-native-linux: %s\n' "$*" >&2; }
-# shellcheck source=scripts/lib/verify-native-client.sh
-. "$root/scripts/lib/verify-native-client.sh"
-
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --python) [ $# -ge 2 ] || die "\`--python\` needs a path"; python=$2; shift 2 ;;
-    --out) [ $# -ge 2 ] || die "\`--out\` needs a directory"; out=$2; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown argument \`$1\`" "see \`$0 --help\`" ;;
-  esac
-done
+# shellcheck source=scripts/lib/native-build.sh
+. "$root/scripts/lib/native-build.sh"
+parse_args "$@"
 
 [ "$(uname -s)" = Linux ] || die "this script builds for Linux; this is \`$(uname -s)\`" \
   "on macOS arm64 use scripts/build-native-silicon.sh"
 command -v cargo >/dev/null || die "\`cargo\` is not on PATH" "install Rust with rustup (https://rustup.rs)"
 command -v readelf >/dev/null || die "\`readelf\` is not on PATH" "install binutils"
-[ -x "$python" ] || die "Python \`$python\` does not exist or is not executable" \
-  "create the environment with \`make install\`, or pass \`--python PATH\`"
-python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
+check_python
 
 # One line of facts from the chosen Python (tab-separated), or a clear failure.
 facts=$("$python" - <<'EOF'
@@ -76,25 +57,10 @@ case "$libdir$torch_lib$prefix" in
   *[[:space:],]*) die "paths with spaces or commas cannot be rpaths here: \`$libdir\`, \`$torch_lib\`, \`$prefix\`" ;;
 esac
 
-cd "$root"
-export PYO3_PYTHON=$python
-# The native client records the environment it was built against; option_env!
-# is tracked by cargo, so a different environment rebuilds only this binary.
-export DFLASH_BUILD_PYTHON_HOME=$prefix
-log "cargo build --release (PYO3_PYTHON=$python)"
-cargo build --release --locked -p run-manager --bin run-manager
 # `cargo rustc` passes the rpath flags to the final binary only, so the
 # dependencies stay shared with any other release build in CARGO_TARGET_DIR.
-cargo rustc --release --locked -p dflash-native-client --bin dflash-native-client -- \
+build_release rustc --release --locked -p dflash-native-client --bin dflash-native-client -- \
   -C "link-arg=-Wl,-rpath,$libdir" -C "link-arg=-Wl,-rpath,$torch_lib"
-
-target_dir=${CARGO_TARGET_DIR:-$root/target}
-mkdir -p "$out"
-for bin in dflash-native-client run-manager; do
-  cp -f "$target_dir/release/$bin" "$out/$bin.tmp"
-  mv -f "$out/$bin.tmp" "$out/$bin"
-done
-nc=$out/dflash-native-client
 
 # Verify the rpaths.
 dyn=$(readelf -d "$nc")
@@ -110,19 +76,4 @@ log "rpaths: $runpath"
 # Verify it runs a `noop` job with nothing in the environment but PATH.
 verify_noop_job "$nc"
 
-commit=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
-"$python" - "$out/build-info.json" "$version" "$commit" "linux-$(uname -m)" "$python" "$pyver" \
-  "$prefix" "$libdir" "$torch_version" "$cuda_version" "$cuda_available" "$runpath" <<'EOF'
-import json, sys
-out, version, commit, platform, python, pyver, home, libdir, torch_v, cuda_v, cuda_ok, rpaths = sys.argv[1:]
-info = {
-    "native_client_version": version, "commit": commit, "platform": platform,
-    "python": python, "python_version": pyver, "python_home": home, "python_libdir": libdir,
-    "torch_version": torch_v, "torch_cuda": cuda_v, "cuda_available": cuda_ok == "True",
-    "rpaths": [p for p in rpaths.split(":") if p],
-}
-with open(out, "w") as f:
-    json.dump(info, f, indent=2, sort_keys=True)
-    f.write("\n")
-EOF
-log "wrote $out/dflash-native-client, $out/run-manager and $out/build-info.json"
+write_build_info "linux-$(uname -m)" "$runpath" "torch_cuda=$cuda_version" "cuda_available:bool=$cuda_available"

@@ -22,26 +22,9 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-python=${PYTHON:-$root/.venv/bin/python}
-out=$root/dist/native
-
-die() {
-  printf 'build-native-silicon: error: %s\n' "$1" >&2
-  [ -z "${2:-}" ] || printf 'hint: %s\n' "$2" >&2
-  exit 1
-}
-log() { printf 'build-native-silicon: %s\n' "$*" >&2; }
-# shellcheck source=scripts/lib/verify-native-client.sh
-. "$root/scripts/lib/verify-native-client.sh"
-
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --python) [ $# -ge 2 ] || die "\`--python\` needs a path"; python=$2; shift 2 ;;
-    --out) [ $# -ge 2 ] || die "\`--out\` needs a directory"; out=$2; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown argument \`$1\`" "see \`$0 --help\`" ;;
-  esac
-done
+# shellcheck source=scripts/lib/native-build.sh
+. "$root/scripts/lib/native-build.sh"
+parse_args "$@"
 
 os=$(uname -s)
 arch=$(uname -m)
@@ -50,9 +33,7 @@ arch=$(uname -m)
 for tool in cargo install_name_tool otool; do
   command -v "$tool" >/dev/null || die "\`$tool\` is not on PATH" "install Rust with rustup and the Xcode command line tools (\`xcode-select --install\`)"
 done
-[ -x "$python" ] || die "Python \`$python\` does not exist or is not executable" \
-  "create the environment with \`make install\`, or pass \`--python PATH\`"
-python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
+check_python
 
 facts=$("$python" - <<'EOF'
 import os, platform, sys, sysconfig
@@ -88,20 +69,7 @@ log "torch $torch_version, MPS available: $mps, MPS bfloat16 probe: $bf16"
 [ -d "$libdir" ] || die "Python's LIBDIR \`$libdir\` does not exist"
 [ -d "$torch_lib" ] || die "torch's library directory \`$torch_lib\` does not exist"
 
-cd "$root"
-export PYO3_PYTHON=$python
-export DFLASH_BUILD_PYTHON_HOME=$prefix
-log "cargo build --release (PYO3_PYTHON=$python)"
-cargo build --release --locked -p run-manager --bin run-manager
-cargo build --release --locked -p dflash-native-client --bin dflash-native-client
-
-target_dir=${CARGO_TARGET_DIR:-$root/target}
-mkdir -p "$out"
-for bin in dflash-native-client run-manager; do
-  cp -f "$target_dir/release/$bin" "$out/$bin.tmp"
-  mv -f "$out/$bin.tmp" "$out/$bin"
-done
-nc=$out/dflash-native-client
+build_release build --release --locked -p dflash-native-client --bin dflash-native-client
 
 # Add each rpath once (install_name_tool refuses duplicates), then re-sign:
 # arm64 binaries must carry a valid (ad-hoc) signature after being modified.
@@ -123,19 +91,4 @@ log "rpaths: $found"
 
 verify_noop_job "$nc"
 
-commit=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
-"$python" - "$out/build-info.json" "$version" "$commit" "macos-arm64" "$python" "$pyver" \
-  "$prefix" "$libdir" "$torch_version" "$mps" "$bf16" "$found" <<'EOF'
-import json, sys
-out, version, commit, platform, python, pyver, home, libdir, torch_v, mps, bf16, rpaths = sys.argv[1:]
-info = {
-    "native_client_version": version, "commit": commit, "platform": platform,
-    "python": python, "python_version": pyver, "python_home": home, "python_libdir": libdir,
-    "torch_version": torch_v, "mps_available": mps == "True", "mps_bf16_probe": bf16,
-    "rpaths": [p for p in rpaths.split(":") if p],
-}
-with open(out, "w") as f:
-    json.dump(info, f, indent=2, sort_keys=True)
-    f.write("\n")
-EOF
-log "wrote $out/dflash-native-client, $out/run-manager and $out/build-info.json"
+write_build_info macos-arm64 "$found" "mps_available:bool=$mps" "mps_bf16_probe=$bf16"
