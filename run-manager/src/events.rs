@@ -169,61 +169,8 @@ pub fn parse_event(line: &str) -> Result<WorkerEvent, EventError> {
         obj.remove("event");
     }
     match event.as_str() {
-        "progress" => {
-            let raw: RawProgress =
-                serde_json::from_value(fields).map_err(|e| invalid(&event, e.to_string()))?;
-            if !PHASES.contains(&raw.phase.as_str()) {
-                return Err(invalid(
-                    &event,
-                    format!("unknown phase `{}`", truncate(&raw.phase, 40)),
-                ));
-            }
-            let mut metrics = BTreeMap::new();
-            for (k, v) in raw.metrics {
-                if metrics.len() >= MAX_METRICS {
-                    break;
-                }
-                // Non-numeric, non-finite and over-long names are dropped, not fatal:
-                // a metric is advisory, the step count is what matters.
-                if k.is_empty() || k.len() > MAX_METRIC_NAME {
-                    continue;
-                }
-                if let Some(x) = v.as_f64().filter(|x| x.is_finite()) {
-                    metrics.insert(k, x);
-                }
-            }
-            Ok(WorkerEvent::Progress(Progress {
-                phase: raw.phase,
-                step: raw.step,
-                total_steps: raw.total_steps,
-                metrics,
-                committed_step: raw.committed_step,
-            }))
-        }
-        "artifact" => {
-            let a: ArtifactEvent =
-                serde_json::from_value(fields).map_err(|e| invalid(&event, e.to_string()))?;
-            if !ARTIFACT_KINDS.contains(&a.kind.as_str()) {
-                return Err(invalid(
-                    &event,
-                    format!("unknown kind `{}`", truncate(&a.kind, 40)),
-                ));
-            }
-            if a.sha256.len() != 64
-                || !a
-                    .sha256
-                    .bytes()
-                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-            {
-                return Err(invalid(&event, "`sha256` must be 64 lowercase hex digits"));
-            }
-            crate::paths::check_artifact_name(&a.name)
-                .map_err(|e| invalid(&event, e.to_string()))?;
-            if a.path.is_empty() || a.path.contains('\0') {
-                return Err(invalid(&event, "`path` is empty or contains NUL"));
-            }
-            Ok(WorkerEvent::Artifact(a))
-        }
+        "progress" => parse_progress(fields),
+        "artifact" => parse_artifact(fields),
         "done" => Ok(WorkerEvent::Done),
         "stopped" => {
             let committed_step = match fields.get("committed_step") {
@@ -244,6 +191,62 @@ pub fn parse_event(line: &str) -> Result<WorkerEvent, EventError> {
         }
         other => Err(EventError::Unknown(truncate(other, 40))),
     }
+}
+
+/// A `progress` event: a known phase; metrics sanitized (see [`MAX_METRICS`]).
+fn parse_progress(fields: serde_json::Value) -> Result<WorkerEvent, EventError> {
+    let event = "progress";
+    let raw: RawProgress =
+        serde_json::from_value(fields).map_err(|e| invalid(event, e.to_string()))?;
+    if !PHASES.contains(&raw.phase.as_str()) {
+        return Err(invalid(
+            event,
+            format!("unknown phase `{}`", truncate(&raw.phase, 40)),
+        ));
+    }
+    let mut metrics = BTreeMap::new();
+    for (k, v) in raw.metrics {
+        if metrics.len() >= MAX_METRICS {
+            break;
+        }
+        // Non-numeric, non-finite and over-long names are dropped, not fatal:
+        // a metric is advisory, the step count is what matters.
+        if k.is_empty() || k.len() > MAX_METRIC_NAME {
+            continue;
+        }
+        if let Some(x) = v.as_f64().filter(|x| x.is_finite()) {
+            metrics.insert(k, x);
+        }
+    }
+    Ok(WorkerEvent::Progress(Progress {
+        phase: raw.phase,
+        step: raw.step,
+        total_steps: raw.total_steps,
+        metrics,
+        committed_step: raw.committed_step,
+    }))
+}
+
+/// An `artifact` event: a known kind, a hex sha256, a valid name and a path.
+fn parse_artifact(fields: serde_json::Value) -> Result<WorkerEvent, EventError> {
+    let event = "artifact";
+    let a: ArtifactEvent =
+        serde_json::from_value(fields).map_err(|e| invalid(event, e.to_string()))?;
+    if !ARTIFACT_KINDS.contains(&a.kind.as_str()) {
+        return Err(invalid(
+            event,
+            format!("unknown kind `{}`", truncate(&a.kind, 40)),
+        ));
+    }
+    let hex = |b: u8| b.is_ascii_digit() || (b'a'..=b'f').contains(&b);
+    if a.sha256.len() != 64 || !a.sha256.bytes().all(hex) {
+        return Err(invalid(event, "`sha256` must be 64 lowercase hex digits"));
+    }
+    crate::paths::check_artifact_name(&a.name).map_err(|e| invalid(event, e.to_string()))?;
+    if a.path.is_empty() || a.path.contains('\0') {
+        return Err(invalid(event, "`path` is empty or contains NUL"));
+    }
+    Ok(WorkerEvent::Artifact(a))
 }
 
 /// A line read by [`read_bounded_line`].

@@ -68,70 +68,92 @@ pub enum Decision {
     UpgradeRequired { required: String, message: String },
 }
 
-/// Decide whether and how to run `lease` here.
+/// Decide whether and how to run `lease` here: the version gate, the
+/// checkpoint policy, the ranks, then the features, the first refusal winning.
 pub fn preflight(lease: &Lease, ctx: &PolicyContext) -> Decision {
     let caps = &ctx.capabilities;
-    let on_cuda = caps.backend == "cuda";
-    let refuse = |message: String| Decision::Refuse {
+    let checked = check_version(lease, ctx)
+        .and_then(|()| check_checkpoint_policy(lease, ctx.launch_mode))
+        .and_then(|()| local_ranks(lease, caps))
+        .and_then(|local_ranks| Ok((local_ranks, feature_downgrades(lease, caps)?)));
+    match checked {
+        Ok((local_ranks, downgrades)) => Decision::Run {
+            local_ranks,
+            downgrades,
+        },
+        Err(decision) => decision,
+    }
+}
+
+fn refuse(message: String) -> Decision {
+    Decision::Refuse {
         outcome: AttemptOutcome::Failed,
         message,
-    };
+    }
+}
 
-    // Version gate.
+/// The run's client version must be this worker's, or the declared approved native version.
+fn check_version(lease: &Lease, ctx: &PolicyContext) -> Result<(), Decision> {
     let version_ok = lease.required_client_version == ctx.worker_version
         || ctx.declared_native_version.as_deref() == Some(ctx.worker_version.as_str());
-    if !version_ok {
-        return Decision::UpgradeRequired {
-            required: lease.required_client_version.clone(),
-            message: format!(
-                "run `{}` requires client version `{}` but this provider's worker is `{}` and no approved native version was declared",
-                lease.run_id, lease.required_client_version, ctx.worker_version
-            ),
-        };
+    if version_ok {
+        return Ok(());
     }
+    Err(Decision::UpgradeRequired {
+        required: lease.required_client_version.clone(),
+        message: format!(
+            "run `{}` requires client version `{}` but this provider's worker is `{}` and no approved native version was declared",
+            lease.run_id, lease.required_client_version, ctx.worker_version
+        ),
+    })
+}
 
-    // Checkpoint policy.
-    match (lease.checkpoint_policy.as_str(), ctx.launch_mode) {
-        ("ephemeral", LaunchMode::Native) => {
-            return refuse(format!(
-                "run `{}` uses ephemeral checkpoints, which native mode refuses: they would exist only on this provider's disk and no other provider could resume the job\nhint: the run admin can switch the run to `durable` checkpoints",
-                lease.run_id
-            ))
-        }
-        ("durable" | "ephemeral", _) => {}
-        (other, _) => {
-            return refuse(format!(
-                "run `{}` has an unknown checkpoint policy `{}` (expected `durable` or `ephemeral`)",
-                lease.run_id,
-                other.chars().take(40).collect::<String>()
-            ))
-        }
+/// `durable` anywhere; `ephemeral` only where the checkpoints can outlive this disk.
+fn check_checkpoint_policy(lease: &Lease, mode: LaunchMode) -> Result<(), Decision> {
+    match (lease.checkpoint_policy.as_str(), mode) {
+        ("ephemeral", LaunchMode::Native) => Err(refuse(format!(
+            "run `{}` uses ephemeral checkpoints, which native mode refuses: they would exist only on this provider's disk and no other provider could resume the job\nhint: the run admin can switch the run to `durable` checkpoints",
+            lease.run_id
+        ))),
+        ("durable" | "ephemeral", _) => Ok(()),
+        (other, _) => Err(refuse(format!(
+            "run `{}` has an unknown checkpoint policy `{}` (expected `durable` or `ephemeral`)",
+            lease.run_id,
+            other.chars().take(40).collect::<String>()
+        ))),
     }
+}
 
-    // Ranks.
+/// The local ranks to launch: up to the CUDA device count, one elsewhere.
+fn local_ranks(lease: &Lease, caps: &DeviceCapabilities) -> Result<u32, Decision> {
     let wanted = lease.local_ranks.max(1);
-    let local_ranks = if on_cuda {
+    if caps.backend == "cuda" {
         if wanted > caps.device_count {
-            return refuse(format!(
+            return Err(refuse(format!(
                 "job `{}` wants {wanted} local ranks but this provider has {} CUDA device(s)",
                 lease.job_id, caps.device_count
-            ));
+            )));
         }
-        wanted
-    } else {
-        // One local rank off CUDA: a multi-rank job would silently change its batch
-        // and numerics if squeezed into one rank, so it is refused, not downgraded.
-        if wanted > 1 {
-            return refuse(format!(
-                "job `{}` wants {wanted} local ranks but `{}` providers run one local rank\n\
-                 hint: multi-rank runs need a CUDA provider; set `max_local_ranks` to 1 for other providers",
-                lease.job_id, caps.backend
-            ));
-        }
-        1
-    };
+        return Ok(wanted);
+    }
+    // One local rank off CUDA: a multi-rank job would silently change its batch
+    // and numerics if squeezed into one rank, so it is refused, not downgraded.
+    if wanted > 1 {
+        return Err(refuse(format!(
+            "job `{}` wants {wanted} local ranks but `{}` providers run one local rank\n\
+             hint: multi-rank runs need a CUDA provider; set `max_local_ranks` to 1 for other providers",
+            lease.job_id, caps.backend
+        )));
+    }
+    Ok(1)
+}
 
-    // Features.
+/// Each required feature is offered, downgraded (see `DOWNGRADES`), or refuses the lease.
+fn feature_downgrades(
+    lease: &Lease,
+    caps: &DeviceCapabilities,
+) -> Result<Vec<Downgrade>, Decision> {
+    let on_cuda = caps.backend == "cuda";
     let mut downgrades = Vec::new();
     for feature in &lease.required_features {
         let offered = feature == &caps.backend || caps.features.iter().any(|f| f == feature);
@@ -139,37 +161,33 @@ pub fn preflight(lease: &Lease, ctx: &PolicyContext) -> Decision {
             continue;
         }
         if BACKENDS.contains(&feature.as_str()) {
-            return refuse(format!(
+            return Err(refuse(format!(
                 "run `{}` requires the `{feature}` backend; this provider runs `{}`",
                 lease.run_id, caps.backend
-            ));
+            )));
         }
-        if let Some((_, replacement)) = DOWNGRADES.iter().find(|(f, _)| f == feature) {
-            downgrades.push(Downgrade {
-                feature: feature.clone(),
-                replacement: (*replacement).to_string(),
-                reason: if on_cuda {
-                    format!("`{feature}` is not available on this CUDA provider")
-                } else {
-                    format!(
-                        "`{feature}` needs CUDA; this provider runs `{}`",
-                        caps.backend
-                    )
-                },
-            });
-            continue;
-        }
-        return refuse(format!(
-            "run `{}` requires feature `{}`, which this provider does not offer (it offers: {})",
-            lease.run_id,
-            feature.chars().take(64).collect::<String>(),
-            caps.features.join(", ")
-        ));
+        let Some((_, replacement)) = DOWNGRADES.iter().find(|(f, _)| f == feature) else {
+            return Err(refuse(format!(
+                "run `{}` requires feature `{}`, which this provider does not offer (it offers: {})",
+                lease.run_id,
+                feature.chars().take(64).collect::<String>(),
+                caps.features.join(", ")
+            )));
+        };
+        downgrades.push(Downgrade {
+            feature: feature.clone(),
+            replacement: (*replacement).to_string(),
+            reason: if on_cuda {
+                format!("`{feature}` is not available on this CUDA provider")
+            } else {
+                format!(
+                    "`{feature}` needs CUDA; this provider runs `{}`",
+                    caps.backend
+                )
+            },
+        });
     }
-    Decision::Run {
-        local_ranks,
-        downgrades,
-    }
+    Ok(downgrades)
 }
 
 #[cfg(test)]

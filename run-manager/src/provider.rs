@@ -6,8 +6,8 @@ use crate::attempt::{run_attempt, AttemptConfig, AttemptResult};
 use crate::client::{retry, AdminClient, ProviderClient};
 use crate::error::{Error, Result};
 use crate::proto::{
-    acquire_lease_response, AcquireLeaseRequest, GetRunRequest, GetRunResponse, LaunchMode,
-    RegisterRequest, RegisterResponse,
+    acquire_lease_response, AcquireLeaseRequest, AcquireLeaseResponse, GetRunRequest,
+    GetRunResponse, LaunchMode, RegisterRequest, RegisterResponse,
 };
 use crate::shutdown::{signalled, Shutdown};
 use crate::version::{CLIENT_VERSION, PROTOCOL_VERSION};
@@ -125,19 +125,7 @@ pub async fn run_loop(
             tracing::info!(attempts = results.len(), "reached `--max-jobs`; stopping");
             return Ok(results);
         }
-        let req = AcquireLeaseRequest {
-            provider_id: provider_id.clone(),
-            wait_seconds: cfg.poll_wait,
-        };
-        let acquired = tokio::select! {
-            r = retry(&cfg.attempt.rpc, "AcquireLease", || {
-                let mut c = client.clone();
-                let r = req.clone();
-                async move { c.acquire_lease(r).await }
-            }) => r,
-            sig = signalled(shutdown) => return Err(Error::Interrupted(sig)),
-        };
-        let resp = match acquired {
+        let resp = match acquire(client, cfg, &provider_id, shutdown).await {
             Ok(r) => r,
             // The coordinator forgot this registration (e.g. restarted on a new database): register again.
             Err(Error::Rpc { status, .. }) if status.code() == tonic::Code::NotFound => {
@@ -161,32 +149,8 @@ pub async fn run_loop(
                 }
             }
             Some(acquire_lease_response::Result::NoWork(nw)) => {
-                if let Some(limit) = cfg.idle_timeout {
-                    if idle_since.elapsed() >= limit {
-                        return match &until {
-                            Until::RunDone { run_id, .. } => Err(Error::Usage(format!(
-                                "no lease for {}s while run `{run_id}` still has unfinished jobs: this provider cannot take them\nhint: check the run's `required_features`, `max_local_ranks` and `checkpoint_policy` against this machine (`--device`, launch mode)",
-                                limit.as_secs()
-                            ))),
-                            Until::Forever => {
-                                tracing::info!(idle_s = limit.as_secs(), "no work within `--idle-timeout`; stopping");
-                                Ok(results)
-                            }
-                        };
-                    }
-                }
-                let pause = Duration::from_secs(u64::from(nw.retry_after_seconds.min(60)));
-                tracing::debug!(retry_after_s = pause.as_secs(), "no work");
-                if !pause.is_zero() {
-                    let pause = match &until {
-                        // The embedded coordinator is ours alone: look again soon.
-                        Until::RunDone { .. } => pause.min(Duration::from_millis(500)),
-                        Until::Forever => pause,
-                    };
-                    tokio::select! {
-                        _ = tokio::time::sleep(pause) => {}
-                        sig = signalled(shutdown) => return Err(Error::Interrupted(sig)),
-                    }
+                if no_work(cfg, &until, idle_since, nw.retry_after_seconds, shutdown).await? {
+                    return Ok(results);
                 }
             }
             Some(acquire_lease_response::Result::UpgradeRequired(up)) => {
@@ -206,6 +170,66 @@ pub async fn run_loop(
             }
         }
     }
+}
+
+/// AcquireLease (a long poll, retried per the policy), unless a shutdown signal comes first.
+async fn acquire(
+    client: &ProviderClient,
+    cfg: &ProviderConfig,
+    provider_id: &str,
+    shutdown: &mut Shutdown,
+) -> Result<AcquireLeaseResponse> {
+    let req = AcquireLeaseRequest {
+        provider_id: provider_id.to_string(),
+        wait_seconds: cfg.poll_wait,
+    };
+    tokio::select! {
+        r = retry(&cfg.attempt.rpc, "AcquireLease", || {
+            let mut c = client.clone();
+            let r = req.clone();
+            async move { c.acquire_lease(r).await }
+        }) => r,
+        sig = signalled(shutdown) => Err(Error::Interrupted(sig)),
+    }
+}
+
+/// No lease this time: true to stop after `--idle-timeout` without one (an
+/// error while the run still has jobs), else pause as the coordinator asked.
+async fn no_work(
+    cfg: &ProviderConfig,
+    until: &Until,
+    idle_since: Instant,
+    retry_after_seconds: u32,
+    shutdown: &mut Shutdown,
+) -> Result<bool> {
+    if let Some(limit) = cfg.idle_timeout {
+        if idle_since.elapsed() >= limit {
+            return match until {
+                Until::RunDone { run_id, .. } => Err(Error::Usage(format!(
+                    "no lease for {}s while run `{run_id}` still has unfinished jobs: this provider cannot take them\nhint: check the run's `required_features`, `max_local_ranks` and `checkpoint_policy` against this machine (`--device`, launch mode)",
+                    limit.as_secs()
+                ))),
+                Until::Forever => {
+                    tracing::info!(idle_s = limit.as_secs(), "no work within `--idle-timeout`; stopping");
+                    Ok(true)
+                }
+            };
+        }
+    }
+    let pause = Duration::from_secs(u64::from(retry_after_seconds.min(60)));
+    tracing::debug!(retry_after_s = pause.as_secs(), "no work");
+    if !pause.is_zero() {
+        let pause = match until {
+            // The embedded coordinator is ours alone: look again soon.
+            Until::RunDone { .. } => pause.min(Duration::from_millis(500)),
+            Until::Forever => pause,
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            sig = signalled(shutdown) => return Err(Error::Interrupted(sig)),
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(test)]
