@@ -8,9 +8,7 @@ under a REQUIRE variable, and is recorded in the returned `DeviceChoice` (and
 in `provenance()`).
 
 Also here: the MPS BF16 probe (`DFLASH_MPS_BF16=1|0` overrides it; float16 is
-the fallback), attention implementation downgrade (flash_attention_2 ->
-sdpa off CUDA), torch.compile / Liger / multi-rank gates (CUDA only), RNG
-capture/restore for every generator a resumed run must replay, a
+the fallback), RNG capture/restore for every generator a resumed run must replay, a
 synchronised timer, memory figures labelled `snapshot` or `peak`, and the
 provenance dict written into manifests.
 """
@@ -170,30 +168,6 @@ def compute_dtype(choice: DeviceChoice, env: Mapping[str, str] | None = None) ->
         ok, how = mps_bf16_supported(env)
         return (torch.bfloat16, how) if ok else (torch.float16, f"{how}: float16 fallback")
     return torch.float32, "cpu float32"
-
-
-def attention_implementation(requested: str, choice: DeviceChoice) -> tuple[str, str | None]:
-    """`flash_attention_2` only runs on CUDA; elsewhere it becomes `sdpa` (returned note says so)."""
-    if requested == "flash_attention_2" and choice.type != "cuda":
-        return "sdpa", f"flash_attention_2 is CUDA-only; using sdpa on {choice.type}"
-    return requested, None
-
-
-def compile_allowed(choice: DeviceChoice) -> bool:
-    """torch.compile is used on CUDA only (MPS/CPU compile paths are slower or broken for training)."""
-    return choice.type == "cuda"
-
-
-def liger_allowed(choice: DeviceChoice) -> bool:
-    """Liger kernels are Triton kernels: CUDA only."""
-    return choice.type == "cuda"
-
-
-def max_local_ranks(choice: DeviceChoice) -> int:
-    """Data-parallel ranks one machine may run: one per GPU on CUDA, exactly one elsewhere."""
-    if choice.type == "cuda":
-        return max(1, torch.cuda.device_count())
-    return 1
 
 
 # ---------------------------------------------------------------------- RNG
@@ -378,6 +352,8 @@ def provenance(choice: DeviceChoice | None = None) -> dict[str, Any]:
         "device_requested": choice.requested if choice else None,
         "fallback_used": bool(choice and choice.fallback_used),
         "fallback_reason": choice.fallback_reason if choice else None,
+        # how the job runner placed this device (provider backend, downgrades): `worker.placement`
+        "notes": list(choice.notes) if choice else [],
         "os": platform.platform(),
         "machine": platform.machine(),
         "python": platform.python_version(),

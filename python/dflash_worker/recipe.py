@@ -22,7 +22,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from .errors import ConfigError
 from .manifest import fingerprint as _fingerprint
@@ -311,11 +311,19 @@ class Recipe:
     model: ModelConfig
     data: DataConfig
     capture: CaptureConfig | None = None
-    train: Any = None
-    export: Any = None
-    evaluate: Any = None
+    train: TrainConfig | None = None
+    export: ExportConfig | None = None
+    evaluate: EvaluateConfig | None = None
     path: Path | None = None
 
+    @overload
+    def require(self, section: Literal["capture"]) -> CaptureConfig: ...
+    @overload
+    def require(self, section: Literal["train"]) -> TrainConfig: ...
+    @overload
+    def require(self, section: Literal["export"]) -> ExportConfig: ...
+    @overload
+    def require(self, section: Literal["evaluate"]) -> EvaluateConfig: ...
     def require(self, section: str) -> Any:
         """The section `section`, or a ConfigError naming the recipe file if it is missing."""
         value = getattr(self, section, None)

@@ -125,20 +125,12 @@ def test_mps_bf16_probe_runs_on_mps():
 def test_cpu_policy():
     ch = dv.DeviceChoice(requested="cpu", device="cpu")
     assert dv.compute_dtype(ch)[0] == torch.float32
-    assert dv.attention_implementation("flash_attention_2", ch) == ("sdpa", "flash_attention_2 is CUDA-only; using sdpa on cpu")
-    assert dv.attention_implementation("sdpa", ch) == ("sdpa", None)
-    mps = dv.DeviceChoice(requested="mps", device="mps")
-    assert dv.attention_implementation("flash_attention_2", mps)[0] == "sdpa"
-    for c in (ch, mps):
-        assert not dv.compile_allowed(c) and not dv.liger_allowed(c) and dv.max_local_ranks(c) == 1
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine")
 @pytest.mark.cuda
 def test_cuda_policy():
     ch = dv.resolve_device("cuda", env={})
-    assert dv.attention_implementation("flash_attention_2", ch) == ("flash_attention_2", None)
-    assert dv.compile_allowed(ch) and dv.max_local_ranks(ch) == torch.cuda.device_count()
     snap = dv.memory_snapshot(ch)
     assert snap["kind"] == "snapshot" and "allocated_bytes" in snap
 

@@ -163,16 +163,17 @@ def test_quickstart_blocks_run_in_order(tmp_path):
     assert json.loads((tmp_path / "runs" / "moe-capture" / "manifest.json").read_text())
 
     # The run spec the guide writes (its `run-manager --local` block is not run here: tests/e2e runs jobs).
-    from dflash_worker.job import STAGES, JobContext, job_recipe, load_spec
+    from dflash_worker.worker.spec import JobSpec
+    from dflash_worker.worker.stages import STAGES
 
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     spec_file = json.loads((tmp_path / "run.json").read_text())
     (job_dir / "spec.json").write_text(json.dumps({"schema_version": 1, "spec": spec_file["spec"]}))
-    doc = load_spec(job_dir)
-    assert all(s in STAGES for s in doc["spec"]["stages"])
-    recipe = job_recipe(JobContext(job_dir=job_dir, doc=doc, emit=lambda e: None))
+    spec = JobSpec.load(job_dir)
+    assert all(s in STAGES for s in spec.job.stages)
+    recipe = spec.job.recipe
     assert recipe.model.target == (tmp_path / "tiny" / "target").resolve()
     assert recipe.train.output == (job_dir / "run").resolve()
-    for p in doc["spec"]["inputs"]:
+    for p in spec.job.inputs:
         assert Path(p).is_file(), p

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_worker.job import noop_final_state
+from dflash_worker.worker.noop import noop_final_state
 
 
 def write_spec(job_dir: Path, spec: dict, **extra) -> None:

@@ -22,15 +22,15 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..evaluate.report import evaluate_run
+    from ..worker.events import Progress
 
     bar = None
 
-    def on_event(e: dict) -> None:
+    def on_event(e: Progress) -> None:
         nonlocal bar
-        if e.get("event") == "progress":
-            if bar is None:
-                bar = tqdm(total=e["total_steps"], unit="prompt", disable=not sys.stderr.isatty())
-            bar.update(1)
+        if bar is None:
+            bar = tqdm(total=e.total_steps, unit="prompt", disable=not sys.stderr.isatty())
+        bar.update(1)
 
     try:
         report = evaluate_run(args.run, split=args.split, out_dir=args.output, max_prompts=args.max_prompts, on_event=on_event)

@@ -30,9 +30,13 @@ Outputs in the report directory: ``report.json``, ``report.md`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..worker.events import EventSink, Progress
+
+if TYPE_CHECKING:
+    from ..device import DeviceChoice
 
 VERDICTS = ("improved", "tied", "regressed")
 
@@ -86,9 +90,14 @@ def evaluate_run(
     split: str | None = None,
     out_dir: str | Path | None = None,
     max_prompts: int | None = None,
-    on_event: Callable[[dict[str, Any]], None] | None = None,
+    on_event: EventSink | None = None,
+    device: DeviceChoice | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a completed run; writes report.json / report.md / acceptance.png and returns the report."""
+    """Evaluate a completed run; writes report.json / report.md / acceptance.png and returns the report.
+
+    `on_event` gets a `Progress` (phase `evaluate`) after each prompt; `device`, when given,
+    is where to run (the job runner's placement), else `[evaluate].device` is resolved here.
+    """
     import torch
 
     from ..data import PreparedData, load_tokenizer, render_prompt
@@ -107,7 +116,7 @@ def evaluate_run(
     ecfg = recipe.evaluate or EvaluateConfig()
     split = split or ecfg.split
     limit = max_prompts or ecfg.max_prompts
-    choice = resolve_device(ecfg.device)
+    choice = device or resolve_device(ecfg.device)
     dev = choice.torch_device
 
     tokenizer = load_tokenizer(recipe.model.target)
@@ -141,7 +150,7 @@ def evaluate_run(
         row["same_output"] = outs["baseline"] == outs["trained"]
         row["verdict"] = verdict(row["trained"]["tau"], row["baseline"]["tau"], ecfg.tie_tolerance)
         rows.append(row)
-        emit({"event": "progress", "phase": "evaluate", "step": i + 1, "total_steps": len(prompts), "metrics": {}})
+        emit(Progress(phase="evaluate", step=i + 1, total_steps=len(prompts)))
 
     def overall(name: str) -> dict[str, Any]:
         taus = [r[name]["tau"] for r in rows]

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,14 +79,8 @@ def save(
     state: dict[str, Any],
 ) -> Path:
     """Commit checkpoint `step` atomically and point ``LATEST`` at it; returns its directory."""
-    root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    final = root / step_name(step)
-    tmp = root / f".tmp-{step_name(step)}-{os.getpid()}"
-    tmp.mkdir()
-    try:
+
+    def write(tmp: Path) -> None:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in trainable.items()}
         # one metadata key: safetensors writes metadata in hash order, several keys would make
         # the bytes of identical checkpoints differ
@@ -95,6 +90,23 @@ def save(
         (tmp / "state.json").write_bytes(
             (json.dumps({"format": FORMAT, "step": step, **state}, sort_keys=True, indent=1, allow_nan=False) + "\n").encode()
         )
+
+    return _commit(run_dir, step, write)
+
+
+def _commit(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
+    """The commit protocol: `write` fills a temporary directory with `_FILES`; each file is
+    fsynced and hashed into ``manifest.json`` (written last), the directory fsynced and renamed
+    into place, the parent fsynced, then ``LATEST`` replaced atomically."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / step_name(step)
+    tmp = root / f".tmp-{step_name(step)}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        write(tmp)
         files = {}
         for name in _FILES:
             _fsync_file(tmp / name)
@@ -118,6 +130,33 @@ def save(
         raise
     write_bytes_atomic(root / LATEST, (final.name + "\n").encode())
     return final
+
+
+def seed(run_dir: str | Path, manifest: str | Path) -> int | None:
+    """Seed an empty run directory from another run's checkpoint (a lease's resume checkpoint).
+
+    `manifest` is the checkpoint's ``manifest.json`` (the one checkpoint reference the worker
+    reports and the run-manager hands back). Its files are verified against it before anything
+    is copied and committed here with the commit protocol of `save`, so the copy is byte-for-byte
+    the checkpoint (same manifest). Returns the seeded step, or None when the run directory
+    already has a committed checkpoint (it resumes from its own).
+    """
+    if latest(run_dir) is not None:
+        return None
+    src = Path(manifest)
+    if src.name != "manifest.json":
+        raise CheckpointError(f"resume checkpoint `{src}` is not a checkpoint's `manifest.json`")
+    step = verify(src.parent).get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint `{src}` has no valid `step`")
+
+    def write(tmp: Path) -> None:
+        for name in _FILES:
+            shutil.copyfile(src.parent / name, tmp / name)
+
+    dest = _commit(run_dir, step, write)
+    verify(dest)  # the copy is what the manifest promised (a file changed while it was copied fails here)
+    return step
 
 
 def verify(path: str | Path) -> dict[str, Any]:

@@ -63,13 +63,9 @@ class Progress:
         object.__setattr__(self, "metrics", _clean_metrics(self.metrics))
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "event": self.name,
-            "phase": self.phase,
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "metrics": dict(self.metrics),
-        }
+        out: dict[str, Any] = {"event": self.name, "phase": self.phase, "step": self.step, "total_steps": self.total_steps}
+        if self.metrics:
+            out["metrics"] = dict(self.metrics)
         if self.committed_step is not None:
             out["committed_step"] = self.committed_step
         return out

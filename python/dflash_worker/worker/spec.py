@@ -1,0 +1,425 @@
+"""`spec.json`, typed: what the run-manager tells the worker before every start.
+
+The Rust writer is ``run-manager/src/jobdir.rs`` (``JobSpecFile``); `JobSpec` mirrors
+it field for field and `JobSpec.to_json()` gives back exactly what was read, so a
+test can round-trip a file the Rust code wrote. Everything is validated once, when
+the file is read, so a malformed spec fails before any stage writes anything:
+
+- the file itself (``schema_version``, ``lease``, ``device``, ``local_ranks``,
+  ``downgrades``, ``resume_checkpoint``, ...);
+- the job (``spec``: the lease's ``spec_json``): ``stages``, ``inputs``, the
+  ``prepare`` / ``evaluate`` / ``noop`` options, ``export_formats``, and the
+  recipe, built once with the runner's output locations filled in.
+
+The fields the run-manager adds (``lease``, ``device``, ...) may be left out of a
+hand-written ``spec.json`` (``python -m dflash_worker.job`` without Rust); the worker
+then runs standalone: devices come from the recipe, one rank, no downgrades.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..recipe import Recipe, recipe_from_dict
+
+SPEC_SCHEMA_VERSION = 1
+SPEC_FILE = "spec.json"
+
+# Output locations the runner owns, relative to the job directory.
+DATA_DIR, CAPTURE_DIR, RUN_DIR, EVAL_DIR = "data", "capture", "run", "eval"
+_OWNED = (("capture", "output", CAPTURE_DIR), ("data", "dir", DATA_DIR), ("train", "output", RUN_DIR))
+
+STAGE_NAMES = ("prepare", "check", "capture", "train", "export", "evaluate", "noop")
+PIPELINE_STAGES = frozenset(STAGE_NAMES) - {"noop"}
+EXPORT_FORMATS = ("bf16", "af4g64")
+BACKENDS = ("cuda", "mps", "cpu")
+
+
+# ----------------------------------------------------------------- field readers
+def _get(obj: Mapping[str, Any], key: str, where: str, kinds: tuple[type, ...], what: str, default: Any = ...) -> Any:
+    """`obj[key]` checked against `kinds` (bool is never an int here); `default` when absent."""
+    if key not in obj:
+        if default is ...:
+            raise ConfigError(f"{where}: `{key}` is missing")
+        return default
+    v = obj[key]
+    if isinstance(v, bool) and bool not in kinds:
+        raise ConfigError(f"{where}: `{key}` must be {what}, got `{v!r}`")
+    if not isinstance(v, kinds):
+        raise ConfigError(f"{where}: `{key}` must be {what}, got `{_short(v)}`")
+    return v
+
+
+def _uint(obj: Mapping[str, Any], key: str, where: str, default: Any = ..., hi: int = 2**64 - 1) -> int:
+    v = _get(obj, key, where, (int,), "a non-negative integer", default)
+    if not 0 <= v <= hi:
+        raise ConfigError(f"{where}: `{key}` must be an integer in [0, {hi}], got `{v}`")
+    return v
+
+
+def _str_list(obj: Mapping[str, Any], key: str, where: str, default: Any = ...) -> tuple[str, ...]:
+    v = _get(obj, key, where, (list,), "a list of strings", default)
+    if not all(isinstance(s, str) for s in v):
+        raise ConfigError(f"{where}: `{key}` must be a list of strings")
+    return tuple(v)
+
+
+def _refuse_unknown(obj: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(obj) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(f'`{k}`' for k in unknown[:8])}\nhint: known keys: {', '.join(f'`{k}`' for k in known)}"
+        )
+
+
+def _object(v: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where} must be a JSON object, got `{_short(v)}`")
+    return v
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, (dict, list, str, int, float, type(None))) else type(v).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ----------------------------------------------------------------- run-manager facts
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo:
+    """The provider's device as the run-manager detected it (`jobdir.rs` ``DeviceInfo``)."""
+
+    backend: str
+    device_count: int
+    memory_bytes: int
+    supports_bf16: bool
+    features: tuple[str, ...]
+    platform: str
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> DeviceInfo:
+        obj = _object(obj, where)
+        _refuse_unknown(obj, ("backend", "device_count", "memory_bytes", "supports_bf16", "features", "platform"), where)
+        backend = _get(obj, "backend", where, (str,), "a string")
+        if backend not in BACKENDS:
+            raise ConfigError(f"{where}: `backend` is `{backend}`; known: {', '.join(BACKENDS)}")
+        return cls(
+            backend=backend,
+            device_count=_uint(obj, "device_count", where, hi=2**32 - 1),
+            memory_bytes=_uint(obj, "memory_bytes", where),
+            supports_bf16=_get(obj, "supports_bf16", where, (bool,), "true or false"),
+            features=_str_list(obj, "features", where),
+            platform=_get(obj, "platform", where, (str,), "a string"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "device_count": self.device_count,
+            "memory_bytes": self.memory_bytes,
+            "supports_bf16": self.supports_bf16,
+            "features": list(self.features),
+            "platform": self.platform,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseInfo:
+    """Facts of the lease the job runs under (`jobdir.rs` ``LeaseInfo``)."""
+
+    lease_id: str
+    run_id: str
+    job_id: str
+    attempt: int
+    checkpoint_policy: str
+    required_features: tuple[str, ...]
+    required_client_version: str
+
+    _KEYS = ("lease_id", "run_id", "job_id", "attempt", "checkpoint_policy", "required_features", "required_client_version")
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> LeaseInfo:
+        obj = _object(obj, where)
+        _refuse_unknown(obj, cls._KEYS, where)
+        text = {k: _get(obj, k, where, (str,), "a string") for k in ("lease_id", "run_id", "job_id", "checkpoint_policy", "required_client_version")}
+        return cls(
+            **text,
+            attempt=_uint(obj, "attempt", where, hi=2**32 - 1),
+            required_features=_str_list(obj, "required_features", where),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self._KEYS}
+        out["required_features"] = list(self.required_features)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Downgrade:
+    """A CUDA-only feature the run asked for that this provider lacks, and its stand-in (`policy.rs`)."""
+
+    feature: str
+    replacement: str
+    reason: str
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> Downgrade:
+        obj = _object(obj, where)
+        _refuse_unknown(obj, ("feature", "replacement", "reason"), where)
+        return cls(**{k: _get(obj, k, where, (str,), "a string") for k in ("feature", "replacement", "reason")})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"feature": self.feature, "replacement": self.replacement, "reason": self.reason}
+
+
+# ----------------------------------------------------------------- the job itself
+@dataclass(frozen=True, kw_only=True)
+class PrepareOptions:
+    """``spec.prepare``: `prepare_data` keyword arguments; absent ones keep its defaults."""
+
+    seed: int | None = None
+    val_fraction: float | None = None
+    test_fraction: float | None = None
+    skip_invalid: bool | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> PrepareOptions:
+        where = "`spec.prepare`"
+        obj = _object(obj, where)
+        _refuse_unknown(obj, ("seed", "val_fraction", "test_fraction", "skip_invalid"), where)
+        return cls(
+            seed=_get(obj, "seed", where, (int,), "an integer", None),
+            val_fraction=_get(obj, "val_fraction", where, (int, float), "a number", None),
+            test_fraction=_get(obj, "test_fraction", where, (int, float), "a number", None),
+            skip_invalid=_get(obj, "skip_invalid", where, (bool,), "true or false", None),
+        )
+
+    def kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateOptions:
+    """``spec.evaluate``: which split and how many prompts (None: the recipe's `[evaluate]`)."""
+
+    split: str | None = None
+    max_prompts: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> EvaluateOptions:
+        where = "`spec.evaluate`"
+        obj = _object(obj, where)
+        _refuse_unknown(obj, ("split", "max_prompts"), where)
+        max_prompts = _get(obj, "max_prompts", where, (int,), "a positive integer", None)
+        if max_prompts is not None and max_prompts < 1:
+            raise ConfigError(f"{where}: `max_prompts` must be a positive integer, got `{max_prompts}`")
+        return cls(split=_get(obj, "split", where, (str,), "a split name", None), max_prompts=max_prompts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoopOptions:
+    """``spec.noop``: the counting stage the run-manager's tests use."""
+
+    steps: int = 6
+    step_seconds: float = 0.05
+    checkpoint_every: int = 2
+
+    @classmethod
+    def from_json(cls, obj: Any) -> NoopOptions:
+        obj = _object(obj, "`spec.noop`")
+        _refuse_unknown(obj, ("steps", "step_seconds", "checkpoint_every"), "`spec.noop`")
+
+        def number(key: str, default: float, lo: float, hi: float, integer: bool) -> Any:
+            v = obj.get(key, default)
+            ok = not isinstance(v, bool) and isinstance(v, int if integer else (int, float))
+            if not ok or not (lo <= v <= hi) or (isinstance(v, float) and not math.isfinite(v)):
+                what = "an integer" if integer else "a number"
+                raise ConfigError(f"`spec.noop.{key}` must be {what} in [{lo:g}, {hi:g}], got `{v!r}`")
+            return v if integer else float(v)
+
+        return cls(
+            steps=number("steps", 6, 0, 1_000_000, True),
+            step_seconds=number("step_seconds", 0.05, 0.0, 60.0, False),
+            checkpoint_every=number("checkpoint_every", 2, 1, 1_000_000, True),
+        )
+
+
+_JOB_KEYS = ("stages", "inputs", "prepare", "recipe", "export_formats", "evaluate", "noop")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """``spec``: the stages to run and their inputs, validated; ``raw`` is the object as read."""
+
+    raw: Mapping[str, Any]
+    stages: tuple[str, ...]
+    inputs: tuple[Path, ...] = ()
+    prepare: PrepareOptions = field(default_factory=PrepareOptions)
+    recipe: Recipe | None = None
+    export_formats: tuple[str, ...] = ()
+    evaluate: EvaluateOptions = field(default_factory=EvaluateOptions)
+    noop: NoopOptions = field(default_factory=NoopOptions)
+
+    @classmethod
+    def from_json(cls, obj: Any, job_dir: Path) -> Job:
+        obj = _object(obj, "`spec`")
+        _refuse_unknown(obj, _JOB_KEYS, "`spec`")
+        stages = obj.get("stages")
+        if not isinstance(stages, list) or not stages or not all(isinstance(s, str) for s in stages):
+            raise ConfigError("`spec.stages` must be a non-empty list of stage names")
+        unknown = [s for s in stages if s not in STAGE_NAMES]
+        if unknown:
+            raise ConfigError(f"unknown stage(s) {', '.join(f'`{s}`' for s in unknown)}; known: {', '.join(STAGE_NAMES)}")
+        inputs: tuple[str, ...] = ()
+        if "prepare" in stages or "inputs" in obj:
+            inputs = _str_list(obj, "inputs", "`spec`", ())
+            if not inputs or not all(inputs):
+                raise ConfigError("`spec.inputs` must be a non-empty list of JSONL paths")
+        formats = _str_list(obj, "export_formats", "`spec`", ())
+        bad = [f for f in formats if f not in EXPORT_FORMATS]
+        if bad:
+            raise ConfigError(f"`spec.export_formats` must be a list of `bf16` / `af4g64`, got `{bad[0]}`")
+        prepare = PrepareOptions.from_json(obj.get("prepare", {}))
+        evaluate = EvaluateOptions.from_json(obj.get("evaluate", {}))
+        noop = NoopOptions.from_json(obj.get("noop", {}))
+        recipe = None
+        if set(stages) & PIPELINE_STAGES or "recipe" in obj:
+            recipe = job_recipe(obj.get("recipe"), job_dir)
+        return cls(
+            raw=copy.deepcopy(obj),
+            stages=tuple(stages),
+            inputs=tuple(Path(p) for p in inputs),
+            prepare=prepare,
+            recipe=recipe,
+            export_formats=formats,
+            evaluate=evaluate,
+            noop=noop,
+        )
+
+    def require_recipe(self) -> Recipe:
+        if self.recipe is None:  # from_json builds it whenever a pipeline stage is listed
+            raise ConfigError("`spec.recipe` is missing")
+        return self.recipe
+
+
+def job_recipe(raw: Any, job_dir: Path) -> Recipe:
+    """The job's recipe with the runner's output locations (`data.dir`, ...) filled in."""
+    if not isinstance(raw, dict):
+        raise ConfigError("`spec.recipe` must be an object with the recipe's sections (see docs/examples/recipe.toml)")
+    raw = copy.deepcopy(raw)  # the spec stays as it was
+    for section, key, _ in _OWNED:
+        table = raw.get(section)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise ConfigError(f"`spec.recipe.{section}` must be an object")
+        if key in table:
+            raise ConfigError(f"`spec.recipe.{section}.{key}` is set by the job runner; remove it from the spec")
+    raw.setdefault("data", {})
+    for section, key, sub in _OWNED:
+        if section in raw:
+            raw[section][key] = str(job_dir / sub)
+    return recipe_from_dict(raw, base=job_dir, source="spec.recipe")
+
+
+# ----------------------------------------------------------------- the file
+_FILE_KEYS = (
+    "schema_version", "spec", "lease", "resume_checkpoint", "resume_step", "restart",
+    "job_dir", "device", "local_ranks", "downgrades", "client_version",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """A validated ``spec.json``. ``None`` for a run-manager field means the file left it out."""
+
+    schema_version: int
+    job: Job
+    job_dir: Path
+    lease: LeaseInfo | None = None
+    resume_checkpoint: Path | None = None
+    resume_step: int = 0
+    restart: int = 0
+    device: DeviceInfo | None = None
+    local_ranks: int = 1
+    downgrades: tuple[Downgrade, ...] = ()
+    client_version: str | None = None
+    # the keys the file had, so to_json() gives back exactly what was read
+    present: frozenset[str] = frozenset()
+
+    @classmethod
+    def load(cls, job_dir: str | Path) -> JobSpec:
+        """Read and validate ``job_dir/spec.json``; `ConfigError` names the file and the field."""
+        job_dir = Path(job_dir).resolve()
+        path = job_dir / SPEC_FILE
+        try:
+            doc = json.loads(path.read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"cannot read `{path}`: {exc.strerror or exc}") from None
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ConfigError(f"`{path}` is not valid JSON: {exc}") from None
+        try:
+            return cls.from_json(doc, job_dir=job_dir)
+        except ConfigError as exc:
+            raise ConfigError(f"`{path}`: {exc}") from None
+
+    @classmethod
+    def from_json(cls, doc: Any, *, job_dir: Path) -> JobSpec:
+        doc = _object(doc, "spec.json")
+        _refuse_unknown(doc, _FILE_KEYS, "spec.json")
+        version = doc.get("schema_version")
+        if version != SPEC_SCHEMA_VERSION or isinstance(version, bool):
+            raise ConfigError(
+                f"schema_version `{_short(version)}`; this worker reads {SPEC_SCHEMA_VERSION}\n"
+                "hint: run-manager and dflash_worker come from one install; reinstall both"
+            )
+        if "job_dir" in doc:
+            written = Path(_get(doc, "job_dir", "spec.json", (str,), "a path"))
+            if written.resolve() != job_dir:
+                raise ConfigError(f"`job_dir` is `{written}` but the worker was started in `{job_dir}`")
+        resume = _get(doc, "resume_checkpoint", "spec.json", (str, type(None)), "a path or null", None)
+        if resume is not None and not resume:
+            raise ConfigError("`resume_checkpoint` is an empty string")
+        local_ranks = _uint(doc, "local_ranks", "spec.json", 1, hi=1024)
+        if local_ranks < 1:
+            raise ConfigError("`local_ranks` must be at least 1")
+        downgrades = _get(doc, "downgrades", "spec.json", (list,), "a list", [])
+        return cls(
+            schema_version=version,
+            job=Job.from_json(doc.get("spec"), job_dir),
+            job_dir=job_dir,
+            lease=LeaseInfo.from_json(doc["lease"], "`lease`") if "lease" in doc else None,
+            resume_checkpoint=Path(resume) if resume else None,
+            resume_step=_uint(doc, "resume_step", "spec.json", 0),
+            restart=_uint(doc, "restart", "spec.json", 0, hi=2**32 - 1),
+            device=DeviceInfo.from_json(doc["device"], "`device`") if "device" in doc else None,
+            local_ranks=local_ranks,
+            downgrades=tuple(Downgrade.from_json(d, f"`downgrades[{i}]`") for i, d in enumerate(downgrades)),
+            client_version=_get(doc, "client_version", "spec.json", (str,), "a string", None),
+            present=frozenset(doc),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's object again (only the keys it had)."""
+        full: dict[str, Any] = {
+            "schema_version": self.schema_version,
+            "spec": copy.deepcopy(dict(self.job.raw)),
+            "lease": self.lease.to_json() if self.lease else None,
+            "resume_checkpoint": str(self.resume_checkpoint) if self.resume_checkpoint else None,
+            "resume_step": self.resume_step,
+            "restart": self.restart,
+            "job_dir": str(self.job_dir),
+            "device": self.device.to_json() if self.device else None,
+            "local_ranks": self.local_ranks,
+            "downgrades": [d.to_json() for d in self.downgrades],
+            "client_version": self.client_version,
+        }
+        return {k: v for k, v in full.items() if k in self.present}
