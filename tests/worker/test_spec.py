@@ -142,3 +142,15 @@ def test_placement_refuses_what_the_provider_cannot_run(tmp_path):
 def test_without_downgrades_the_draft_keeps_its_attention_choice(tmp_path):
     placement = Placement.from_spec(load(tmp_path, rust_doc((tmp_path / "job").resolve(), downgrades=[])))
     assert placement.draft_attention == "auto" and placement.notes() == ()
+
+
+def test_the_worker_knows_exactly_the_downgrades_the_run_manager_hands_out():
+    import re
+
+    from dflash_worker.worker.placement import DOWNGRADES
+
+    src = (Path(__file__).resolve().parents[2] / "run-manager/src/policy.rs").read_text()
+    table = re.search(r"pub const DOWNGRADES: \[\(&str, &str\); \d+\] = \[(.*?)\];", src, re.S)
+    assert table, "DOWNGRADES not found in run-manager/src/policy.rs"
+    pairs = dict(re.findall(r'\("([a-z_0-9]+)",\s*"([a-z_0-9]+)"\)', table.group(1)))
+    assert pairs == DOWNGRADES
