@@ -109,12 +109,14 @@ def main() -> int:
         def capture(i: int) -> tuple[float, float, dict]:
             marks: dict[str, float] = {}
 
-            def on_event(e: dict) -> None:
-                if e["event"] == "teacher_loaded":
+            def on_event(e) -> None:
+                # capture's milestones are `Log` events (dflash_worker.capture.run docstring)
+                msg = getattr(e, "message", "")
+                if msg.startswith("teacher loaded in"):
                     marks["start"] = time.perf_counter()
-                elif e["event"] == "shards_done":
+                elif msg.endswith("shards committed"):
                     marks["end"] = time.perf_counter()
-                elif e["event"] == "teacher_released":
+                elif msg == "teacher released" or msg.startswith("the teacher is still referenced"):
                     marks["released"] = time.perf_counter()
 
             t = time.perf_counter()
@@ -145,7 +147,10 @@ def main() -> int:
         scratch.mkdir()
         t = time.perf_counter()
         for k in range(0, len(items), args.shard_examples):
-            _commit_shard(scratch, items[k : k + args.shard_examples], {"bench": True}, {"shard": k})
+            part = items[k : k + args.shard_examples]
+            side = {"capture_key": "bench", "shard": k, "file": f"shard-{k:05d}.safetensors", "first": k, "end": k + len(part),
+                    "examples": len(part), "tokens": sum(len(x["ids"]) for x in part), "loss_tokens": 0, "generation_truncated": 0}
+            _commit_shard(scratch, part, {"bench": True}, side)
         write_s = time.perf_counter() - t
         feat = len(layer_ids) * args.hidden * torch.tensor([], dtype=dtype).element_size()
         per_tok = manifest["totals"]["payload_bytes"] / manifest["totals"]["tokens"]
