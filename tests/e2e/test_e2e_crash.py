@@ -176,5 +176,5 @@ def test_coordinator_killed_and_restarted_mid_training_the_job_completes(tmp_pat
     assert job["state"] == "succeeded" and job["attempts"] == 1, json.dumps(shown, indent=1)
     # Artifacts written while the coordinator was down were reported after it came back.
     names = {a["name"] for a in job["artifacts"]}
-    assert f"run/checkpoints/step-{STEPS:08d}/trainable.safetensors" in names, sorted(names)
+    assert f"run/checkpoints/step-{STEPS:08d}/manifest.json" in names, sorted(names)
     _check_same_as_baseline(job_dir, export_model(job), baseline)

@@ -40,8 +40,13 @@ def test_real_pipeline_job_registers_its_export_with_a_matching_sha256(procs, ba
     assert {"run/export/config.json", "run/export/manifest.json", "run/export/model.safetensors"} <= kinds["export"]
     assert {"eval/report.json"} <= kinds["report"]
     assert "data/manifest.json" in kinds["manifest"] and "capture/manifest.json" in kinds["capture"]
-    final = f"run/checkpoints/step-{STEPS:08d}/trainable.safetensors"
+    # A checkpoint is reported as its manifest.json, one artifact per checkpoint; the manifest
+    # hashes the checkpoint's files.
+    final = f"run/checkpoints/step-{STEPS:08d}/manifest.json"
     assert final in kinds["checkpoint"] and (job_dir / final).is_file(), sorted(kinds["checkpoint"])
+    assert all(n.endswith("/manifest.json") for n in kinds["checkpoint"]), sorted(kinds["checkpoint"])
+    listed = json.loads((job_dir / final).read_text())["files"]["trainable.safetensors"]
+    assert listed["sha256"] == sha256_file(job_dir / final.replace("manifest.json", "trainable.safetensors"))
     selection = json.loads((job_dir / "run" / "selection.json").read_text())
     assert selection["step"] == STEPS, selection
 
