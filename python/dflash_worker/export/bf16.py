@@ -188,13 +188,20 @@ def write_bf16(
     return BF16Export(out_dir, manifest)
 
 
-def verify_bf16(out_dir: str | Path) -> dict[str, Any]:
-    """Check an export directory against its manifest (file sha256s); returns the manifest."""
+def read_export_manifest(out_dir: str | Path) -> dict[str, Any]:
+    """An export directory's `manifest.json` (either format), or an `ExportError` naming the directory."""
     out_dir = Path(out_dir)
     try:
-        manifest = json.loads((out_dir / "manifest.json").read_bytes())
+        return json.loads((out_dir / "manifest.json").read_bytes())
     except (OSError, ValueError) as exc:
         raise ExportError(f"export `{out_dir}` has no readable `manifest.json`: {exc}") from None
+
+
+def verify_bf16(out_dir: str | Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check an export directory against its manifest (file sha256s); returns the manifest."""
+    out_dir = Path(out_dir)
+    if manifest is None:
+        manifest = read_export_manifest(out_dir)
     for name, want in (manifest.get("files") or {}).items():
         p = out_dir / name
         if not p.is_file() or sha256_file(p) != want.get("sha256"):

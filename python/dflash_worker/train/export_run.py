@@ -158,15 +158,12 @@ def export_run(
 
 def verify_export(out_dir: str | Path) -> dict[str, Any]:
     """Check an export directory's files against its manifest (either format)."""
-    out_dir = Path(out_dir)
-    try:
-        manifest = json.loads((out_dir / "manifest.json").read_bytes())
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"export `{out_dir}` has no readable `manifest.json`: {exc}") from None
-    if str(manifest.get("format", "")).endswith("bf16/v1"):
-        from ..export.bf16 import verify_bf16
+    from ..export.bf16 import read_export_manifest, verify_bf16
 
-        return verify_bf16(out_dir)
+    out_dir = Path(out_dir)
+    manifest = read_export_manifest(out_dir)
+    if str(manifest.get("format", "")).endswith("bf16/v1"):
+        return verify_bf16(out_dir, manifest)
     from ..export.af4g64 import read_manifest
 
     return read_manifest(out_dir)
