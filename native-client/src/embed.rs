@@ -13,9 +13,21 @@ use pyo3::types::PyList;
 use crate::python_env::{self, EXIT_INTERRUPTED, EXIT_UNEXPECTED, EXIT_USER};
 
 /// Run the job in `job_dir` importing from `home` (None: the interpreter's own
-/// packages); returns the process exit code.
-pub fn run_job(job_dir: &Path, home: Option<&Path>) -> u8 {
+/// packages); returns the process exit code. `unset_home`: `PYTHONHOME` was
+/// set only for this interpreter's start (`pin_stdlib_home` in main.rs) and
+/// is removed once it is up, so the job's subprocesses never inherit it.
+pub fn run_job(job_dir: &Path, home: Option<&Path>, unset_home: bool) -> u8 {
     Python::attach(|py| {
+        if unset_home {
+            let popped = py.import("os").and_then(|os| {
+                os.getattr("environ")?
+                    .call_method1("pop", (run_manager::env_vars::PYTHONHOME, py.None()))
+            });
+            if let Err(e) = popped {
+                e.print(py);
+                return EXIT_UNEXPECTED;
+            }
+        }
         let code = run(py, job_dir, home);
         flush_stdio(py);
         code

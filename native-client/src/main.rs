@@ -5,7 +5,7 @@
 //! `dflash_worker.job.main(["--job-dir", DIR])` (`dflash_native_client::embed`).
 //! This file only parses arguments, finds the environment and exits.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::LazyLock;
 
@@ -26,6 +26,8 @@ static VERSION: LazyLock<String> = LazyLock::new(|| {
 
 /// `env_vars::BUILD_PYTHON_HOME` at build time (`option_env!` needs the literal name).
 const BUILD_PYTHON_HOME: Option<&str> = option_env!("DFLASH_BUILD_PYTHON_HOME");
+/// The prefix of the Python this binary embeds (set by build.rs when known).
+const EMBEDDED_PYTHON_PREFIX: Option<&str> = option_env!("DFLASH_EMBEDDED_PYTHON_PREFIX");
 
 /// Run one dflash-worker job in an embedded Python interpreter.
 ///
@@ -57,13 +59,35 @@ fn main() -> ExitCode {
     let exe = std::env::current_exe().ok();
     // A binary built by scripts/build-native-*.sh lives outside any environment
     // and runs with an empty environment: it falls back to the one it was built against.
-    let home = python_env::find_python_home(
+    let found = python_env::find_python_home(
         args.python_home.as_deref(),
         std::env::var_os(env_vars::VIRTUAL_ENV).as_deref(),
         exe.as_deref(),
-    )
-    .or_else(|| BUILD_PYTHON_HOME.map(PathBuf::from));
-    ExitCode::from(embed::run_job(&args.job_dir, home.as_deref()))
+    );
+    // Built by scripts/build-native-*.sh and not installed in an environment.
+    let standalone = BUILD_PYTHON_HOME.is_some()
+        && python_env::find_python_home(None, None, exe.as_deref()).is_none();
+    let home = found.or_else(|| BUILD_PYTHON_HOME.map(PathBuf::from));
+    let pinned = standalone && pin_stdlib_home();
+    ExitCode::from(embed::run_job(&args.job_dir, home.as_deref(), pinned))
+}
+
+/// A standalone binary: point the interpreter at the standard library of the
+/// Python it was built against, unless `PYTHONHOME` is set already. True when
+/// it was set here (the interpreter then removes it once it is up).
+fn pin_stdlib_home() -> bool {
+    if std::env::var_os(env_vars::PYTHONHOME).is_some() {
+        return false;
+    }
+    let version = env!("DFLASH_EMBEDDED_PYTHON");
+    match EMBEDDED_PYTHON_PREFIX.and_then(|p| python_env::stdlib_home(Path::new(p), version)) {
+        Some(prefix) => {
+            // Single-threaded still: nothing else reads the environment yet.
+            std::env::set_var(env_vars::PYTHONHOME, prefix);
+            true
+        }
+        None => false,
+    }
 }
 
 #[cfg(test)]

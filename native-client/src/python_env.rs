@@ -74,6 +74,20 @@ pub fn site_packages(home: &Path, major: u32, minor: u32) -> Result<PathBuf, Str
     }
 }
 
+/// The home (`PYTHONHOME`) a standalone native client gives its interpreter:
+/// `prefix`, the Python it was built against, when that Python's standard
+/// library is there. Such a binary lives outside any Python installation, so
+/// CPython's own search from the executable's location can settle on another
+/// Python of the same version (a system `/usr/lib/python3.11` whose extension
+/// modules are built in, not in `lib-dynload`, and then `import math` fails).
+pub fn stdlib_home(prefix: &Path, version: &str) -> Option<PathBuf> {
+    let os_py = prefix
+        .join("lib")
+        .join(format!("python{version}"))
+        .join("os.py");
+    os_py.is_file().then(|| prefix.to_path_buf())
+}
+
 /// The interpreter executable of an environment, for `sys.executable` (so
 /// `multiprocessing` and subprocesses start Python, not the native client).
 pub fn python_executable(home: &Path) -> Option<PathBuf> {
@@ -143,6 +157,16 @@ mod tests {
         assert!(site_packages(Path::new("/nonexistent"), 3, 11)
             .expect_err("none")
             .contains("hint:"));
+        let _ = std::fs::remove_dir_all(&v);
+    }
+
+    #[test]
+    fn stdlib_home_needs_the_standard_library() {
+        let v = venv("stdlib", "python3.11");
+        assert_eq!(stdlib_home(&v, "3.11"), None);
+        std::fs::write(v.join("lib/python3.11/os.py"), "").expect("write");
+        assert_eq!(stdlib_home(&v, "3.11"), Some(v.clone()));
+        assert_eq!(stdlib_home(&v, "3.12"), None);
         let _ = std::fs::remove_dir_all(&v);
     }
 

@@ -71,6 +71,11 @@ pub const VIRTUAL_ENV: &str = "VIRTUAL_ENV";
 /// Set for the worker so the embedded interpreter does not buffer stdout
 /// (progress events must arrive as they are written).
 pub const PYTHONUNBUFFERED: &str = "PYTHONUNBUFFERED";
+/// CPython's own: where the standard library lives. A standalone native client
+/// (built by `scripts/build-native-*.sh`, not inside an environment) sets it to
+/// the prefix of the Python it was built against when it is unset, and removes
+/// it again once the interpreter is up, so the job's subprocesses never see it.
+pub const PYTHONHOME: &str = "PYTHONHOME";
 
 /// Test-only: where the `jobdir::tests::writes_fixture_spec_json_for_python`
 /// unit test writes a sample `spec.json` for the Python side's round-trip test
