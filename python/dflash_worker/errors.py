@@ -72,3 +72,7 @@ class AuthenticationError(CoordinatorError):
 
 class PermissionDeniedError(CoordinatorError):
     """A valid token that may not make this call; PERMISSION_DENIED."""
+
+
+class RateLimitedError(CoordinatorError):
+    """A peer failed authentication too often and is refused for a while; RESOURCE_EXHAUSTED."""

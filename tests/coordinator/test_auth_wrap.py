@@ -1,4 +1,4 @@
-"""auth._wrap: both handler kinds refuse, set the principal and map errors the same way (no server needed)."""
+"""auth._wrap: both handler kinds admit (or refuse), set the principal and map errors the same way (no server needed)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,20 @@ def _handler(kind: str, behaviour):
     return grpc.stream_stream_rpc_method_handler(inner_stream, request_deserializer=bytes, response_serializer=bytes)
 
 
+def _admit(refusal=None):
+    """An admission that lets PRINCIPAL in, or raises `refusal`."""
+
+    def admit(context):
+        if refusal is not None:
+            raise refusal
+        return PRINCIPAL
+
+    return admit
+
+
 def _call(kind: str, behaviour, refusal=None):
     """(responses, context) of one call to the wrapped handler with request b"x"."""
-    wrapped = auth._wrap(_handler(kind, behaviour), METHOD, PRINCIPAL, refusal)
+    wrapped = auth._wrap(_handler(kind, behaviour), METHOD, _admit(refusal))
     ctx = FakeContext()
 
     async def go():
@@ -92,7 +103,7 @@ def test_an_unexpected_error_is_internal_and_hides_its_message(kind):
 
 @pytest.mark.parametrize("kind", ["unary", "stream"])
 def test_an_undecodable_request_is_invalid_argument(kind):
-    wrapped = auth._wrap(_handler(kind, lambda request: request), METHOD, PRINCIPAL, None)
+    wrapped = auth._wrap(_handler(kind, lambda request: request), METHOD, _admit())
     # What the tolerant deserializer returns for bytes that are no protobuf message.
     bad = auth._Undecodable(ValueError("truncated"))
     ctx = FakeContext()

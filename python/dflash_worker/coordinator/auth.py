@@ -1,24 +1,44 @@
-"""Server interceptor: bearer-token authentication and error-to-status mapping.
+"""Server interceptor: who is calling, may they, and error-to-status mapping.
 
 Every call must carry ``authorization: Bearer <token>``. Provider tokens may
 call ``ProviderService``; the admin token may call ``AdminService``; any
 other combination is refused before the handler runs (UNAUTHENTICATED for a
-missing or unknown token, PERMISSION_DENIED for a valid token on the wrong
-service). The interceptor wraps each handler so that the caller's identity
-is available to it (`current_principal`) and so that `DflashError`s raised
-inside are turned into status codes by `status.status_for`.
+missing, unknown, revoked or expired token, PERMISSION_DENIED for a valid
+token on the wrong service). Under mutual TLS a provider call's client
+certificate must name the token's provider: its subject CommonName must equal
+the name the provider was created with (the TLS handshake has already checked
+that a CA the coordinator trusts issued it).
+
+Admission runs inside the wrapped handler (`_serving`), where the call's
+context gives the peer address and the TLS auth context. `Gate.admit`
+decides; a `FailureLimiter` counts failed authentications per peer address and,
+past its limit, refuses that peer's calls (RESOURCE_EXHAUSTED, with a `retry
+after` hint) before any token is looked at, until its window ends. A
+throttled peer is refused even with a good token: otherwise the throttle would
+not slow a guesser down, as a right guess would still get through. The cost is
+that providers behind one NAT address share a budget; the defaults (20
+failures a minute) leave room for a few misconfigured machines.
+
+The wrapper also makes the caller's identity available to the handler
+(`current_principal`) and turns `DflashError`s raised inside it into status
+codes through `status.status_for`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import ipaddress
 import logging
+import math
+import time
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
-from ..errors import AuthenticationError, DflashError, InvalidRequestError, PermissionDeniedError
+from ..errors import AuthenticationError, DflashError, InvalidRequestError, PermissionDeniedError, RateLimitedError
 from .status import status_for
 from .store import Principal
 
@@ -26,6 +46,12 @@ log = logging.getLogger("dflash_worker.coordinator")
 
 PROVIDER_SERVICE = "dflash.v1.ProviderService"
 ADMIN_SERVICE = "dflash.v1.AdminService"
+
+DEFAULT_FAILURE_LIMIT = 20
+DEFAULT_FAILURE_WINDOW = 60.0
+# Peers whose failures are remembered at once; the least recently failing is
+# forgotten first (a few hundred bytes each, so about 3 MB at most).
+MAX_TRACKED_PEERS = 10_000
 
 _principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("dflash_principal")
 
@@ -48,13 +74,14 @@ def bearer_token(metadata) -> str | None:
     return None
 
 
-def authorize(method: str, token: str | None, lookup: Callable[[str], Principal | None]) -> Principal:
-    """Who may call `method` ("/package.Service/Method") with `token`; raises if nobody."""
+def authorize(method: str, token: str | None, authenticate: Callable[[str], Principal]) -> Principal:
+    """Who may call `method` ("/package.Service/Method") with `token`; raises if nobody.
+
+    `authenticate` maps a token to its principal or raises `AuthenticationError`.
+    """
     if token is None:
         raise AuthenticationError("missing `authorization: Bearer <token>` metadata")
-    principal = lookup(token)
-    if principal is None:
-        raise AuthenticationError("unknown bearer token\nhint: ask the coordinator's admin for a provider token")
+    principal = authenticate(token)
     service = method.split("/")[1] if method.count("/") >= 2 else ""
     if service == ADMIN_SERVICE and not principal.admin:
         raise PermissionDeniedError("admin calls need the admin token")
@@ -63,6 +90,115 @@ def authorize(method: str, token: str | None, lookup: Callable[[str], Principal 
     if service not in (ADMIN_SERVICE, PROVIDER_SERVICE):
         raise PermissionDeniedError(f"unknown service `{service}`")
     return principal
+
+
+def certificate_name(auth_context: dict) -> str | None:
+    """The subject CommonName of the call's client certificate (None without one)."""
+    names = auth_context.get("x509_common_name") or []
+    return names[0].decode("utf-8", "replace") if names else None
+
+
+def check_identity(principal: Principal, auth_context: dict) -> None:
+    """Under mTLS: the client certificate must name the provider the token belongs to."""
+    cn = certificate_name(auth_context)
+    if cn is None:
+        raise AuthenticationError("the client certificate has no subject CommonName; under mutual TLS it must be the provider's name")
+    if cn != principal.name:
+        raise AuthenticationError(
+            f"the client certificate's CN `{cn[:200]}` and the token's provider `{principal.name}` disagree\n"
+            "hint: a provider's certificate CN must be the name it was created with (`dflash-coordinator providers create NAME`)"
+        )
+
+
+def peer_key(peer: str) -> str:
+    """What a rate limit counts against: the peer's IP without its port; IPv6 by its /64 (one site's addresses).
+
+    `peer` is grpc's form: `ipv4:1.2.3.4:5678`, `ipv6:[::1]:5678`, `unix:...`.
+    """
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return kind or peer[:64]
+    host = rest.rpartition(":")[0].strip("[]").partition("%")[0]
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return host[:64]
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{addr}/64", strict=False))
+    return str(addr)
+
+
+class FailureLimiter:
+    """Failed authentications per peer in a fixed window that starts at the peer's first failure.
+
+    Once a peer has `limit` failures in its window, `check` refuses it until
+    the window ends; then it starts afresh. `limit` 0 turns the limiter off.
+    Memory is bounded by `max_peers`.
+    """
+
+    def __init__(self, *, limit: int = DEFAULT_FAILURE_LIMIT, window: float = DEFAULT_FAILURE_WINDOW, max_peers: int = MAX_TRACKED_PEERS, clock: Callable[[], float] = time.monotonic):
+        self.limit = limit
+        self.window = window
+        self.max_peers = max_peers
+        self.clock = clock
+        # peer -> (window start, failures), least recently failing first.
+        self._peers: OrderedDict[str, tuple[float, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def check(self, peer: str) -> None:
+        """Raise `RateLimitedError` if `peer` is over its limit."""
+        entry = self._peers.get(peer)
+        if entry is None or not self.limit:
+            return
+        start, failures = entry
+        left = start + self.window - self.clock()
+        if left <= 0:
+            del self._peers[peer]
+        elif failures >= self.limit:
+            raise RateLimitedError(
+                f"too many failed authentications from `{peer}` ({failures} in {self.window:g} s); retry after {math.ceil(left)} s\n"
+                "hint: check the provider token (`--token`) and, under mutual TLS, that the certificate CN is the provider's name"
+            )
+
+    def failed(self, peer: str) -> None:
+        """Count one failed authentication from `peer`."""
+        if not self.limit:
+            return
+        now = self.clock()
+        start, failures = self._peers.pop(peer, (now, 0))
+        if now - start >= self.window:
+            start, failures = now, 0
+        failures += 1
+        self._peers[peer] = (start, failures)
+        if failures == self.limit:
+            log.warning("peer `%s` failed authentication %d times in %g s; refusing its calls until its window ends", peer, failures, self.window)
+        while len(self._peers) > self.max_peers:
+            self._peers.popitem(last=False)
+
+
+@dataclass
+class Gate:
+    """Admits one call: rate limit, bearer token, service, and under mTLS the certificate's identity."""
+
+    authenticate: Callable[[str], Principal]
+    limiter: FailureLimiter
+    mtls: bool = False
+
+    def admit(self, method: str, metadata, context) -> Principal:
+        peer = peer_key(context.peer() or "")
+        self.limiter.check(peer)
+        try:
+            principal = authorize(method, bearer_token(metadata), self.authenticate)
+            if self.mtls and not principal.admin:
+                check_identity(principal, context.auth_context())
+        except AuthenticationError:
+            self.limiter.failed(peer)
+            raise
+        return principal
 
 
 async def _abort(context, exc: BaseException, method: str):
@@ -103,11 +239,16 @@ async def _checked(request_iterator, method: str):
         yield _check(request, method)
 
 
+Admit = Callable[[object], Principal]
+
+
 @contextlib.asynccontextmanager
-async def _serving(context, method: str, principal: Principal | None, refusal: DflashError | None):
-    """Around one call's handler: refuse it, or set the principal and map what it raises to a status code."""
-    if refusal is not None:
-        await _abort(context, refusal, method)
+async def _serving(context, method: str, admit: Admit):
+    """Around one call's handler: admit the caller (or refuse the call), set the principal, map what it raises to a status code."""
+    try:
+        principal = admit(context)
+    except DflashError as exc:
+        await _abort(context, exc, method)
     _principal.set(principal)
     try:
         yield
@@ -117,14 +258,14 @@ async def _serving(context, method: str, principal: Principal | None, refusal: D
         await _abort(context, exc, method)
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str, principal: Principal | None, refusal: DflashError | None):
-    """A handler of the same kind as `handler` that sets the principal and maps errors."""
+def _wrap(handler: grpc.RpcMethodHandler, method: str, admit: Admit):
+    """A handler of the same kind as `handler` that admits the caller, sets the principal and maps errors."""
 
     if handler.request_streaming and handler.response_streaming:
         inner_stream = handler.stream_stream
 
         async def stream_stream(request_iterator, context):
-            async with _serving(context, method, principal, refusal):
+            async with _serving(context, method, admit):
                 async for response in inner_stream(_checked(request_iterator, method), context):
                     yield response
 
@@ -133,7 +274,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, principal: Principal | No
         inner_unary = handler.unary_unary
 
         async def unary_unary(request, context):
-            async with _serving(context, method, principal, refusal):
+            async with _serving(context, method, admit):
                 return await inner_unary(_check(request, method), context)
 
         behaviour, make_handler = unary_unary, grpc.unary_unary_rpc_method_handler
@@ -145,19 +286,15 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, principal: Principal | No
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates every call and maps handler errors to status codes."""
+    """Wraps every handler so that `gate` admits its caller and its errors become status codes."""
 
-    def __init__(self, lookup: Callable[[str], Principal | None]):
-        self._lookup = lookup
+    def __init__(self, gate: Gate):
+        self._gate = gate
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
-        principal, refusal = None, None
-        try:
-            principal = authorize(method, bearer_token(handler_call_details.invocation_metadata), self._lookup)
-        except DflashError as exc:
-            refusal = exc
-        return _wrap(handler, method, principal, refusal)
+        metadata = handler_call_details.invocation_metadata
+        return _wrap(handler, method, lambda context: self._gate.admit(method, metadata, context))

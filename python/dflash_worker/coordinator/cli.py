@@ -23,11 +23,18 @@ from .. import __version__
 from ..cli import run_guarded
 from ..errors import ConfigError
 from ..proto.dflash.v1 import admin_pb2, provider_pb2
+from .store import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS
 
 # Environment variables (flags take precedence over them).
 ENV_ADDRESS = "DFLASH_COORDINATOR"  # coordinator address, HOST:PORT or http://HOST:PORT (shared with run-manager)
 ENV_ADMIN_TOKEN = "DFLASH_ADMIN_TOKEN"  # admin bearer token
 ENV_ADMIN_TOKEN_FILE = "DFLASH_ADMIN_TOKEN_FILE"  # file holding the admin token
+ENV_TLS_CERT = "DFLASH_TLS_CERT"  # serve: TLS certificate chain (PEM)
+ENV_TLS_KEY = "DFLASH_TLS_KEY"  # serve: TLS private key (PEM, unencrypted)
+ENV_TLS_CLIENT_CA = "DFLASH_TLS_CLIENT_CA"  # serve: CA whose client certificates are required (mutual TLS)
+ENV_TLS_CA = "DFLASH_TLS_CA"  # admin client: CA that signed the coordinator's certificate (default: system roots)
+ENV_TLS_CLIENT_CERT = "DFLASH_TLS_CLIENT_CERT"  # admin client: certificate for mutual TLS
+ENV_TLS_CLIENT_KEY = "DFLASH_TLS_CLIENT_KEY"  # admin client: its private key
 
 DEFAULT_DB = Path("dflash-work/coordinator/coordinator.db")
 DEFAULT_TOKEN_FILE = DEFAULT_DB.parent / "admin-token"
@@ -62,11 +69,27 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         help=f"admin bearer token (env `{ENV_ADMIN_TOKEN}`); when unset, one is generated on first start and written to --admin-token-file",
     )
     p.add_argument("--admin-token-file", type=Path, default=None, help="where a generated admin token is written, mode 0600 (default: `admin-token` next to --db)")
+    p.add_argument("--tls-cert", type=Path, default=None, help=f"serve TLS with this PEM certificate chain (env `{ENV_TLS_CERT}`); needs --tls-key")
+    p.add_argument("--tls-key", type=Path, default=None, help=f"PEM private key of --tls-cert, unencrypted (env `{ENV_TLS_KEY}`)")
+    p.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        help=f"mutual TLS: require client certificates signed by this CA (env `{ENV_TLS_CLIENT_CA}`); a provider's certificate CN must be its name",
+    )
+    p.add_argument("--insecure", action="store_true", help="allow plaintext on a non-loopback --listen address (tokens travel in the clear; logs a warning)")
+    p.add_argument("--auth-failure-limit", type=int, default=20, help="failed authentications a peer address may make per window before its calls are refused (default 20; 0: no limit)")
+    p.add_argument("--auth-failure-window", type=float, default=60.0, help="seconds of that window (default 60)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
 
 def _client_args(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
-    p.add_argument("--server", default=None, help=f"coordinator address HOST:PORT (env `{ENV_ADDRESS}`, default `{DEFAULT_ADDRESS}`)")
+    p.add_argument(
+        "--server", default=None, help=f"coordinator address HOST:PORT, or https://HOST:PORT for TLS (env `{ENV_ADDRESS}`, default `{DEFAULT_ADDRESS}`)"
+    )
+    p.add_argument("--ca-file", type=Path, default=None, help=f"TLS: CA certificate(s) that signed the coordinator's (env `{ENV_TLS_CA}`; default: the system roots)")
+    p.add_argument("--client-cert", type=Path, default=None, help=f"mutual TLS: client certificate (env `{ENV_TLS_CLIENT_CERT}`)")
+    p.add_argument("--client-key", type=Path, default=None, help=f"mutual TLS: its private key (env `{ENV_TLS_CLIENT_KEY}`)")
     p.add_argument("--admin-token", default=None, help=f"admin bearer token (env `{ENV_ADMIN_TOKEN}`)")
     p.add_argument(
         "--admin-token-file",
@@ -77,6 +100,16 @@ def _client_args(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the coordinator (default 30)")
     if json_flag:
         p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _grace(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_ROTATE_GRACE_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be whole seconds from 0 to {MAX_ROTATE_GRACE_SECONDS}, got `{text}`")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,12 +148,33 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("version", help="native client version (semver)")
     _client_args(va)
 
-    providers = sub.add_parser("providers", help="create provider tokens and list providers").add_subparsers(dest="action", metavar="ACTION")
+    providers = sub.add_parser("providers", help="create, list, revoke providers and rotate their tokens").add_subparsers(dest="action", metavar="ACTION")
     pc = providers.add_parser("create", help="create a provider and print its bearer token (shown once)")
-    pc.add_argument("name", help="provider name, for `providers list`")
+    pc.add_argument("name", help="provider name: its identity (under mutual TLS its certificate's CN must be this name)")
     _client_args(pc)
     pl = providers.add_parser("list", help="list providers and what they registered")
     _client_args(pl)
+    pv = providers.add_parser(
+        "revoke",
+        help="refuse a provider's tokens from now on and abort its live leases",
+        description="Revoke a provider: every call with its token is refused (UNAUTHENTICATED) and its live leases are aborted, so their jobs go to other providers.",
+    )
+    pv.add_argument("provider_id", help="provider id (from `providers list`)")
+    _client_args(pv)
+    pr = providers.add_parser(
+        "rotate",
+        help="give a provider a new token (printed once); the old one works for --grace seconds",
+        description="Replace a provider's token. The new token is printed once; the old one keeps working for the grace period, then is refused.",
+    )
+    pr.add_argument("provider_id", help="provider id (from `providers list`)")
+    pr.add_argument(
+        "--grace",
+        type=_grace,
+        default=DEFAULT_ROTATE_GRACE_SECONDS,
+        metavar="SECONDS",
+        help=f"seconds the old token keeps working (default {DEFAULT_ROTATE_GRACE_SECONDS}; 0 refuses it at once; at most 30 days)",
+    )
+    _client_args(pr)
 
     jobs = sub.add_parser("jobs", help="steer jobs").add_subparsers(dest="action", metavar="ACTION")
     jc = jobs.add_parser("cancel", help="cancel a job (a running attempt gets a CANCEL directive)")
@@ -158,11 +212,22 @@ def _admin_token(args) -> str:
     return token
 
 
+def _path(flag: Path | None, env: str) -> Path | None:
+    """A path flag, else its environment variable, else None."""
+    return flag or (Path(os.environ[env]) if os.environ.get(env) else None)
+
+
 def _client(args):
     from .client import AdminClient
+    from .tls import ClientTls
 
     address = args.server or os.environ.get(ENV_ADDRESS) or DEFAULT_ADDRESS
-    return AdminClient(address, _admin_token(args), timeout=args.timeout)
+    tls = ClientTls(
+        ca_file=_path(args.ca_file, ENV_TLS_CA),
+        client_cert=_path(args.client_cert, ENV_TLS_CLIENT_CERT),
+        client_key=_path(args.client_key, ENV_TLS_CLIENT_KEY),
+    )
+    return AdminClient(address, _admin_token(args), timeout=args.timeout, tls=tls)
 
 
 def _read_spec(args) -> str:
@@ -197,6 +262,12 @@ def _cmd_serve(args) -> int:
         expiry_interval=args.expiry_interval,
         admin_token=args.admin_token or os.environ.get(ENV_ADMIN_TOKEN) or None,
         admin_token_file=args.admin_token_file,
+        tls_cert=_path(args.tls_cert, ENV_TLS_CERT),
+        tls_key=_path(args.tls_key, ENV_TLS_KEY),
+        tls_client_ca=_path(args.tls_client_ca, ENV_TLS_CLIENT_CA),
+        insecure=args.insecure,
+        auth_failure_limit=args.auth_failure_limit,
+        auth_failure_window=args.auth_failure_window,
     )
 
     def ready(info: dict) -> None:
@@ -204,10 +275,55 @@ def _cmd_serve(args) -> int:
         sys.stdout.write(json.dumps(info, sort_keys=True) + "\n")
         sys.stdout.flush()
         where = f", admin token in `{info['admin_token_file']}`" if info["admin_token_file"] else ""
-        logging.getLogger("dflash_worker.coordinator").info("serving on %s%s", info["address"], where)
+        how = "mutual TLS" if info["mtls"] else "TLS" if info["tls"] else "plaintext"
+        logging.getLogger("dflash_worker.coordinator").info("serving %s on %s%s", how, info["address"], where)
 
     asyncio.run(serve(config, on_ready=ready))
     return 0
+
+
+def _when(unix: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+
+
+def _print_provider(p: admin_pb2.ProviderInfo) -> None:
+    mode = provider_pb2.LaunchMode.Name(p.launch_mode) if p.launch_mode in provider_pb2.LaunchMode.values() else str(p.launch_mode)
+    seen = _when(p.last_seen_unix) if p.last_seen_unix else "never"
+    revoked = f"  REVOKED {_when(p.revoked_unix)}" if p.revoked_unix else ""
+    print(f"{p.provider_id}  {p.identity or p.name}  {p.name}  {p.client_version or '-'}  {mode}  {p.capabilities.backend or '-'}  last seen {seen}{revoked}")
+
+
+def _print_token(token: str) -> None:
+    print(token)
+    print("note: the token is shown once; the coordinator keeps only its hash", file=sys.stderr)
+
+
+def _cmd_providers(c, args) -> None:
+    if args.action == "create":
+        resp = c.create_provider_full(args.name)
+        _emit_json({"name": args.name, "provider_id": resp.provider_id, "token": resp.token}) if args.json else _print_token(resp.token)
+    elif args.action == "list":
+        providers = c.list_providers()
+        if args.json:
+            _emit_json([_msg_dict(p) for p in providers])
+        else:
+            for p in providers:
+                _print_provider(p)
+    elif args.action == "revoke":
+        resp = c.revoke_provider(args.provider_id)
+        if args.json:
+            _emit_json(_msg_dict(resp))
+        else:
+            print(f"{resp.provider.provider_id}  revoked  ({resp.aborted_leases} live lease(s) aborted)")
+    elif args.action == "rotate":
+        resp = c.rotate_token(args.provider_id, args.grace)
+        if args.json:
+            _emit_json({"provider_id": args.provider_id, "token": resp.token, "old_token_expires_unix": resp.old_token_expires_unix})
+        else:
+            _print_token(resp.token)
+            print(f"note: the old token works until {_when(resp.old_token_expires_unix)}", file=sys.stderr)
+    else:
+        raise AssertionError(args.action)
 
 
 def _cmd_admin(args) -> int:
@@ -248,22 +364,8 @@ def _cmd_admin(args) -> int:
         elif key == ("versions", "approve"):
             run = c.approve_version(args.run_id, args.version)
             _emit_json(_msg_dict(run)) if args.json else _print_run(run)
-        elif key == ("providers", "create"):
-            token = c.create_provider(args.name)
-            if args.json:
-                _emit_json({"name": args.name, "token": token})
-            else:
-                print(token)
-                print("note: the token is shown once; the coordinator keeps only its hash", file=sys.stderr)
-        elif key == ("providers", "list"):
-            providers = c.list_providers()
-            if args.json:
-                _emit_json([_msg_dict(p) for p in providers])
-            else:
-                for p in providers:
-                    mode = provider_pb2.LaunchMode.Name(p.launch_mode) if p.launch_mode in provider_pb2.LaunchMode.values() else str(p.launch_mode)
-                    seen = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p.last_seen_unix)) if p.last_seen_unix else "never"
-                    print(f"{p.provider_id}  {p.name}  {p.client_version or '-'}  {mode}  {p.capabilities.backend or '-'}  last seen {seen}")
+        elif key[0] == "providers":
+            _cmd_providers(c, args)
         elif key == ("jobs", "cancel"):
             state = c.cancel_job(args.job_id)
             _emit_json({"job_id": args.job_id, "job_state": state}) if args.json else print(f"{args.job_id}  {state}")

@@ -1,10 +1,11 @@
 """Build and run the coordinator's gRPC server (grpc.aio, one event loop).
 
-`serve()` opens the database, makes sure an admin token exists, binds the
-listen address, reports the bound address through `on_ready`, expires
-leases on a timer and stops cleanly on SIGINT/SIGTERM. One asyncio event
-loop serves every call, so thousands of open heartbeat streams cost
-coroutines, not threads.
+`serve()` reads and checks the TLS files, opens the database, makes sure an
+admin token exists, binds the listen address (TLS when a certificate is
+given; plaintext only on loopback unless `insecure`), reports the bound
+address through `on_ready`, expires leases on a timer and stops cleanly on
+SIGINT/SIGTERM. One asyncio event loop serves every call, so thousands of
+open heartbeat streams cost coroutines, not threads.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import grpc
 from ..errors import ConfigError
 from ..proto.dflash.v1 import admin_pb2_grpc, provider_pb2_grpc
 from .artifacts import ArtifactStore
-from .auth import AuthInterceptor
+from .auth import DEFAULT_FAILURE_LIMIT, DEFAULT_FAILURE_WINDOW, AuthInterceptor, FailureLimiter, Gate
 from .service import AdminService, ProviderService, WorkSignal
 from .store import Store, new_token
+from .tls import ServerTls, is_loopback, load_server_tls
 
 log = logging.getLogger("dflash_worker.coordinator")
 
@@ -51,6 +53,15 @@ class ServeConfig:
     expiry_interval: float | None = None
     admin_token: str | None = None
     admin_token_file: Path | None = None
+    # TLS: certificate chain and key (PEM); with `tls_client_ca`, mutual TLS.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    # Serve plaintext on a non-loopback address (logs a warning).
+    insecure: bool = False
+    # Failed authentications per peer address allowed in a window (0: no limit).
+    auth_failure_limit: int = DEFAULT_FAILURE_LIMIT
+    auth_failure_window: float = DEFAULT_FAILURE_WINDOW
     extra_options: tuple = field(default=())
 
     def __post_init__(self):
@@ -65,6 +76,17 @@ class ServeConfig:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"`--listen` must be HOST:PORT (port 0 picks a free one), got `{self.listen}`")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("`--tls-cert` and `--tls-key` go together\nhint: pass both to serve TLS")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("`--tls-client-ca` (mutual TLS) needs `--tls-cert` and `--tls-key`")
+        if self.tls_cert is None and not self.insecure and not is_loopback(host):
+            raise ConfigError(
+                f"refusing to serve plaintext on `{self.listen}`, which is not a loopback address: bearer tokens would cross the network in the clear\n"
+                "hint: pass `--tls-cert` and `--tls-key` (see docs/run-admin.md), or `--insecure` on a network you trust"
+            )
+        if self.auth_failure_limit < 0 or self.auth_failure_window <= 0:
+            raise ConfigError("`--auth-failure-limit` must be >= 0 and `--auth-failure-window` positive")
 
     @property
     def artifact_dir(self) -> Path:
@@ -73,6 +95,14 @@ class ServeConfig:
     @property
     def token_file(self) -> Path:
         return self.admin_token_file or self.db.parent / "admin-token"
+
+    def load_tls(self) -> ServerTls | None:
+        """The checked TLS material, or None for plaintext (warned about off loopback)."""
+        if self.tls_cert is None:
+            if not is_loopback(self.listen.rpartition(":")[0]):
+                log.warning("serving plaintext on `%s` (--insecure): tokens and job specs cross the network in the clear", self.listen)
+            return None
+        return load_server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -117,6 +147,7 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Run the coordinator until SIGINT/SIGTERM (or `stop` is set)."""
+    tls = config.load_tls()
     work = WorkSignal()
     store = Store(config.db, lease_ttl=config.lease_ttl, max_attempts=config.max_attempts, on_work=work.notify)
     try:
@@ -130,13 +161,15 @@ async def serve(
             ("grpc.so_reuseport", 0),
             *config.extra_options,
         ]
-        server = grpc.aio.server(interceptors=[AuthInterceptor(store.principal)], options=options)
+        limiter = FailureLimiter(limit=config.auth_failure_limit, window=config.auth_failure_window)
+        gate = Gate(store.authenticate, limiter, mtls=tls is not None and tls.mtls)
+        server = grpc.aio.server(interceptors=[AuthInterceptor(gate)], options=options)
         provider_pb2_grpc.add_ProviderServiceServicer_to_server(
             ProviderService(store, artifacts, work, max_wait=config.max_wait, retry_after=config.retry_after), server
         )
         admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store), server)
         try:
-            port = server.add_insecure_port(config.listen)
+            port = server.add_secure_port(config.listen, tls.credentials()) if tls else server.add_insecure_port(config.listen)
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on `{config.listen}`: {exc}\nhint: is another coordinator running there?") from None
         if not port:
@@ -154,6 +187,8 @@ async def serve(
                 "artifacts": str(artifacts.root),
                 "admin_token": how,
                 "admin_token_file": None if how == "given" else str(config.token_file),
+                "tls": tls is not None,
+                "mtls": tls is not None and tls.mtls,
             }
         )
         stop = stop or asyncio.Event()

@@ -16,7 +16,7 @@ from ..proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2, provider_
 from .artifacts import ArtifactRecord, ArtifactStore, check_kind, check_name, check_sha256
 from .auth import current_principal
 from .policy import BACKENDS, PROTOCOL_VERSION, check_features, check_version
-from .store import Grant, Progress, Registration, RunRow, RunSpecData, Store, Upgrade
+from .store import Grant, Progress, ProviderRow, Registration, RunRow, RunSpecData, Store, Upgrade
 
 _LAUNCH_MODES = {provider_pb2.LAUNCH_MODE_DOCKER, provider_pb2.LAUNCH_MODE_NATIVE}
 _PHASES = set(provider_pb2.Phase.values())
@@ -38,6 +38,20 @@ def artifact_pb(a: ArtifactRecord | None) -> provider_pb2.Artifact | None:
     if a is None:
         return None
     return provider_pb2.Artifact(name=a.name, kind=a.kind, sha256=a.sha256, size_bytes=a.size_bytes, uri=a.uri, step=a.step)
+
+
+def provider_pb(p: ProviderRow) -> admin_pb2.ProviderInfo:
+    caps = provider_pb2.DeviceCapabilities.FromString(p.capabilities) if p.capabilities else None
+    return admin_pb2.ProviderInfo(
+        provider_id=p.provider_id,
+        name=p.name,
+        client_version=p.client_version,
+        launch_mode=p.launch_mode,
+        capabilities=caps,
+        last_seen_unix=int(p.last_seen_unix or 0),
+        identity=p.identity,
+        revoked_unix=int(p.revoked_unix or 0),
+    )
 
 
 def run_pb(run: RunRow) -> admin_pb2.Run:
@@ -266,24 +280,19 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.ApproveVersionResponse(run=run_pb(self.store.approve_version(request.run_id, request.version)))
 
     async def CreateProvider(self, request, context):
-        _, token = self.store.create_provider(request.name)
-        return admin_pb2.CreateProviderResponse(token=token)
+        provider_id, token = self.store.create_provider(request.name)
+        return admin_pb2.CreateProviderResponse(token=token, provider_id=provider_id)
 
     async def ListProviders(self, request, context):
-        out = []
-        for p in self.store.list_providers():
-            caps = provider_pb2.DeviceCapabilities.FromString(p.capabilities) if p.capabilities else None
-            out.append(
-                admin_pb2.ProviderInfo(
-                    provider_id=p.provider_id,
-                    name=p.name,
-                    client_version=p.client_version,
-                    launch_mode=p.launch_mode,
-                    capabilities=caps,
-                    last_seen_unix=int(p.last_seen_unix or 0),
-                )
-            )
-        return admin_pb2.ListProvidersResponse(providers=out)
+        return admin_pb2.ListProvidersResponse(providers=[provider_pb(p) for p in self.store.list_providers()])
+
+    async def RevokeProvider(self, request, context):
+        aborted = self.store.revoke_provider(request.provider_id)
+        return admin_pb2.RevokeProviderResponse(provider=provider_pb(self.store.get_provider(request.provider_id)), aborted_leases=aborted)
+
+    async def RotateProviderToken(self, request, context):
+        token, expires = self.store.rotate_token(request.provider_id, request.grace_seconds)
+        return admin_pb2.RotateProviderTokenResponse(token=token, old_token_expires_unix=math.ceil(expires))
 
     async def CancelJob(self, request, context):
         return admin_pb2.CancelJobResponse(job_state=self.store.cancel_job(request.job_id))

@@ -14,6 +14,7 @@ from ..errors import (
     NotFoundError,
     PermissionDeniedError,
     PolicyError,
+    RateLimitedError,
     StaleLeaseError,
 )
 
@@ -21,6 +22,7 @@ from ..errors import (
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (RateLimitedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (DataError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -42,6 +44,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 # The reverse direction, for clients: a refused call becomes the matching error class.
+# RESOURCE_EXHAUSTED is left out: grpc also answers it for an oversized message, so a
+# client cannot tell a rate limit from it by the code alone (`grpc_code` still says it).
 _ERRORS: dict[grpc.StatusCode, type[DflashError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,

@@ -15,16 +15,32 @@ Job states: ``queued`` -> ``leased`` (-> ``cancelling``) -> ``succeeded`` |
 ``failed`` | ``cancelled``, or back to ``queued`` when an attempt expires or
 ends retryable (at most ``max_attempts`` attempts, then ``failed``).
 Attempt states: ``live``, ``succeeded``, ``failed``, ``cancelled``,
-``retryable``, ``expired``.
+``retryable``, ``expired``, ``revoked`` (its provider was revoked; the job is
+requeued like an expired one).
 
 Provider tokens and the admin token are stored only as sha256 digests; the
 tokens are 256-bit random strings, so a fast hash is enough (no password
-stretching is needed against a brute force of 2**256).
+stretching is needed against a brute force of 2**256). Tokens are found by
+their digest in an in-memory table (no database read per call) and the stored
+digest is then compared with `hmac.compare_digest`; the lookup's timing can
+only tell a caller about the digest of its own guess.
+
+Token lifecycle: `rotate_token` gives a provider a new token and keeps the old
+digest in ``retired_tokens`` until the grace period ends (then it is refused,
+with a message saying so); `revoke_provider` refuses every token of the
+provider at once and ends its live attempts as ``revoked``, so the next
+heartbeat, artifact report or finish on those leases is ABORTED. A provider's
+``identity`` is the name it was created with (an mTLS client certificate's CN
+must equal it); ``name`` is what it last registered as.
+
+Schema migrations: ``meta.schema_version`` names the layout; an older database
+is upgraded in place, in one transaction, when it is opened (`_MIGRATIONS`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import secrets
 import sqlite3
@@ -35,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import (
+    AuthenticationError,
     ConfigError,
     ConflictError,
     InvalidRequestError,
@@ -56,10 +73,12 @@ from .policy import (
     local_ranks,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_JOBS_PER_RUN = 10_000
 MAX_SPEC_JSON_BYTES = 1 << 20
 FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
+DEFAULT_ROTATE_GRACE_SECONDS = 3600
+MAX_ROTATE_GRACE_SECONDS = 30 * 24 * 3600
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -97,7 +116,15 @@ CREATE TABLE IF NOT EXISTS providers (
   features TEXT NOT NULL DEFAULT '[]',
   capabilities BLOB,
   registered_unix REAL,
-  last_seen_unix REAL
+  last_seen_unix REAL,
+  identity TEXT NOT NULL DEFAULT '',
+  revoked_unix REAL
+);
+CREATE TABLE IF NOT EXISTS retired_tokens (
+  token_sha256 TEXT PRIMARY KEY,
+  provider_id TEXT NOT NULL REFERENCES providers(provider_id),
+  retired_unix REAL NOT NULL,
+  expires_unix REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS jobs (
   seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -145,6 +172,24 @@ CREATE TABLE IF NOT EXISTS artifacts (
   PRIMARY KEY (job_id, name)
 );
 """
+
+
+def _migrate_1_to_2(db: sqlite3.Connection) -> None:
+    # Version 1 had no token lifecycle and kept only the registered name, which
+    # Register overwrites: the best guess at a provider's created name is its
+    # current one (re-create the provider where that is not its certificate CN).
+    # `retired_tokens` is created by _SCHEMA (IF NOT EXISTS) before this runs.
+    db.execute("ALTER TABLE providers ADD COLUMN identity TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE providers ADD COLUMN revoked_unix REAL")
+    db.execute("UPDATE providers SET identity=name")
+
+
+# version -> the step that upgrades a database of that version to the next one.
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2}
+
+UNKNOWN_TOKEN = "unknown bearer token\nhint: ask the coordinator's admin for a provider token"
+REVOKED_TOKEN = "this provider's token was revoked\nhint: ask the coordinator's admin for a new provider token"
+GRACE_ENDED = "this token was replaced by `providers rotate` and its grace period has ended\nhint: use the provider's new token"
 
 
 def hash_token(token: str) -> str:
@@ -246,6 +291,17 @@ class Principal:
 
     admin: bool
     provider_id: str = ""
+    # The name the provider was created with (what an mTLS certificate's CN must be).
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class _Token:
+    """One accepted token digest: whose it is and until when (None: until rotated or revoked)."""
+
+    digest: str
+    principal: Principal
+    expires_unix: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,6 +325,8 @@ class ProviderRow:
     launch_mode: int
     capabilities: bytes | None
     last_seen_unix: float | None
+    identity: str = ""
+    revoked_unix: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,16 +401,31 @@ class Store:
             self.db.execute("PRAGMA busy_timeout=5000")
             self.db.executescript(_SCHEMA)
             row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                self.db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            else:
+                self._migrate(int(row[0]))
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"cannot open coordinator database `{self.path}`: {exc}") from None
-        if row is None:
-            self.db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) != SCHEMA_VERSION:
-            raise ConfigError(
-                f"coordinator database `{self.path}` has schema version {row[0]}, this coordinator uses {SCHEMA_VERSION}"
-            )
-        self._tokens: dict[str, Principal] = {}
+        self._tokens: dict[str, _Token] = {}
+        # Digests refused with a specific reason (revoked, grace ended) instead of "unknown".
+        self._refused: dict[str, str] = {}
         self._load_tokens()
+
+    def _migrate(self, version: int) -> None:
+        """Upgrade a database at schema `version` to SCHEMA_VERSION in one transaction."""
+        if version > SCHEMA_VERSION or (version < SCHEMA_VERSION and version not in _MIGRATIONS):
+            raise ConfigError(
+                f"coordinator database `{self.path}` has schema version {version}, this coordinator uses {SCHEMA_VERSION}"
+                + ("\nhint: it was written by a newer coordinator; run that one" if version > SCHEMA_VERSION else "")
+            )
+        if version == SCHEMA_VERSION:
+            return
+        with self._tx() as db:
+            while version < SCHEMA_VERSION:
+                _MIGRATIONS[version](db)
+                version += 1
+            db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(version),))
 
     def close(self) -> None:
         self.db.close()
@@ -370,10 +443,28 @@ class Store:
     # --- tokens ---------------------------------------------------------
 
     def _load_tokens(self) -> None:
-        self._tokens = {h: Principal(admin=False, provider_id=p) for p, h in self.db.execute("SELECT provider_id, token_sha256 FROM providers")}
+        """Rebuild the in-memory token table from the database (startup and admin-token changes)."""
+        now = self.clock()
+        tokens: dict[str, _Token] = {}
+        refused: dict[str, str] = {}
+        for pid, identity, digest, revoked in self.db.execute("SELECT provider_id, identity, token_sha256, revoked_unix FROM providers"):
+            if revoked is not None:
+                refused[digest] = REVOKED_TOKEN
+            else:
+                tokens[digest] = _Token(digest, Principal(admin=False, provider_id=pid, name=identity))
+        for digest, pid, expires, identity, revoked in self.db.execute(
+            "SELECT t.token_sha256, t.provider_id, t.expires_unix, p.identity, p.revoked_unix FROM retired_tokens t JOIN providers p USING (provider_id)"
+        ):
+            if revoked is not None:
+                refused[digest] = REVOKED_TOKEN
+            elif expires <= now:
+                refused[digest] = GRACE_ENDED
+            else:
+                tokens[digest] = _Token(digest, Principal(admin=False, provider_id=pid, name=identity), expires)
         row = self.db.execute("SELECT value FROM meta WHERE key='admin_token_sha256'").fetchone()
         if row:
-            self._tokens[row[0]] = Principal(admin=True)
+            tokens[row[0]] = _Token(row[0], Principal(admin=True))
+        self._tokens, self._refused = tokens, refused
 
     def has_admin_token(self) -> bool:
         return self.db.execute("SELECT 1 FROM meta WHERE key='admin_token_sha256'").fetchone() is not None
@@ -386,9 +477,24 @@ class Store:
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('admin_token_sha256', ?)", (hash_token(token),))
         self._load_tokens()
 
+    def authenticate(self, token: str) -> Principal:
+        """Who `token` belongs to; raises `AuthenticationError` (saying why) for a token that is not valid now."""
+        digest = hash_token(token)
+        entry = self._tokens.get(digest)
+        if entry is None or not hmac.compare_digest(entry.digest, digest):
+            raise AuthenticationError(self._refused.get(digest, UNKNOWN_TOKEN))
+        if entry.expires_unix is not None and entry.expires_unix <= self.clock():
+            del self._tokens[digest]
+            self._refused[digest] = GRACE_ENDED
+            raise AuthenticationError(GRACE_ENDED)
+        return entry.principal
+
     def principal(self, token: str) -> Principal | None:
-        """Who `token` belongs to, or None for an unknown token."""
-        return self._tokens.get(hash_token(token))
+        """Who `token` belongs to, or None for a token that is not valid now."""
+        try:
+            return self.authenticate(token)
+        except AuthenticationError:
+            return None
 
     # --- runs -----------------------------------------------------------
 
@@ -477,13 +583,74 @@ class Store:
             raise InvalidRequestError("`name` must be 1-200 printable characters")
         token = new_token()
         provider_id = _new_id("prov")
+        digest = hash_token(token)
         with self._tx() as db:
             db.execute(
-                "INSERT INTO providers(provider_id, name, token_sha256, created_unix) VALUES (?,?,?,?)",
-                (provider_id, name, hash_token(token), self.clock()),
+                "INSERT INTO providers(provider_id, name, identity, token_sha256, created_unix) VALUES (?,?,?,?,?)",
+                (provider_id, name, name, digest, self.clock()),
             )
-        self._tokens[hash_token(token)] = Principal(admin=False, provider_id=provider_id)
+        self._tokens[digest] = _Token(digest, Principal(admin=False, provider_id=provider_id, name=name))
         return provider_id, token
+
+    def _provider_state(self, provider_id: str) -> tuple[str, str, float | None]:
+        """`(identity, token_sha256, revoked_unix)` of a provider; NOT_FOUND if there is none."""
+        r = self.db.execute("SELECT identity, token_sha256, revoked_unix FROM providers WHERE provider_id=?", (provider_id[:200],)).fetchone()
+        if r is None:
+            raise NotFoundError(f"no provider `{provider_id[:80]}`\nhint: `dflash-coordinator providers list` shows the provider ids")
+        return r
+
+    def rotate_token(self, provider_id: str, grace_seconds: float) -> tuple[str, float]:
+        """Give a provider a new token; the old one keeps working for `grace_seconds`.
+
+        Returns `(new_token, old_token_expires_unix)`. A grace of 0 refuses the
+        old token at once. Tokens still in an earlier rotation's grace period
+        keep their own end.
+        """
+        if not 0 <= grace_seconds <= MAX_ROTATE_GRACE_SECONDS:
+            raise InvalidRequestError(f"`grace_seconds` must be 0-{MAX_ROTATE_GRACE_SECONDS}, got {grace_seconds}")
+        identity, old, revoked = self._provider_state(provider_id)
+        if revoked is not None:
+            raise PolicyError(f"provider `{provider_id}` is revoked; its token cannot be rotated\nhint: create a new provider")
+        token = new_token()
+        digest = hash_token(token)
+        now = self.clock()
+        expires = now + grace_seconds
+        with self._tx() as db:
+            db.execute("UPDATE providers SET token_sha256=? WHERE provider_id=?", (digest, provider_id))
+            db.execute(
+                "INSERT INTO retired_tokens(token_sha256, provider_id, retired_unix, expires_unix) VALUES (?,?,?,?)",
+                (old, provider_id, now, expires),
+            )
+        principal = Principal(admin=False, provider_id=provider_id, name=identity)
+        if grace_seconds > 0:
+            self._tokens[old] = _Token(old, principal, expires)
+        else:
+            self._tokens.pop(old, None)
+            self._refused[old] = GRACE_ENDED
+        self._tokens[digest] = _Token(digest, principal)
+        return token, expires
+
+    def revoke_provider(self, provider_id: str) -> int:
+        """Refuse every token of a provider from now on and end its live attempts; returns how many were ended.
+
+        Their jobs go back to the queue (or fail at `max_attempts`, or end
+        cancelled if a cancel was pending), so another provider takes them up;
+        the revoked provider's next write on those leases is ABORTED. Revoking
+        twice changes nothing.
+        """
+        self._provider_state(provider_id)
+        now = self.clock()
+        with self._tx() as db:
+            db.execute("UPDATE providers SET revoked_unix=? WHERE provider_id=? AND revoked_unix IS NULL", (now, provider_id))
+            live = db.execute("SELECT attempt_id, job_id FROM attempts WHERE provider_id=? AND state='live'", (provider_id,)).fetchall()
+            states = [self._end_attempt(db, a, j, "revoked", f"provider `{provider_id}` was revoked", now) for a, j in live]
+        digests = [d for d, t in self._tokens.items() if t.principal.provider_id == provider_id and not t.principal.admin]
+        for d in digests:
+            del self._tokens[d]
+            self._refused[d] = REVOKED_TOKEN
+        if "queued" in states:
+            self.on_work()
+        return len(live)
 
     def register(self, provider_id: str, reg: Registration) -> None:
         now = self.clock()
@@ -509,11 +676,20 @@ class Store:
             if cur.rowcount != 1:
                 raise NotFoundError(f"no provider `{provider_id}`")
 
+    _PROVIDER_COLS = "provider_id, name, client_version, launch_mode, capabilities, last_seen_unix, identity, revoked_unix"
+
+    @staticmethod
+    def _provider_row(r) -> ProviderRow:
+        return ProviderRow(
+            provider_id=r[0], name=r[1], client_version=r[2], launch_mode=r[3], capabilities=r[4], last_seen_unix=r[5], identity=r[6], revoked_unix=r[7]
+        )
+
     def list_providers(self) -> list[ProviderRow]:
-        return [
-            ProviderRow(provider_id=r[0], name=r[1], client_version=r[2], launch_mode=r[3], capabilities=r[4], last_seen_unix=r[5])
-            for r in self.db.execute("SELECT provider_id, name, client_version, launch_mode, capabilities, last_seen_unix FROM providers ORDER BY seq")
-        ]
+        return [self._provider_row(r) for r in self.db.execute(f"SELECT {self._PROVIDER_COLS} FROM providers ORDER BY seq")]
+
+    def get_provider(self, provider_id: str) -> ProviderRow:
+        self._provider_state(provider_id)
+        return self._provider_row(self.db.execute(f"SELECT {self._PROVIDER_COLS} FROM providers WHERE provider_id=?", (provider_id,)).fetchone())
 
     def _profile(self, provider_id: str) -> ProviderProfile:
         r = self.db.execute(

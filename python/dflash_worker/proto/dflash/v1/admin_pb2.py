@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dflash_worker.proto.dflash.v1 import provider_pb2 as dflash_dot_v1_dot_provider__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x66lash/v1/admin.proto\x12\tdflash.v1\x1a\x18\x64\x66lash/v1/provider.proto\"\xbb\x01\n\x07RunSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\x12\x1f\n\x17required_client_version\x18\x03 \x01(\t\x12\x19\n\x11\x63heckpoint_policy\x18\x04 \x01(\t\x12\x17\n\x0fmax_local_ranks\x18\x05 \x01(\r\x12\x19\n\x11required_features\x18\x06 \x03(\t\x12\r\n\x05image\x18\x07 \x01(\t\x12\x10\n\x08num_jobs\x18\x08 \x01(\r\"\xd4\x01\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.dflash.v1.RunSpec\x12 \n\x18\x61pproved_native_versions\x18\x03 \x03(\t\x12\x14\n\x0c\x63reated_unix\x18\x04 \x01(\x03\x12\x31\n\njob_states\x18\x05 \x03(\x0b\x32\x1d.dflash.v1.Run.JobStatesEntry\x1a\x30\n\x0eJobStatesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"4\n\x10\x43reateRunRequest\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.dflash.v1.RunSpec\"0\n\x11\x43reateRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.dflash.v1.Run\"\x11\n\x0fListRunsRequest\"0\n\x10ListRunsResponse\x12\x1c\n\x04runs\x18\x01 \x03(\x0b\x32\x0e.dflash.v1.Run\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"b\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\r\x12&\n\tartifacts\x18\x04 \x03(\x0b\x32\x13.dflash.v1.Artifact\"O\n\x0eGetRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.dflash.v1.Run\x12 \n\x04jobs\x18\x02 \x03(\x0b\x32\x12.dflash.v1.JobInfo\"8\n\x15\x41pproveVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"5\n\x16\x41pproveVersionResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.dflash.v1.Run\"%\n\x15\x43reateProviderRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\'\n\x16\x43reateProviderResponse\x12\r\n\x05token\x18\x01 \x01(\t\"\xc2\x01\n\x0cProviderInfo\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x03 \x01(\t\x12*\n\x0blaunch_mode\x18\x04 \x01(\x0e\x32\x15.dflash.v1.LaunchMode\x12\x33\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x1d.dflash.v1.DeviceCapabilities\x12\x16\n\x0elast_seen_unix\x18\x06 \x01(\x03\"\x16\n\x14ListProvidersRequest\"C\n\x15ListProvidersResponse\x12*\n\tproviders\x18\x01 \x03(\x0b\x32\x17.dflash.v1.ProviderInfo\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"&\n\x11\x43\x61ncelJobResponse\x12\x11\n\tjob_state\x18\x01 \x01(\t\"*\n\x18RequestCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\".\n\x19RequestCheckpointResponse\x12\x11\n\tjob_state\x18\x01 \x01(\t2\x84\x05\n\x0c\x41\x64minService\x12\x46\n\tCreateRun\x12\x1b.dflash.v1.CreateRunRequest\x1a\x1c.dflash.v1.CreateRunResponse\x12\x43\n\x08ListRuns\x12\x1a.dflash.v1.ListRunsRequest\x1a\x1b.dflash.v1.ListRunsResponse\x12=\n\x06GetRun\x12\x18.dflash.v1.GetRunRequest\x1a\x19.dflash.v1.GetRunResponse\x12U\n\x0e\x41pproveVersion\x12 .dflash.v1.ApproveVersionRequest\x1a!.dflash.v1.ApproveVersionResponse\x12U\n\x0e\x43reateProvider\x12 .dflash.v1.CreateProviderRequest\x1a!.dflash.v1.CreateProviderResponse\x12R\n\rListProviders\x12\x1f.dflash.v1.ListProvidersRequest\x1a .dflash.v1.ListProvidersResponse\x12\x46\n\tCancelJob\x12\x1b.dflash.v1.CancelJobRequest\x1a\x1c.dflash.v1.CancelJobResponse\x12^\n\x11RequestCheckpoint\x12#.dflash.v1.RequestCheckpointRequest\x1a$.dflash.v1.RequestCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x66lash/v1/admin.proto\x12\tdflash.v1\x1a\x18\x64\x66lash/v1/provider.proto\"\xbb\x01\n\x07RunSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\x12\x1f\n\x17required_client_version\x18\x03 \x01(\t\x12\x19\n\x11\x63heckpoint_policy\x18\x04 \x01(\t\x12\x17\n\x0fmax_local_ranks\x18\x05 \x01(\r\x12\x19\n\x11required_features\x18\x06 \x03(\t\x12\r\n\x05image\x18\x07 \x01(\t\x12\x10\n\x08num_jobs\x18\x08 \x01(\r\"\xd4\x01\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12 \n\x04spec\x18\x02 \x01(\x0b\x32\x12.dflash.v1.RunSpec\x12 \n\x18\x61pproved_native_versions\x18\x03 \x03(\t\x12\x14\n\x0c\x63reated_unix\x18\x04 \x01(\x03\x12\x31\n\njob_states\x18\x05 \x03(\x0b\x32\x1d.dflash.v1.Run.JobStatesEntry\x1a\x30\n\x0eJobStatesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"4\n\x10\x43reateRunRequest\x12 \n\x04spec\x18\x01 \x01(\x0b\x32\x12.dflash.v1.RunSpec\"0\n\x11\x43reateRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.dflash.v1.Run\"\x11\n\x0fListRunsRequest\"0\n\x10ListRunsResponse\x12\x1c\n\x04runs\x18\x01 \x03(\x0b\x32\x0e.dflash.v1.Run\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"b\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\r\x12&\n\tartifacts\x18\x04 \x03(\x0b\x32\x13.dflash.v1.Artifact\"O\n\x0eGetRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.dflash.v1.Run\x12 \n\x04jobs\x18\x02 \x03(\x0b\x32\x12.dflash.v1.JobInfo\"8\n\x15\x41pproveVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"5\n\x16\x41pproveVersionResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.dflash.v1.Run\"%\n\x15\x43reateProviderRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x16\x43reateProviderResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x13\n\x0bprovider_id\x18\x02 \x01(\t\"\xea\x01\n\x0cProviderInfo\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x03 \x01(\t\x12*\n\x0blaunch_mode\x18\x04 \x01(\x0e\x32\x15.dflash.v1.LaunchMode\x12\x33\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x1d.dflash.v1.DeviceCapabilities\x12\x16\n\x0elast_seen_unix\x18\x06 \x01(\x03\x12\x10\n\x08identity\x18\x07 \x01(\t\x12\x14\n\x0crevoked_unix\x18\x08 \x01(\x03\"\x16\n\x14ListProvidersRequest\"C\n\x15ListProvidersResponse\x12*\n\tproviders\x18\x01 \x03(\x0b\x32\x17.dflash.v1.ProviderInfo\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"&\n\x11\x43\x61ncelJobResponse\x12\x11\n\tjob_state\x18\x01 \x01(\t\"*\n\x18RequestCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\".\n\x19RequestCheckpointResponse\x12\x11\n\tjob_state\x18\x01 \x01(\t\",\n\x15RevokeProviderRequest\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\"[\n\x16RevokeProviderResponse\x12)\n\x08provider\x18\x01 \x01(\x0b\x32\x17.dflash.v1.ProviderInfo\x12\x16\n\x0e\x61\x62orted_leases\x18\x02 \x01(\r\"H\n\x1aRotateProviderTokenRequest\x12\x13\n\x0bprovider_id\x18\x01 \x01(\t\x12\x15\n\rgrace_seconds\x18\x02 \x01(\r\"L\n\x1bRotateProviderTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x1e\n\x16old_token_expires_unix\x18\x02 \x01(\x03\x32\xc1\x06\n\x0c\x41\x64minService\x12\x46\n\tCreateRun\x12\x1b.dflash.v1.CreateRunRequest\x1a\x1c.dflash.v1.CreateRunResponse\x12\x43\n\x08ListRuns\x12\x1a.dflash.v1.ListRunsRequest\x1a\x1b.dflash.v1.ListRunsResponse\x12=\n\x06GetRun\x12\x18.dflash.v1.GetRunRequest\x1a\x19.dflash.v1.GetRunResponse\x12U\n\x0e\x41pproveVersion\x12 .dflash.v1.ApproveVersionRequest\x1a!.dflash.v1.ApproveVersionResponse\x12U\n\x0e\x43reateProvider\x12 .dflash.v1.CreateProviderRequest\x1a!.dflash.v1.CreateProviderResponse\x12R\n\rListProviders\x12\x1f.dflash.v1.ListProvidersRequest\x1a .dflash.v1.ListProvidersResponse\x12\x46\n\tCancelJob\x12\x1b.dflash.v1.CancelJobRequest\x1a\x1c.dflash.v1.CancelJobResponse\x12^\n\x11RequestCheckpoint\x12#.dflash.v1.RequestCheckpointRequest\x1a$.dflash.v1.RequestCheckpointResponse\x12U\n\x0eRevokeProvider\x12 .dflash.v1.RevokeProviderRequest\x1a!.dflash.v1.RevokeProviderResponse\x12\x64\n\x13RotateProviderToken\x12%.dflash.v1.RotateProviderTokenRequest\x1a&.dflash.v1.RotateProviderTokenResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -61,21 +61,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEPROVIDERREQUEST']._serialized_start=967
   _globals['_CREATEPROVIDERREQUEST']._serialized_end=1004
   _globals['_CREATEPROVIDERRESPONSE']._serialized_start=1006
-  _globals['_CREATEPROVIDERRESPONSE']._serialized_end=1045
-  _globals['_PROVIDERINFO']._serialized_start=1048
-  _globals['_PROVIDERINFO']._serialized_end=1242
-  _globals['_LISTPROVIDERSREQUEST']._serialized_start=1244
-  _globals['_LISTPROVIDERSREQUEST']._serialized_end=1266
-  _globals['_LISTPROVIDERSRESPONSE']._serialized_start=1268
-  _globals['_LISTPROVIDERSRESPONSE']._serialized_end=1335
-  _globals['_CANCELJOBREQUEST']._serialized_start=1337
-  _globals['_CANCELJOBREQUEST']._serialized_end=1371
-  _globals['_CANCELJOBRESPONSE']._serialized_start=1373
-  _globals['_CANCELJOBRESPONSE']._serialized_end=1411
-  _globals['_REQUESTCHECKPOINTREQUEST']._serialized_start=1413
-  _globals['_REQUESTCHECKPOINTREQUEST']._serialized_end=1455
-  _globals['_REQUESTCHECKPOINTRESPONSE']._serialized_start=1457
-  _globals['_REQUESTCHECKPOINTRESPONSE']._serialized_end=1503
-  _globals['_ADMINSERVICE']._serialized_start=1506
-  _globals['_ADMINSERVICE']._serialized_end=2150
+  _globals['_CREATEPROVIDERRESPONSE']._serialized_end=1066
+  _globals['_PROVIDERINFO']._serialized_start=1069
+  _globals['_PROVIDERINFO']._serialized_end=1303
+  _globals['_LISTPROVIDERSREQUEST']._serialized_start=1305
+  _globals['_LISTPROVIDERSREQUEST']._serialized_end=1327
+  _globals['_LISTPROVIDERSRESPONSE']._serialized_start=1329
+  _globals['_LISTPROVIDERSRESPONSE']._serialized_end=1396
+  _globals['_CANCELJOBREQUEST']._serialized_start=1398
+  _globals['_CANCELJOBREQUEST']._serialized_end=1432
+  _globals['_CANCELJOBRESPONSE']._serialized_start=1434
+  _globals['_CANCELJOBRESPONSE']._serialized_end=1472
+  _globals['_REQUESTCHECKPOINTREQUEST']._serialized_start=1474
+  _globals['_REQUESTCHECKPOINTREQUEST']._serialized_end=1516
+  _globals['_REQUESTCHECKPOINTRESPONSE']._serialized_start=1518
+  _globals['_REQUESTCHECKPOINTRESPONSE']._serialized_end=1564
+  _globals['_REVOKEPROVIDERREQUEST']._serialized_start=1566
+  _globals['_REVOKEPROVIDERREQUEST']._serialized_end=1610
+  _globals['_REVOKEPROVIDERRESPONSE']._serialized_start=1612
+  _globals['_REVOKEPROVIDERRESPONSE']._serialized_end=1703
+  _globals['_ROTATEPROVIDERTOKENREQUEST']._serialized_start=1705
+  _globals['_ROTATEPROVIDERTOKENREQUEST']._serialized_end=1777
+  _globals['_ROTATEPROVIDERTOKENRESPONSE']._serialized_start=1779
+  _globals['_ROTATEPROVIDERTOKENRESPONSE']._serialized_end=1855
+  _globals['_ADMINSERVICE']._serialized_start=1858
+  _globals['_ADMINSERVICE']._serialized_end=2691
 # @@protoc_insertion_point(module_scope)

@@ -117,26 +117,32 @@ class CreateProviderRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class CreateProviderResponse(_message.Message):
-    __slots__ = ("token",)
+    __slots__ = ("token", "provider_id")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     token: str
-    def __init__(self, token: _Optional[str] = ...) -> None: ...
+    provider_id: str
+    def __init__(self, token: _Optional[str] = ..., provider_id: _Optional[str] = ...) -> None: ...
 
 class ProviderInfo(_message.Message):
-    __slots__ = ("provider_id", "name", "client_version", "launch_mode", "capabilities", "last_seen_unix")
+    __slots__ = ("provider_id", "name", "client_version", "launch_mode", "capabilities", "last_seen_unix", "identity", "revoked_unix")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_MODE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_UNIX_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     name: str
     client_version: str
     launch_mode: _provider_pb2.LaunchMode
     capabilities: _provider_pb2.DeviceCapabilities
     last_seen_unix: int
-    def __init__(self, provider_id: _Optional[str] = ..., name: _Optional[str] = ..., client_version: _Optional[str] = ..., launch_mode: _Optional[_Union[_provider_pb2.LaunchMode, str]] = ..., capabilities: _Optional[_Union[_provider_pb2.DeviceCapabilities, _Mapping]] = ..., last_seen_unix: _Optional[int] = ...) -> None: ...
+    identity: str
+    revoked_unix: int
+    def __init__(self, provider_id: _Optional[str] = ..., name: _Optional[str] = ..., client_version: _Optional[str] = ..., launch_mode: _Optional[_Union[_provider_pb2.LaunchMode, str]] = ..., capabilities: _Optional[_Union[_provider_pb2.DeviceCapabilities, _Mapping]] = ..., last_seen_unix: _Optional[int] = ..., identity: _Optional[str] = ..., revoked_unix: _Optional[int] = ...) -> None: ...
 
 class ListProvidersRequest(_message.Message):
     __slots__ = ()
@@ -171,3 +177,33 @@ class RequestCheckpointResponse(_message.Message):
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     job_state: str
     def __init__(self, job_state: _Optional[str] = ...) -> None: ...
+
+class RevokeProviderRequest(_message.Message):
+    __slots__ = ("provider_id",)
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    def __init__(self, provider_id: _Optional[str] = ...) -> None: ...
+
+class RevokeProviderResponse(_message.Message):
+    __slots__ = ("provider", "aborted_leases")
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    provider: ProviderInfo
+    aborted_leases: int
+    def __init__(self, provider: _Optional[_Union[ProviderInfo, _Mapping]] = ..., aborted_leases: _Optional[int] = ...) -> None: ...
+
+class RotateProviderTokenRequest(_message.Message):
+    __slots__ = ("provider_id", "grace_seconds")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    grace_seconds: int
+    def __init__(self, provider_id: _Optional[str] = ..., grace_seconds: _Optional[int] = ...) -> None: ...
+
+class RotateProviderTokenResponse(_message.Message):
+    __slots__ = ("token", "old_token_expires_unix")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OLD_TOKEN_EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    old_token_expires_unix: int
+    def __init__(self, token: _Optional[str] = ..., old_token_expires_unix: _Optional[int] = ...) -> None: ...

@@ -74,6 +74,16 @@ class AdminServiceStub:
                 request_serializer=dflash_dot_v1_dot_admin__pb2.RequestCheckpointRequest.SerializeToString,
                 response_deserializer=dflash_dot_v1_dot_admin__pb2.RequestCheckpointResponse.FromString,
                 _registered_method=True)
+        self.RevokeProvider = channel.unary_unary(
+                '/dflash.v1.AdminService/RevokeProvider',
+                request_serializer=dflash_dot_v1_dot_admin__pb2.RevokeProviderRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_admin__pb2.RevokeProviderResponse.FromString,
+                _registered_method=True)
+        self.RotateProviderToken = channel.unary_unary(
+                '/dflash.v1.AdminService/RotateProviderToken',
+                request_serializer=dflash_dot_v1_dot_admin__pb2.RotateProviderTokenRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_admin__pb2.RotateProviderTokenResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -130,6 +140,21 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RevokeProvider(self, request, context):
+        """Refuse a provider's tokens and abort its live leases; NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateProviderToken(self, request, context):
+        """Issue a new token for a provider, the old one valid for a grace period;
+        FAILED_PRECONDITION for a revoked provider.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +197,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.RequestCheckpoint,
                     request_deserializer=dflash_dot_v1_dot_admin__pb2.RequestCheckpointRequest.FromString,
                     response_serializer=dflash_dot_v1_dot_admin__pb2.RequestCheckpointResponse.SerializeToString,
+            ),
+            'RevokeProvider': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeProvider,
+                    request_deserializer=dflash_dot_v1_dot_admin__pb2.RevokeProviderRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_admin__pb2.RevokeProviderResponse.SerializeToString,
+            ),
+            'RotateProviderToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateProviderToken,
+                    request_deserializer=dflash_dot_v1_dot_admin__pb2.RotateProviderTokenRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_admin__pb2.RotateProviderTokenResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +425,60 @@ class AdminService:
             '/dflash.v1.AdminService/RequestCheckpoint',
             dflash_dot_v1_dot_admin__pb2.RequestCheckpointRequest.SerializeToString,
             dflash_dot_v1_dot_admin__pb2.RequestCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeProvider(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.AdminService/RevokeProvider',
+            dflash_dot_v1_dot_admin__pb2.RevokeProviderRequest.SerializeToString,
+            dflash_dot_v1_dot_admin__pb2.RevokeProviderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateProviderToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.AdminService/RotateProviderToken',
+            dflash_dot_v1_dot_admin__pb2.RotateProviderTokenRequest.SerializeToString,
+            dflash_dot_v1_dot_admin__pb2.RotateProviderTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,
