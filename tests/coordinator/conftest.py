@@ -12,6 +12,9 @@ try:
 except ImportError:  # not installed editable (yet): use the checkout's sources
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
+# tests/tls_certs.py (the shared certificate factory) lives one level up.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from coordinator_helpers import CoordinatorProcess, Provider
 
 
@@ -20,10 +23,11 @@ def start_coordinator(tmp_path):
     """Factory: start a coordinator process (killed at teardown)."""
     procs: list[CoordinatorProcess] = []
 
-    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, allowed_roots=()) -> CoordinatorProcess:
+    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, allowed_roots=(), tls=None) -> CoordinatorProcess:
+        """`tls`: the admin client's `ClientTls` for a coordinator started with `--tls-cert`."""
         wd = workdir or tmp_path / f"coord{len(procs)}"
         wd.mkdir(parents=True, exist_ok=True)
-        p = CoordinatorProcess(wd, *args, lease_ttl=lease_ttl, allowed_roots=allowed_roots)
+        p = CoordinatorProcess(wd, *args, lease_ttl=lease_ttl, allowed_roots=allowed_roots, tls=tls)
         procs.append(p)
         return p
 

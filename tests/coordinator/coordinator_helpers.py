@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from dflash_worker.coordinator.client import AdminClient
+from dflash_worker.coordinator.tls import ClientTls
 from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2, provider_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,8 +34,9 @@ def subprocess_env() -> dict[str, str]:
 class CoordinatorProcess:
     """`python -m dflash_worker.coordinator serve` as a child process."""
 
-    def __init__(self, workdir: Path, *args: str, lease_ttl: float = 30.0, allowed_roots: tuple[Path, ...] = ()):
+    def __init__(self, workdir: Path, *args: str, lease_ttl: float = 30.0, allowed_roots: tuple[Path, ...] = (), tls: ClientTls | None = None):
         self.workdir = workdir
+        self.tls = tls
         self.db = workdir / "coordinator.db"
         self.args = [
             "--db", str(self.db),
@@ -84,8 +86,13 @@ class CoordinatorProcess:
                 self.proc.wait(5)
         return self.proc.returncode
 
+    @property
+    def url(self) -> str:
+        """The address as a client names it: `https://HOST:PORT` when serving TLS."""
+        return f"https://{self.address}" if self.info.get("tls") else self.address
+
     def admin(self) -> AdminClient:
-        return AdminClient(self.address, self.admin_token, timeout=10)
+        return AdminClient(self.url, self.admin_token, timeout=10, tls=self.tls)
 
 
 class HeartbeatStream:
@@ -111,10 +118,9 @@ class HeartbeatStream:
 class Provider:
     """A provider's side of `dflash.v1.ProviderService` over a real channel."""
 
-    def __init__(self, address: str, token: str, *, max_message_bytes: int = 64 << 20):
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
-        )
+    def __init__(self, address: str, token: str, *, max_message_bytes: int = 64 << 20, credentials: grpc.ChannelCredentials | None = None):
+        options = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+        self.channel = grpc.secure_channel(address, credentials, options=options) if credentials else grpc.insecure_channel(address, options=options)
         self.stub = provider_pb2_grpc.ProviderServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.provider_id = ""

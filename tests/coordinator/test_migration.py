@@ -1,0 +1,183 @@
+"""Opening a database written by an older coordinator migrates it in place; a newer one is refused."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from dflash_worker.coordinator.store import SCHEMA_VERSION, Registration, Store, hash_token
+from dflash_worker.errors import AuthenticationError, ConfigError
+
+# The layout schema version 1 had (the coordinator before token rotation and revocation), verbatim.
+SCHEMA_V1 = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  run_id TEXT UNIQUE NOT NULL,
+  name TEXT UNIQUE NOT NULL,
+  spec_json TEXT NOT NULL,
+  required_client_version TEXT NOT NULL,
+  checkpoint_policy TEXT NOT NULL,
+  max_local_ranks INTEGER NOT NULL,
+  required_features TEXT NOT NULL,
+  image TEXT NOT NULL,
+  num_jobs INTEGER NOT NULL,
+  created_unix REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS approved_versions (
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
+  version TEXT NOT NULL,
+  approved_unix REAL NOT NULL,
+  PRIMARY KEY (run_id, version)
+);
+CREATE TABLE IF NOT EXISTS providers (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  provider_id TEXT UNIQUE NOT NULL,
+  name TEXT NOT NULL,
+  token_sha256 TEXT UNIQUE NOT NULL,
+  created_unix REAL NOT NULL,
+  client_version TEXT NOT NULL DEFAULT '',
+  native_client_version TEXT NOT NULL DEFAULT '',
+  launch_mode INTEGER NOT NULL DEFAULT 0,
+  native INTEGER NOT NULL DEFAULT 0,
+  backend TEXT NOT NULL DEFAULT '',
+  device_count INTEGER NOT NULL DEFAULT 0,
+  features TEXT NOT NULL DEFAULT '[]',
+  capabilities BLOB,
+  registered_unix REAL,
+  last_seen_unix REAL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  job_id TEXT UNIQUE NOT NULL,
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
+  state TEXT NOT NULL,
+  attempts INTEGER NOT NULL DEFAULT 0,
+  current_attempt_id TEXT,
+  cancel_requested INTEGER NOT NULL DEFAULT 0,
+  checkpoint_requested INTEGER NOT NULL DEFAULT 0,
+  updated_unix REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, run_id, seq);
+CREATE INDEX IF NOT EXISTS jobs_by_run ON jobs(run_id, seq);
+CREATE TABLE IF NOT EXISTS attempts (
+  attempt_id TEXT PRIMARY KEY,
+  job_id TEXT NOT NULL REFERENCES jobs(job_id),
+  number INTEGER NOT NULL,
+  provider_id TEXT NOT NULL REFERENCES providers(provider_id),
+  lease_id TEXT UNIQUE NOT NULL,
+  state TEXT NOT NULL,
+  lease_expires_unix REAL NOT NULL,
+  started_unix REAL NOT NULL,
+  ended_unix REAL,
+  message TEXT NOT NULL DEFAULT '',
+  phase INTEGER NOT NULL DEFAULT 0,
+  step INTEGER NOT NULL DEFAULT 0,
+  total_steps INTEGER NOT NULL DEFAULT 0,
+  committed_step INTEGER NOT NULL DEFAULT 0,
+  metrics_json TEXT NOT NULL DEFAULT '{}',
+  last_heartbeat_unix REAL
+);
+CREATE INDEX IF NOT EXISTS attempts_live ON attempts(state, lease_expires_unix);
+CREATE TABLE IF NOT EXISTS artifacts (
+  job_id TEXT NOT NULL REFERENCES jobs(job_id),
+  name TEXT NOT NULL,
+  kind TEXT NOT NULL,
+  sha256 TEXT NOT NULL,
+  size_bytes INTEGER NOT NULL,
+  uri TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  attempt_id TEXT NOT NULL,
+  created_unix REAL NOT NULL,
+  seq INTEGER NOT NULL,
+  PRIMARY KEY (job_id, name)
+);
+"""
+
+TOKEN = "v1-provider-token-v1-provider-token-0123456"
+ADMIN = "v1-admin-token-v1-admin-token-0123456789"
+
+
+def _v1_database(path) -> None:
+    """A version-1 database with an admin token, a registered provider (renamed by Register) and a leased job."""
+    db = sqlite3.connect(path, isolation_level=None)
+    db.executescript(SCHEMA_V1)
+    db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', '1'), ('admin_token_sha256', ?)", (hash_token(ADMIN),))
+    db.execute(
+        "INSERT INTO providers(provider_id, name, token_sha256, created_unix, registered_unix, backend) VALUES ('prov-old', 'rig-a', ?, 1, 2, 'cpu')",
+        (hash_token(TOKEN),),
+    )
+    db.execute(
+        "INSERT INTO runs(run_id, name, spec_json, required_client_version, checkpoint_policy, max_local_ranks, required_features, image, num_jobs, created_unix)"
+        " VALUES ('run-old', 'old', '{}', '0.1.0', 'durable', 1, '[]', '', 1, 1)"
+    )
+    db.execute("INSERT INTO jobs(job_id, run_id, state, attempts, current_attempt_id, updated_unix) VALUES ('job-old', 'run-old', 'leased', 1, 'att-old', 1)")
+    db.execute(
+        "INSERT INTO attempts(attempt_id, job_id, number, provider_id, lease_id, state, lease_expires_unix, started_unix)"
+        " VALUES ('att-old', 'job-old', 1, 'prov-old', 'lease-old', 'live', 1e12, 1)"
+    )
+    db.close()
+
+
+def test_a_version_1_database_opens_and_is_migrated(tmp_path):
+    path = tmp_path / "coordinator.db"
+    _v1_database(path)
+    store = Store(path)
+    try:
+        assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+        # Old tokens keep working; the identity is the best guess, the current name.
+        assert store.authenticate(TOKEN).provider_id == "prov-old" and store.authenticate(TOKEN).name == "rig-a"
+        assert store.authenticate(ADMIN).admin
+        (p,) = store.list_providers()
+        assert (p.identity, p.revoked_unix) == ("rig-a", None)
+        # The new lifecycle works on migrated rows: rotate, then revoke ends the live v1 attempt.
+        new, _ = store.rotate_token("prov-old", 60)
+        assert store.authenticate(TOKEN).provider_id == store.authenticate(new).provider_id == "prov-old"
+        assert store.revoke_provider("prov-old") == 1
+        assert store.db.execute("SELECT state FROM jobs WHERE job_id='job-old'").fetchone() == ("queued",)
+        for t in (TOKEN, new):
+            with pytest.raises(AuthenticationError, match="revoked"):
+                store.authenticate(t)
+    finally:
+        store.close()
+    # Migrated once: a second open finds the current version and changes nothing.
+    store = Store(path)
+    try:
+        with pytest.raises(AuthenticationError, match="revoked"):
+            store.authenticate(TOKEN)
+        store.register(
+            "prov-old",
+            Registration(client_version="0.1.0", native_client_version="", launch_mode=1, native=False, backend="cpu", device_count=1, features=(), capabilities=b"", name="x"),
+        )
+    finally:
+        store.close()
+
+
+def test_a_failed_migration_leaves_the_database_at_version_1(tmp_path, monkeypatch):
+    from dflash_worker.coordinator import store as store_mod
+
+    path = tmp_path / "coordinator.db"
+    _v1_database(path)
+
+    def broken(db):
+        db.execute("ALTER TABLE providers ADD COLUMN identity TEXT NOT NULL DEFAULT ''")
+        raise sqlite3.OperationalError("disk on fire")
+
+    monkeypatch.setitem(store_mod._MIGRATIONS, 1, broken)
+    with pytest.raises(ConfigError, match="disk on fire"):
+        Store(path)
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("1",)
+    assert "identity" not in [r[1] for r in db.execute("PRAGMA table_info(providers)")]
+    db.close()
+
+
+def test_a_newer_database_is_refused(tmp_path):
+    path = tmp_path / "coordinator.db"
+    Store(path).close()
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION + 1),))
+    db.close()
+    with pytest.raises(ConfigError, match=f"(?s)schema version {SCHEMA_VERSION + 1}.*newer coordinator"):
+        Store(path)
