@@ -154,3 +154,15 @@ def test_the_worker_knows_exactly_the_downgrades_the_run_manager_hands_out():
     assert table, "DOWNGRADES not found in run-manager/src/policy.rs"
     pairs = dict(re.findall(r'\("([a-z_0-9]+)",\s*"([a-z_0-9]+)"\)', table.group(1)))
     assert pairs == DOWNGRADES
+
+
+def test_reading_a_spec_does_not_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "spec.json").write_text(json.dumps(rust_doc(job.resolve())))
+    code = "import sys; from dflash_worker.worker import JobSpec, Placement; Placement.from_spec(JobSpec.load(sys.argv[1])); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code, str(job)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
