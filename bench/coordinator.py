@@ -12,7 +12,13 @@ heartbeats at each offered rate. The baseline, measured in the same run
 before the load starts, is one provider heartbeating alone on an idle
 coordinator; the load phases print their p50/p99 as ratios against it.
 
-    .venv/bin/python bench/coordinator.py [--providers 1000] [--procs 2] [--rates 1.1,1.5,2] [--seconds 10]
+Modes (`--modes`, default both, in one run): `plaintext`, and `tls`: the
+coordinator serves TLS (`--tls-cert/--tls-key`, a test CA and a loopback
+certificate made by `tests/tls_certs.py`) and every provider opens its own TLS
+channel. Each mode gets a fresh coordinator; the closing table prints TLS
+against plaintext at each offered rate.
+
+    .venv/bin/python bench/coordinator.py [--providers 1000] [--procs 2] [--rates 1.1,1.5,2] [--seconds 10] [--modes plaintext,tls]
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "tests"))  # tls_certs, the test certificate factory
 
 SPEC = json.dumps({"stages": ["train"], "recipe": {"steps": 100}, "data": "bench", "target": "tiny"})
 
@@ -55,13 +63,22 @@ def summary(name: str, lat: list[float], seconds: float, base: tuple[float, floa
 # --- client process ---------------------------------------------------------
 
 
-async def _client_main(address: str, tokens: list[str], conn, channels: int) -> None:
+def aio_channel(address: str, ca_pem: bytes | None, options=None):
+    """A grpc.aio channel: TLS trusting `ca_pem` when given, else plaintext."""
+    import grpc
+
+    if ca_pem is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca_pem), options=options)
+
+
+async def _client_main(address: str, tokens: list[str], conn, channels: int, ca_pem: bytes | None) -> None:
     import grpc
 
     from dflash_worker.proto.dflash.v1 import provider_pb2, provider_pb2_grpc
 
     opts = [("grpc.use_local_subchannel_pool", 1)]
-    chans = [grpc.aio.insecure_channel(address, options=opts) for _ in range(channels)]
+    chans = [aio_channel(address, ca_pem, opts) for _ in range(channels)]
     stubs = [provider_pb2_grpc.ProviderServiceStub(c) for c in chans]
     caps = provider_pb2.DeviceCapabilities(backend="cuda", device_count=1, memory_bytes=80 << 30, supports_bf16=True, platform="linux-x86_64")
 
@@ -150,8 +167,8 @@ async def _client_main(address: str, tokens: list[str], conn, channels: int) -> 
         await c.close()
 
 
-def client_process(address: str, tokens: list[str], conn, channels: int) -> None:
-    asyncio.run(_client_main(address, tokens, conn, channels))
+def client_process(address: str, tokens: list[str], conn, channels: int, ca_pem: bytes | None) -> None:
+    asyncio.run(_client_main(address, tokens, conn, channels, ca_pem))
 
 
 # --- parent -----------------------------------------------------------------
@@ -180,14 +197,12 @@ def start_server(workdir: Path, extra: list[str]) -> tuple[subprocess.Popen, dic
     return proc, json.loads(proc.stdout.readline())
 
 
-def baseline(address: str, token: str, n: int = 300) -> list[float]:
+def baseline(address: str, token: str, ca_pem: bytes | None, n: int = 300) -> list[float]:
     """One provider alone: register, lease, then `n` sequential heartbeats on one stream."""
-    import grpc
-
     from dflash_worker.proto.dflash.v1 import provider_pb2, provider_pb2_grpc
 
     async def go():
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with aio_channel(address, ca_pem) as ch:
             stub = provider_pb2_grpc.ProviderServiceStub(ch)
             md = (("authorization", f"Bearer {token}"),)
             caps = provider_pb2.DeviceCapabilities(backend="cuda", device_count=1)
@@ -208,6 +223,111 @@ def baseline(address: str, token: str, n: int = 300) -> list[float]:
     return asyncio.run(go())
 
 
+@dataclass
+class Phase:
+    """One heartbeat phase's outcome."""
+
+    offered: float
+    achieved: float
+    p99_ms: float
+    errors: int
+
+    @property
+    def met(self) -> bool:
+        return self.achieved >= 1000 and self.p99_ms < 50 and self.errors == 0
+
+
+def tls_files(workdir: Path) -> tuple[list[str], bytes]:
+    """`serve` flags for TLS with a fresh test CA, and the CA's PEM for the clients."""
+    from tls_certs import make_ca
+
+    ca = make_ca(workdir / "ca")
+    server = ca.server_cert(workdir / "server")
+    return ["--tls-cert", str(server.cert), "--tls-key", str(server.key)], ca.cert.read_bytes()
+
+
+def run_mode(mode: str, args) -> list[Phase]:
+    """Start a coordinator in `mode`, run every phase against it, print the lines; return the heartbeat phases."""
+    from dflash_worker.coordinator.client import AdminClient
+    from dflash_worker.coordinator.tls import ClientTls
+    from dflash_worker.proto.dflash.v1 import admin_pb2
+
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
+        workdir = Path(tmp)
+        extra, ca_pem = tls_files(workdir) if mode == "tls" else ([], None)
+        proc, info = start_server(workdir, extra)
+        address = info["address"]
+        admin_token = Path(info["admin_token_file"]).read_text().strip()
+        admin_url, admin_tls = (f"https://{address}", ClientTls(ca_file=workdir / "ca" / "ca.pem")) if ca_pem else (address, None)
+        try:
+            print(f"\n== {mode}: coordinator pid {info['pid']} on {address} (tls {info['tls']}); {os.cpu_count()} CPUs; {args.procs} client processes; {args.providers} providers")
+            with AdminClient(admin_url, admin_token, tls=admin_tls) as admin:
+                t0 = time.perf_counter()
+                tokens = [admin.create_provider(f"bench-{i}") for i in range(args.providers + 1)]
+                t_tok = time.perf_counter() - t0
+                admin.create_run(admin_pb2.RunSpec(name="bench", spec_json=SPEC, required_client_version="0.1.0", num_jobs=args.providers + 1))
+            print(f"setup: {len(tokens)} provider tokens in {t_tok:.2f} s ({len(tokens) / t_tok:.0f}/s, sequential admin calls)")
+
+            base = baseline(address, tokens[-1], ca_pem)
+            base_p = (pct([x * 1000 for x in base], 50), pct([x * 1000 for x in base], 99))
+            print(summary("baseline: 1 provider hb", base, sum(base) + 0.002 * len(base)))
+            return load_phases(proc, address, tokens[:-1], ca_pem, base_p, args)  # tokens[-1]: the baseline's
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def load_phases(proc, address: str, tokens: list[str], ca_pem: bytes | None, base_p, args) -> list[Phase]:
+    """Register, lease, then heartbeat at each rate from `args.procs` client processes."""
+    ctx = mp.get_context("spawn")
+    shares = [tokens[i :: args.procs] for i in range(args.procs)]
+    pipes, procs = [], []
+    for share in shares:
+        parent, child = ctx.Pipe()
+        chans = args.channels or len(share)
+        p = ctx.Process(target=client_process, args=(address, share, child, chans, ca_pem), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+
+    for phase in ("register", "lease"):
+        for c in pipes:
+            c.send((phase,))
+        results = [c.recv() for c in pipes]
+        lat = [x for _, l, _ in results for x in l]
+        wall = max(w for _, _, w in results)
+        print(summary(f"{phase} ({len(lat)} concurrent)", lat, wall))
+
+    phases = []
+    for rate in [float(r) for r in args.rates.split(",")]:
+        start_at = time.time() + 1.0
+        cpu0 = server_cpu(proc.pid)
+        for c in pipes:
+            c.send(("heartbeat", start_at, args.seconds, rate))
+        results = [c.recv() for c in pipes]
+        cpu = server_cpu(proc.pid) - cpu0
+        lat = [x for _, l, _ in results for x in l]
+        errors = sum(e for _, _, (e, _) in results)
+        # Achieved rate: completions over the time until the last one (>= the phase length).
+        elapsed = max(args.seconds, max(d for _, _, (_, d) in results) - start_at)
+        offered = len(tokens) * rate
+        print(summary(f"heartbeat @ {offered:.0f}/s offered", lat, elapsed, base_p) + f"   errors {errors}")
+        # Load-independent cost: server CPU time per heartbeat (the box is shared, latency is not).
+        print(f"{'':<28} server CPU {cpu / max(1, len(lat)) * 1e6:.0f} us per heartbeat ({cpu / elapsed * 100:.0f}% of one core)")
+        phases.append(Phase(offered=offered, achieved=len(lat) / elapsed, p99_ms=pct(lat, 99) * 1000, errors=errors))
+    met = [p.offered for p in phases if p.met]
+    print("goal (>= 1000 heartbeats/s, p99 < 50 ms): " + (f"met, up to {max(met):.0f}/s offered" if met else "NOT met"))
+
+    for c in pipes:
+        c.send(("stop",))
+    for p in procs:
+        p.join(30)
+    return phases
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--providers", type=int, default=1000, help="simulated providers (default 1000)")
@@ -215,82 +335,21 @@ def main() -> int:
     ap.add_argument("--channels", type=int, default=0, help="gRPC channels per client process (default 0: one per provider, like real providers)")
     ap.add_argument("--rates", default="1.1,1.5,2", help="heartbeats per second per provider, one phase each (default 1.1,1.5,2: 1,100 to 2,000 per second for 1,000 providers)")
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each heartbeat phase (default 10)")
+    ap.add_argument("--modes", default="plaintext,tls", help="transports to measure, each against its own coordinator (default `plaintext,tls`)")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= {"plaintext", "tls"}:
+        ap.error(f"--modes: `{args.modes}` is not a list of `plaintext` and `tls`")
 
-    from dflash_worker.coordinator.client import AdminClient
-    from dflash_worker.proto.dflash.v1 import admin_pb2
-
-    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
-        workdir = Path(tmp)
-        proc, info = start_server(workdir, [])
-        address = info["address"]
-        admin_token = Path(info["admin_token_file"]).read_text().strip()
-        try:
-            print(f"coordinator pid {info['pid']} on {address}; {os.cpu_count()} CPUs on this machine; {args.procs} client processes; {args.providers} providers")
-            with AdminClient(address, admin_token) as admin:
-                t0 = time.perf_counter()
-                tokens = [admin.create_provider(f"bench-{i}") for i in range(args.providers + 1)]
-                t_tok = time.perf_counter() - t0
-                admin.create_run(admin_pb2.RunSpec(name="bench", spec_json=SPEC, required_client_version="0.1.0", num_jobs=args.providers + 1))
-            print(f"setup: {len(tokens)} provider tokens in {t_tok:.2f} s ({len(tokens) / t_tok:.0f}/s, sequential admin calls)")
-
-            base = baseline(address, tokens[-1])
-            base_p = (pct([x * 1000 for x in base], 50), pct([x * 1000 for x in base], 99))
-            print(summary("baseline: 1 provider hb", base, sum(base) + 0.002 * len(base)))
-
-            ctx = mp.get_context("spawn")
-            # tokens[-1] was the baseline provider (its job is taken).
-            shares = [tokens[:-1][i :: args.procs] for i in range(args.procs)]
-            pipes, procs = [], []
-            for share in shares:
-                parent, child = ctx.Pipe()
-                chans = args.channels or len(share)
-                p = ctx.Process(target=client_process, args=(address, share, child, chans), daemon=True)
-                p.start()
-                pipes.append(parent)
-                procs.append(p)
-
-            for phase in ("register", "lease"):
-                for c in pipes:
-                    c.send((phase,))
-                results = [c.recv() for c in pipes]
-                lat = [x for _, l, _ in results for x in l]
-                wall = max(w for _, _, w in results)
-                print(summary(f"{phase} ({len(lat)} concurrent)", lat, wall))
-
-            met = []
-            for rate in [float(r) for r in args.rates.split(",")]:
-                start_at = time.time() + 1.0
-                cpu0 = server_cpu(proc.pid)
-                for c in pipes:
-                    c.send(("heartbeat", start_at, args.seconds, rate))
-                results = [c.recv() for c in pipes]
-                cpu = server_cpu(proc.pid) - cpu0
-                lat = [x for _, l, _ in results for x in l]
-                errors = sum(e for _, _, (e, _) in results)
-                # Achieved rate: completions over the time until the last one (>= the phase length).
-                elapsed = max(args.seconds, max(d for _, _, (_, d) in results) - start_at)
-                offered = args.providers * rate
-                print(summary(f"heartbeat @ {offered:.0f}/s offered", lat, elapsed, base_p) + f"   errors {errors}")
-                # Load-independent cost: server CPU time per heartbeat (the box is shared, latency is not).
-                print(f"{'':<28} server CPU {cpu / max(1, len(lat)) * 1e6:.0f} us per heartbeat ({cpu / elapsed * 100:.0f}% of one core)")
-                if len(lat) / elapsed >= 1000 and pct(lat, 99) < 0.050 and errors == 0:
-                    met.append(offered)
-            print(
-                "goal (>= 1000 heartbeats/s, p99 < 50 ms): "
-                + (f"met, up to {max(met):.0f}/s offered" if met else "NOT met")
-            )
-
-            for c in pipes:
-                c.send(("stop",))
-            for p in procs:
-                p.join(30)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    results = {mode: run_mode(mode, args) for mode in modes}
+    print("\n== heartbeats/s and p99 by transport" + (" (ratios: tls / plaintext)" if len(results) == 2 else ""))
+    for i in range(len(args.rates.split(","))):
+        cols = [f"{m}: {r[i].achieved:7.1f}/s p99 {r[i].p99_ms:6.2f} ms {'met' if r[i].met else 'NOT met'}" for m, r in results.items()]
+        line = f"@ {results[modes[0]][i].offered:5.0f}/s offered   " + "   ".join(cols)
+        if len(results) == 2:
+            p, t = results["plaintext"][i], results["tls"][i]
+            line += f"   (rate x{t.achieved / p.achieved:.2f}, p99 x{t.p99_ms / p.p99_ms:.2f})"
+        print(line)
     return 0
 
 

@@ -1,0 +1,27 @@
+"""Smoke run of `bench/coordinator.py` with a few providers in both transports, so the benchmark cannot rot.
+
+The figures of 20 providers mean nothing; what is checked is that both coordinators (plaintext
+and TLS) served every phase without errors and that the closing comparison is printed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from coordinator_helpers import REPO, subprocess_env
+
+
+@pytest.mark.slow
+def test_coordinator_bench_runs_plaintext_and_tls():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "coordinator.py"), "--providers", "20", "--procs", "1", "--rates", "2", "--seconds", "1"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "== plaintext:" in text and "(tls False)" in text and "== tls:" in text and "(tls True)" in text, text
+    assert len(re.findall(r"^heartbeat @ 40/s offered .* errors 0$", text, re.M)) == 2, text
+    assert re.search(r"^@ +40/s offered +plaintext: .* tls: .* \(rate x\d+\.\d\d, p99 x\d+\.\d\d\)$", text, re.M), text
