@@ -489,6 +489,22 @@ mod tests {
             assert!(joined.contains(want), "missing `{want}` in {joined}");
         }
         assert!(!joined.contains("privileged"), "{joined}");
+        // The container's environment is these pairs (and the image's), nothing
+        // taken from this process: no token can reach it through `--env`.
+        let env: Vec<&str> = args
+            .windows(2)
+            .filter(|w| w[0] == "--env")
+            .map(|w| w[1].as_str())
+            .collect();
+        assert_eq!(
+            env,
+            [
+                "HOME=/tmp",
+                "TMPDIR=/tmp",
+                "PYTHONUNBUFFERED=1",
+                "MPLCONFIGDIR=/tmp/matplotlib"
+            ]
+        );
         let cpu = DockerConfig { gpus: false, ..cfg };
         let joined: Vec<OsString> = run_args(&cpu, &req);
         assert!(!joined.iter().any(|a| a == "--gpus"));

@@ -1,10 +1,26 @@
 //! Every environment variable the run-manager and the native client read, in one place.
 //! Precedence everywhere: command-line flag > environment > default.
 
-/// Coordinator address, e.g. `http://127.0.0.1:50051`.
+/// Coordinator address: `https://HOST:PORT` (TLS), or `http://HOST:PORT` / `HOST:PORT`
+/// (plaintext: loopback only, unless `--insecure`).
 pub const COORDINATOR: &str = "DFLASH_COORDINATOR";
-/// Bearer token identifying this provider to the coordinator.
+/// Bearer token identifying this provider to the coordinator. Lowest
+/// precedence: `--token` > `--token-file` / `DFLASH_PROVIDER_TOKEN_FILE` > this.
 pub const PROVIDER_TOKEN: &str = "DFLASH_PROVIDER_TOKEN";
+/// File holding the provider token (`--token-file`); refused unless mode 0600 or stricter.
+pub const PROVIDER_TOKEN_FILE: &str = "DFLASH_PROVIDER_TOKEN_FILE";
+/// TLS: PEM CA certificate(s) the coordinator's certificate must chain to
+/// (`--ca-file`; default: the system roots).
+pub const TLS_CA: &str = "DFLASH_TLS_CA";
+/// Mutual TLS: this provider's PEM client certificate (`--client-cert`); its
+/// subject CN must be the provider's name.
+pub const TLS_CLIENT_CERT: &str = "DFLASH_TLS_CLIENT_CERT";
+/// Mutual TLS: the PEM private key of `--client-cert` (`--client-key`).
+pub const TLS_CLIENT_KEY: &str = "DFLASH_TLS_CLIENT_KEY";
+/// The coordinator's admin token. The run-manager sets it only for the
+/// embedded coordinator of `--local` (kept off its command line) and never
+/// passes it to a worker.
+pub const ADMIN_TOKEN: &str = "DFLASH_ADMIN_TOKEN";
 /// Working directory for jobs (checkpoints, captured features, exports).
 pub const WORK_DIR: &str = "DFLASH_WORK_DIR";
 /// Name this machine registers under (default: the host name).
@@ -25,6 +41,10 @@ pub const WORKER_CMD: &str = "DFLASH_WORKER_CMD";
 pub const DEVICE: &str = "DFLASH_DEVICE";
 /// `1` or `0`: whether MPS supports bfloat16 (reported in the device capabilities).
 pub const MPS_BF16: &str = "DFLASH_MPS_BF16";
+/// Read by the worker: `DFLASH_REQUIRE_CUDA=1` / `DFLASH_REQUIRE_MPS=1` make a
+/// missing backend an error instead of a CPU fallback (python/dflash_worker/device.py).
+/// Passed to the native worker by this prefix.
+pub const REQUIRE_PREFIX: &str = "DFLASH_REQUIRE_";
 /// Stop after this many job attempts (0 = no limit).
 pub const MAX_JOBS: &str = "DFLASH_MAX_JOBS";
 /// Seconds the coordinator may hold a lease request open (long-poll).

@@ -17,6 +17,7 @@ use crate::error::Result;
 use crate::events::WorkerEvent;
 use crate::proto::Lease;
 use crate::worker::{self, LogRelay, LogTags, Worker, WorkerCommand};
+use crate::worker_env;
 
 /// Extra time `docker stop` gets beyond the grace period: it SIGKILLs after
 /// the grace period itself, and the CLI must be allowed to do so.
@@ -101,7 +102,8 @@ impl Launcher {
         let job_id = &lease.job_id;
         match self {
             Launcher::Native(command) => {
-                let (child, pid, output) = split(worker::spawn(command, job_dir, tags)?);
+                let env = worker_env::native(std::env::vars_os());
+                let (child, pid, output) = split(worker::spawn(command, job_dir, env, tags)?);
                 tracing::info!(job_id = %job_id, pid, restart, "worker started: {}", command.program.display());
                 Ok((Launch::Native { child, pid }, output))
             }
@@ -110,7 +112,9 @@ impl Launcher {
                     docker_command(docker, image, lease, job_dir, restart, resume);
                 // A container of this name left by a run-manager that died would block the start.
                 container.remove().await;
-                let (child, pid, output) = split(worker::spawn(&command, job_dir, tags)?);
+                // The CLI, not the worker: the container's environment is its `--env` pairs.
+                let env = worker_env::without_secrets(std::env::vars_os());
+                let (child, pid, output) = split(worker::spawn(&command, job_dir, env, tags)?);
                 tracing::info!(job_id = %job_id, pid, restart, container = %container.name, image = %image, "worker started: container `{}`", container.name);
                 let launch = Launch::Container {
                     child,

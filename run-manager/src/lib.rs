@@ -29,6 +29,7 @@ pub mod setup;
 pub mod shutdown;
 pub mod version;
 pub mod worker;
+pub mod worker_env;
 
 pub use error::{Error, Result};
 pub use shutdown::shutdown_signals;

@@ -6,6 +6,7 @@
 //! restart it, and a Ctrl-C in the terminal reaches the run-manager only (it
 //! forwards SIGTERM and waits for the checkpoint).
 
+use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -74,13 +75,22 @@ impl LogRelay {
     }
 }
 
-/// Start `cmd --job-dir job_dir` with piped stdout/stderr in a new process group.
-pub fn spawn(cmd: &WorkerCommand, job_dir: &Path, tags: LogTags) -> Result<Worker> {
+/// Start `cmd --job-dir job_dir` with piped stdout/stderr in a new process
+/// group, with exactly the environment `env` (see `worker_env`) and
+/// `PYTHONUNBUFFERED=1`.
+pub fn spawn(
+    cmd: &WorkerCommand,
+    job_dir: &Path,
+    env: Vec<(OsString, OsString)>,
+    tags: LogTags,
+) -> Result<Worker> {
     let mut command = Command::new(&cmd.program);
     command
         .args(&cmd.args)
         .arg("--job-dir")
         .arg(job_dir)
+        .env_clear()
+        .envs(env)
         .env(env_vars::PYTHONUNBUFFERED, "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -293,7 +303,13 @@ mod tests {
             attempt: 1,
             rank: 0,
         };
-        let mut w = spawn(&cmd, &dir, tags).expect("spawn");
+        let mut w = spawn(
+            &cmd,
+            &dir,
+            crate::worker_env::native(std::env::vars_os()),
+            tags,
+        )
+        .expect("spawn");
         let first = w.events.recv().await.expect("event");
         assert!(matches!(first, WorkerEvent::Progress(ref p) if p.step == 1));
         assert_eq!(w.events.recv().await, Some(WorkerEvent::Done));
@@ -320,7 +336,9 @@ mod tests {
                 attempt: 1,
                 rank: 0,
             };
-            let err = spawn(&cmd, Path::new("/tmp"), tags).err().expect("error");
+            let err = spawn(&cmd, Path::new("/tmp"), Vec::new(), tags)
+                .err()
+                .expect("error");
             assert_eq!(err.exit_code(), 1);
             assert!(err.to_string().contains("hint:"), "{err}");
         });

@@ -25,10 +25,6 @@ use crate::provider::{get_run, run_loop, Until};
 use crate::setup::{prepare_work_dir, provider_config};
 use crate::version::CLIENT_VERSION;
 
-/// Environment variable through which the admin token reaches the embedded
-/// coordinator (kept off its command line, which other users can read).
-pub const COORDINATOR_ADMIN_TOKEN_ENV: &str = "DFLASH_ADMIN_TOKEN";
-
 /// The run spec file `--spec` reads (JSON). Unknown fields are refused so a
 /// typo cannot silently fall back to a default.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -195,7 +191,8 @@ impl EmbeddedCoordinator {
             .arg("--allow-artifact-root")
             .arg(artifact_root)
             .args(extra)
-            .env(COORDINATOR_ADMIN_TOKEN_ENV, &admin_token)
+            // Through the environment: its command line is readable by other users.
+            .env(crate::env_vars::ADMIN_TOKEN, &admin_token)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
