@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..errors import AuthenticationError, DflashError, InvalidRequestError, PermissionDeniedError, RateLimitedError
+from ..errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, RateLimitedError
 from .status import status_for
 from .store import Principal
 
@@ -247,7 +247,7 @@ async def _serving(context, method: str, admit: Admit):
     """Around one call's handler: admit the caller (or refuse the call), set the principal, map what it raises to a status code."""
     try:
         principal = admit(context)
-    except DflashError as exc:
+    except Exception as exc:  # noqa: BLE001 - a refusal maps to its code, a bug to INTERNAL
         await _abort(context, exc, method)
     _principal.set(principal)
     try:

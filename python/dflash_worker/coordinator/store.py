@@ -29,7 +29,8 @@ Token lifecycle: `rotate_token` gives a provider a new token and keeps the old
 digest in ``retired_tokens`` until the grace period ends (then it is refused,
 with a message saying so); `revoke_provider` refuses every token of the
 provider at once and ends its live attempts as ``revoked``, so the next
-heartbeat, artifact report or finish on those leases is ABORTED. A provider's
+heartbeat on a stream the provider already has open is ABORTED (a new call
+with its token is refused before it gets that far). A provider's
 ``identity`` is the name it was created with (an mTLS client certificate's CN
 must equal it); ``name`` is what it last registered as.
 
@@ -635,8 +636,8 @@ class Store:
 
         Their jobs go back to the queue (or fail at `max_attempts`, or end
         cancelled if a cancel was pending), so another provider takes them up;
-        the revoked provider's next write on those leases is ABORTED. Revoking
-        twice changes nothing.
+        a write on those leases through a call authenticated before now (an
+        open Heartbeat stream) is ABORTED. Revoking twice changes nothing.
         """
         self._provider_state(provider_id)
         now = self.clock()
