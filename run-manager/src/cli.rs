@@ -38,8 +38,11 @@ pub enum LogLevel {
 
 const AFTER_HELP: &str = "\
 Modes:
-  run-manager --coordinator http://HOST:PORT --token TOKEN
-      join a coordinator and run the jobs it leases, until stopped
+  run-manager --coordinator https://HOST:PORT --token-file FILE [--ca-file CA.pem]
+              [--client-cert CERT.pem --client-key KEY.pem]
+      join a coordinator over TLS (mutual TLS with a client certificate) and run
+      the jobs it leases, until stopped; plaintext (`http://`) only to this
+      machine, or with `--insecure`
   run-manager --local [--spec FILE]
       start an embedded coordinator (SQLite, local artifact directory) under the
       work directory, create one run from FILE (default: a `noop` demo job), run
@@ -49,7 +52,10 @@ The worker runs as a child process: `<native-client> --job-dir DIR`, where DIR
 holds `spec.json`; it reports progress as JSON lines on stdout
 (docs/worker-events.md) and logs JSON lines on stderr, which are re-emitted
 tagged with run id and rank. SIGINT/SIGTERM: the worker gets SIGTERM, writes a
-checkpoint and exits; the attempt is handed back RETRYABLE.
+checkpoint and exits; the attempt is handed back RETRYABLE. The worker starts
+with an allow-listed environment (PATH, HOME, locale, Python and CUDA settings,
+DFLASH_DEVICE, DFLASH_MPS_BF16, DFLASH_REQUIRE_*; see docs/run-manager.md), never
+the provider token or anything named like a secret.
 
 Docker launch mode (the default on Linux with NVIDIA GPUs, except `--local`): the child is
 `docker run --rm --gpus all --cap-drop ALL --read-only ... IMAGE --job-dir DIR`
@@ -59,7 +65,7 @@ with the job directory mounted at the same path; IMAGE is the run's image, else
 
 Exit codes:
   0    ok (`--local`: every job succeeded)
-  1    user error (flags, spec file, token, refused by the coordinator)
+  1    user error (flags, spec file, token, TLS set-up or handshake, refused by the coordinator)
   2    unexpected error
   3    `--local`: a job did not succeed (see the summary)
   10   upgrade required: the coordinator (or the preflight) wants another client version
@@ -75,14 +81,41 @@ Exit codes:
     max_term_width = 100
 )]
 pub struct Cli {
-    /// Coordinator address (`http://HOST:PORT` or `HOST:PORT`).
+    /// Coordinator address: `https://HOST:PORT` (TLS), or `http://HOST:PORT` / `HOST:PORT`
+    /// (plaintext: only to this machine, unless `--insecure`).
     #[arg(long, env = env_vars::COORDINATOR, conflicts_with = "local")]
     pub coordinator: Option<String>,
 
-    /// Bearer token that identifies this provider to the coordinator.
-    // Tokens are URL-safe base64 and may start with `-`.
-    #[arg(long, env = env_vars::PROVIDER_TOKEN, hide_env_values = true, allow_hyphen_values = true)]
+    /// Bearer token that identifies this provider to the coordinator (a command line is visible
+    /// to other users: prefer `--token-file`). Else `--token-file`, else the environment variable
+    /// `DFLASH_PROVIDER_TOKEN`.
+    // Tokens are URL-safe base64 and may start with `-`. No clap `env`: the
+    // environment comes after `--token-file` (token::provider_token).
+    #[arg(long, allow_hyphen_values = true)]
     pub token: Option<String>,
+
+    /// File holding the provider token (one line); refused unless mode 0600 or stricter.
+    #[arg(long, env = env_vars::PROVIDER_TOKEN_FILE, value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+
+    /// TLS: PEM file with the CA certificate(s) the coordinator's certificate must chain to
+    /// (default: the system's trusted CAs).
+    #[arg(long, env = env_vars::TLS_CA, value_name = "PATH")]
+    pub ca_file: Option<PathBuf>,
+
+    /// Mutual TLS: this provider's PEM client certificate, signed by the coordinator's client CA;
+    /// its subject CN must be the provider's name (`providers create NAME`). Needs `--client-key`.
+    #[arg(long, env = env_vars::TLS_CLIENT_CERT, value_name = "PATH")]
+    pub client_cert: Option<PathBuf>,
+
+    /// Mutual TLS: the PEM private key of `--client-cert` (unencrypted; keep it mode 0600).
+    #[arg(long, env = env_vars::TLS_CLIENT_KEY, value_name = "PATH")]
+    pub client_key: Option<PathBuf>,
+
+    /// Allow a plaintext coordinator address that is not this machine; the token and job data
+    /// cross the network unencrypted (a warning is logged). Plaintext to loopback needs no flag.
+    #[arg(long)]
+    pub insecure: bool,
 
     /// Directory for job state: `jobs/<job_id>/` (spec.json, checkpoints, exports) and, with
     /// `--local`, the embedded coordinator's database and artifacts.

@@ -1,17 +1,18 @@
 //! Coordinator clients (provider and admin) with bearer-token auth, and the
-//! retry loop for UNAVAILABLE.
+//! retry loop for UNAVAILABLE. Where they connect and how (TLS or plaintext)
+//! is `transport::Target`.
 
 use std::future::Future;
-use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
 
 use crate::backoff::{jitter_fraction, Backoff};
 use crate::error::{Error, Result};
 use crate::proto::admin_service_client::AdminServiceClient;
 use crate::proto::provider_service_client::ProviderServiceClient;
+use crate::tls_fault::{fault_of, Diagnosed};
+use crate::transport::Target;
 
 /// Adds `authorization: Bearer <token>` to every call.
 #[derive(Clone)]
@@ -39,58 +40,22 @@ impl tonic::service::Interceptor for Auth {
 }
 
 /// Provider-service client as the run-manager uses it.
-pub type ProviderClient = ProviderServiceClient<InterceptedService<Channel, Auth>>;
+pub type ProviderClient = ProviderServiceClient<InterceptedService<Diagnosed, Auth>>;
 /// Admin-service client (used by `--local` and the tests).
-pub type AdminClient = AdminServiceClient<InterceptedService<Channel, Auth>>;
+pub type AdminClient = AdminServiceClient<InterceptedService<Diagnosed, Auth>>;
 
-/// Normalize a coordinator address: `host:port` gets `http://`; `https://` is refused for now.
-pub fn normalize_address(addr: &str) -> Result<String> {
-    let addr = addr.trim();
-    if addr.is_empty() {
-        return Err(Error::Usage("the coordinator address is empty".into()));
-    }
-    if addr.starts_with("https://") {
-        return Err(Error::Usage(format!(
-            "coordinator address `{addr}` uses TLS, which this build does not support yet\nhint: reach the coordinator over a tunnel and pass `http://HOST:PORT`"
-        )));
-    }
-    if addr.starts_with("http://") {
-        Ok(addr.to_string())
-    } else if addr.contains("://") {
-        Err(Error::Usage(format!(
-            "coordinator address `{addr}` must be `http://HOST:PORT` or `HOST:PORT`"
-        )))
-    } else {
-        Ok(format!("http://{addr}"))
-    }
-}
-
-/// A lazily connecting channel: connection failures surface as UNAVAILABLE
-/// on the first call, where [`retry`] handles them.
-pub fn channel(addr: &str) -> Result<Channel> {
-    let url = normalize_address(addr)?;
-    let endpoint = Endpoint::from_shared(url.clone())
-        .map_err(|e| Error::Usage(format!("bad coordinator address `{url}`: {e}")))?
-        .connect_timeout(Duration::from_secs(10))
-        .tcp_nodelay(true)
-        // Keep long-polls and heartbeat streams alive through NATs.
-        .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_while_idle(true);
-    Ok(endpoint.connect_lazy())
-}
-
-/// Provider client for `addr` with `token`.
-pub fn provider_client(addr: &str, token: &str) -> Result<ProviderClient> {
+/// Provider client for `target` with `token`.
+pub fn provider_client(target: &Target, token: &str) -> Result<ProviderClient> {
     Ok(
-        ProviderServiceClient::with_interceptor(channel(addr)?, Auth::new(token)?)
+        ProviderServiceClient::with_interceptor(target.channel()?, Auth::new(token)?)
             .max_decoding_message_size(16 << 20),
     )
 }
 
-/// Admin client for `addr` with the admin `token`.
-pub fn admin_client(addr: &str, token: &str) -> Result<AdminClient> {
+/// Admin client for `target` with the admin `token`.
+pub fn admin_client(target: &Target, token: &str) -> Result<AdminClient> {
     Ok(
-        AdminServiceClient::with_interceptor(channel(addr)?, Auth::new(token)?)
+        AdminServiceClient::with_interceptor(target.channel()?, Auth::new(token)?)
             .max_decoding_message_size(16 << 20),
     )
 }
@@ -103,9 +68,11 @@ pub struct RetryPolicy {
     pub backoff: Backoff,
 }
 
-/// Whether a status is worth retrying: the coordinator is down or restarting.
+/// Whether a status is worth retrying: the coordinator is down or restarting
+/// (UNAVAILABLE), but not a TLS mismatch or refused certificate, which only a
+/// configuration change fixes.
 pub fn is_transient(status: &tonic::Status) -> bool {
-    status.code() == tonic::Code::Unavailable
+    status.code() == tonic::Code::Unavailable && !fault_of(status).is_some_and(|f| f.permanent())
 }
 
 /// Run `f` until it succeeds, fails with a non-transient status, or the
@@ -134,17 +101,24 @@ where
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Duration;
 
     #[test]
-    fn addresses() {
-        assert_eq!(
-            normalize_address("127.0.0.1:5").expect("ok"),
-            "http://127.0.0.1:5"
-        );
-        assert_eq!(normalize_address(" http://h:1 ").expect("ok"), "http://h:1");
-        assert!(normalize_address("https://h:1").is_err());
-        assert!(normalize_address("ftp://h:1").is_err());
-        assert!(normalize_address("").is_err());
+    fn tls_faults_that_cannot_heal_are_not_retried() {
+        use crate::tls_fault::TlsFault;
+        let with = |fault: TlsFault| {
+            let mut s = tonic::Status::unavailable(fault.to_string());
+            s.set_source(std::sync::Arc::new(fault));
+            s
+        };
+        assert!(is_transient(&tonic::Status::unavailable("down")));
+        assert!(!is_transient(&with(TlsFault::TlsToPlaintext {
+            authority: "h:1".into()
+        })));
+        assert!(is_transient(&with(TlsFault::ClosedInHandshake {
+            detail: "eof".into(),
+            client_cert: None
+        })));
     }
 
     #[test]

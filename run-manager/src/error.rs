@@ -32,7 +32,7 @@ pub enum Error {
     },
     /// A coordinator call failed; `status` keeps the gRPC code so callers can
     /// tell UNAVAILABLE from INVALID_ARGUMENT.
-    #[error("coordinator call `{call}` failed: {} ({:?}){}", status.message(), status.code(), hint_for(status.code()))]
+    #[error("coordinator call `{call}` failed: {} ({:?}){}", status.message(), status.code(), hint_for(status))]
     Rpc {
         call: &'static str,
         status: tonic::Status,
@@ -63,10 +63,18 @@ pub enum Error {
     Internal(String),
 }
 
-fn hint_for(code: tonic::Code) -> &'static str {
+/// The `hint:` line for a failed call: the TLS fault's own, else one by code.
+fn hint_for(status: &tonic::Status) -> String {
+    match crate::tls_fault::fault_of(status) {
+        Some(fault) => format!("\nhint: {}", fault.hint()),
+        None => hint_for_code(status.code()).to_string(),
+    }
+}
+
+fn hint_for_code(code: tonic::Code) -> &'static str {
     match code {
         tonic::Code::Unauthenticated => {
-            "\nhint: check `--token` / `DFLASH_PROVIDER_TOKEN`; the coordinator's admin creates provider tokens"
+            "\nhint: check the provider token (`--token`, `--token-file`, `DFLASH_PROVIDER_TOKEN`); the coordinator's admin creates provider tokens"
         }
         tonic::Code::PermissionDenied => "\nhint: this token may not make this call (provider vs admin token)",
         tonic::Code::Unavailable => "\nhint: is the coordinator running and reachable at `--coordinator`?",
@@ -93,6 +101,8 @@ impl Error {
         match self {
             Error::Usage(_) => EXIT_USER,
             Error::UpgradeRequired { .. } => EXIT_UPGRADE_REQUIRED,
+            // A TLS mismatch or refused certificate is configuration, like a bad flag.
+            Error::Rpc { status, .. } if crate::tls_fault::fault_of(status).is_some() => EXIT_USER,
             Error::Rpc { status, .. } => match status.code() {
                 tonic::Code::Unauthenticated
                 | tonic::Code::PermissionDenied

@@ -9,6 +9,7 @@
 pub mod artifact;
 pub mod attempt;
 pub mod backoff;
+pub mod cert;
 pub mod cli;
 pub mod client;
 pub mod commands;
@@ -27,6 +28,9 @@ pub mod proto;
 pub mod provider;
 pub mod setup;
 pub mod shutdown;
+pub mod tls_fault;
+pub mod token;
+pub mod transport;
 pub mod version;
 pub mod worker;
 pub mod worker_env;

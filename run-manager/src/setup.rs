@@ -1,5 +1,6 @@
 //! Turn the parsed command line into the provider's configuration: worker
-//! command, versions, device capabilities, retry and restart policies.
+//! command, versions, device capabilities, retry and restart policies, the
+//! coordinator target (TLS) and the provider token.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,10 +12,13 @@ use crate::cli::{Cli, LaunchModeArg};
 use crate::client::RetryPolicy;
 use crate::device;
 use crate::docker::{self, DockerConfig};
+use crate::env_vars;
 use crate::error::{Error, Result};
 use crate::policy::PolicyContext;
 use crate::proto::{DeviceCapabilities, LaunchMode};
 use crate::provider::ProviderConfig;
+use crate::token;
+use crate::transport::{Target, TlsFiles};
 use crate::version::CLIENT_VERSION;
 use crate::worker::WorkerCommand;
 
@@ -237,6 +241,30 @@ pub fn provider_config(cli: &Cli, work_dir: &Path) -> Result<ProviderConfig> {
             inline_max_bytes: cli.inline_artifacts_max_bytes,
         },
     })
+}
+
+/// The coordinator to join: `--coordinator` with the TLS files and `--insecure`.
+pub fn coordinator_target(cli: &Cli) -> Result<Target> {
+    let addr = cli.coordinator.as_deref().ok_or_else(|| {
+        Error::Usage(
+            "no coordinator given\nhint: pass `--coordinator https://HOST:PORT` (or set `DFLASH_COORDINATOR`), or `--local` to run one here".into(),
+        )
+    })?;
+    let files = TlsFiles {
+        ca_file: cli.ca_file.clone(),
+        client_cert: cli.client_cert.clone(),
+        client_key: cli.client_key.clone(),
+    };
+    Target::new(addr, &files, cli.insecure)
+}
+
+/// The provider token: `--token` > `--token-file` / `DFLASH_PROVIDER_TOKEN_FILE` > `DFLASH_PROVIDER_TOKEN`.
+pub fn provider_token(cli: &Cli) -> Result<(String, token::TokenSource)> {
+    token::provider_token(
+        cli.token.as_deref(),
+        cli.token_file.as_deref(),
+        std::env::var(env_vars::PROVIDER_TOKEN).ok(),
+    )
 }
 
 /// Create the work directory and return its absolute path.

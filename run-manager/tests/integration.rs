@@ -20,6 +20,7 @@ use run_manager::proto::{
     CancelJobRequest, CreateProviderRequest, CreateRunRequest, GetRunRequest,
     RequestCheckpointRequest, RunSpec,
 };
+use run_manager::transport::Target;
 use sha2::Digest;
 
 const RUN_MANAGER: &str = env!("CARGO_BIN_EXE_run-manager");
@@ -525,7 +526,8 @@ fn cancel_directive_stops_the_worker_with_a_checkpoint() {
     let (rt, coordinator, work) = runtime_with_coordinator(&py, &dir, &[]);
     // Channels are created inside the runtime (tonic spawns onto it).
     let _guard = rt.enter();
-    let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
+    let target = Target::loopback(&coordinator.address).expect("target");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
     let (token, run) = rt.block_on(async {
         let token = admin
             .create_provider(CreateProviderRequest { name: "it".into() })
@@ -710,7 +712,8 @@ fn stale_lease_kills_the_worker_and_abandons_the_attempt() {
     let (rt, coordinator, work) = runtime_with_coordinator(&py, &dir, &["--lease-ttl", "1"]);
     // Channels are created inside the runtime (tonic spawns onto it).
     let _guard = rt.enter();
-    let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
+    let target = Target::loopback(&coordinator.address).expect("target");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
     let token = rt.block_on(async {
         let token = admin
             .create_provider(CreateProviderRequest { name: "it".into() })
@@ -1023,7 +1026,8 @@ fn docker_mode_cancel_stops_and_removes_the_container() {
     let (rt, coordinator, work) = runtime_with_coordinator(&py, &dir, &[]);
     // Channels are created inside the runtime (tonic spawns onto it).
     let _guard = rt.enter();
-    let mut admin = admin_client(&coordinator.address, &coordinator.admin_token).expect("admin");
+    let target = Target::loopback(&coordinator.address).expect("target");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
     let image = format!("registry.example:5000/dflash@sha256:{}", "0f".repeat(32));
     let (token, run) = rt.block_on(async {
         let token = admin

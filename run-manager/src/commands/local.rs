@@ -23,6 +23,7 @@ use crate::proto::{
 };
 use crate::provider::{get_run, run_loop, Until};
 use crate::setup::{prepare_work_dir, provider_config};
+use crate::transport::Target;
 use crate::version::CLIENT_VERSION;
 
 /// The run spec file `--spec` reads (JSON). Unknown fields are refused so a
@@ -405,7 +406,9 @@ async fn drive(
     cfg: &crate::provider::ProviderConfig,
     shutdown: &mut watch::Receiver<Option<i32>>,
 ) -> Result<Summary> {
-    let mut admin = admin_client(&coordinator.address, &coordinator.admin_token)?;
+    // Plaintext on loopback: the embedded coordinator listens on 127.0.0.1 only.
+    let target = Target::loopback(&coordinator.address)?;
+    let mut admin = admin_client(&target, &coordinator.admin_token)?;
     let rpc = |call: &'static str| move |status| Error::Rpc { call, status };
     let token = admin
         .create_provider(CreateProviderRequest {
@@ -434,7 +437,7 @@ async fn drive(
             .map_err(rpc("ApproveVersion"))?;
     }
     tracing::info!(run_id = %run.run_id, jobs = run.job_states.values().sum::<u32>(), "created run");
-    let provider = provider_client(&coordinator.address, &token)?;
+    let provider = provider_client(&target, &token)?;
     let until = Until::RunDone {
         admin: Box::new(admin.clone()),
         run_id: run.run_id.clone(),
