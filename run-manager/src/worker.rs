@@ -319,6 +319,52 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    #[tokio::test]
+    async fn the_child_gets_exactly_the_given_environment() {
+        let dir = std::env::temp_dir().join(format!("rm-worker-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let parent: Vec<(std::ffi::OsString, std::ffi::OsString)> = [
+            ("PATH", std::env::var("PATH").unwrap_or_default()),
+            ("HOME", "/home/p".into()),
+            ("DFLASH_PROVIDER_TOKEN", "tok-provider-secret".into()),
+            ("AWS_SECRET_ACCESS_KEY", "aws-secret-value".into()),
+            ("MY_API_TOKEN", "my-token-value".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.into(), v.into()))
+        .collect();
+        // `$2` is the job directory (`--job-dir DIR` is appended).
+        let cmd = WorkerCommand {
+            program: "sh".into(),
+            args: vec!["-c".into(), r#"env > "$2/env.txt""#.into(), "worker".into()],
+        };
+        let tags = LogTags {
+            run_id: "r".into(),
+            job_id: "j".into(),
+            attempt: 1,
+            rank: 0,
+        };
+        let mut w = spawn(&cmd, &dir, crate::worker_env::native(parent), tags).expect("spawn");
+        assert!(w.child.wait().await.expect("wait").success());
+        let env = std::fs::read_to_string(dir.join("env.txt")).expect("env.txt");
+        for secret in [
+            "DFLASH_PROVIDER_TOKEN",
+            "tok-provider-secret",
+            "AWS_SECRET_ACCESS_KEY",
+            "aws-secret-value",
+            "MY_API_TOKEN",
+            "my-token-value",
+        ] {
+            assert!(
+                !env.contains(secret),
+                "`{secret}` reached the worker:\n{env}"
+            );
+        }
+        assert!(env.lines().any(|l| l == "HOME=/home/p"), "{env}");
+        assert!(env.lines().any(|l| l == "PYTHONUNBUFFERED=1"), "{env}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn missing_program_is_a_user_error() {
         let rt = tokio::runtime::Builder::new_current_thread()

@@ -810,6 +810,8 @@ set -u
 state=$FAKE_DOCKER_STATE
 { printf '%s\037' "$@"; printf '\n'; } >> "$state/calls.log"
 cmd=$1; shift
+# The environment the CLI itself got (the entrypoint below inherits it, plus the `--env`s).
+[ "$cmd" = run ] && env > "$state/run-env.log"
 pid_of() { cat "$state/$1.pid" 2>/dev/null; }
 case "$cmd" in
   pull|image) exit 0 ;;
@@ -963,6 +965,40 @@ fn check_docker_run(run: &[String], image: &str, job_dir: &Path, name: &str) {
     assert_eq!(&run[n - 3..], [image, "--job-dir", job], "{shown}");
 }
 
+/// Credentials a provider's shell may hold; none may reach a worker.
+const SECRETS: [(&str, &str); 4] = [
+    ("DFLASH_PROVIDER_TOKEN", "tok-provider-5ecret"),
+    ("DFLASH_ADMIN_TOKEN", "tok-admin-5ecret"),
+    ("AWS_SECRET_ACCESS_KEY", "aws-5ecret-value"),
+    ("MY_API_TOKEN", "my-api-5ecret"),
+];
+
+/// The recorded `docker run` passes no secret (by name or value) with `--env`
+/// or anywhere else, and the CLI's own environment holds none either.
+fn check_no_secrets(run: &[String], state: &Path) {
+    let env = values(run, "--env");
+    let names: Vec<&str> = env
+        .iter()
+        .map(|e| e.split('=').next().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        names,
+        ["HOME", "TMPDIR", "PYTHONUNBUFFERED", "MPLCONFIGDIR"],
+        "{run:?}"
+    );
+    let cli_env = std::fs::read_to_string(state.join("run-env.log")).expect("run-env.log");
+    for (k, v) in SECRETS {
+        assert!(
+            !run.iter().any(|a| a.contains(k) || a.contains(v)),
+            "`{k}` passed to docker run: {run:?}"
+        );
+        assert!(
+            !cli_env.contains(k) && !cli_env.contains(v),
+            "`{k}` in the docker CLI's environment:\n{cli_env}"
+        );
+    }
+}
+
 #[test]
 fn docker_mode_runs_the_image_with_a_hardened_container() {
     let Some(py) = python() else { return };
@@ -973,7 +1009,12 @@ fn docker_mode_runs_the_image_with_a_hardened_container() {
         serde_json::json!({"spec": {"stages": ["noop"], "noop": {"steps": 3, "step_seconds": 0.02, "checkpoint_every": 2}}}),
     );
     let work = dir.join("work");
-    let out = run_manager_docker(&work, &bin, &state)
+    let mut cmd = run_manager_docker(&work, &bin, &state);
+    // Secrets in the run-manager's environment must not reach the container.
+    for (k, v) in SECRETS {
+        cmd.env(k, v);
+    }
+    let out = cmd
         // `--local` defaults to native; Docker is asked for explicitly.
         .args(["--local", "--launch-mode", "docker", "--json", "--python"])
         .arg(&py)
@@ -1000,6 +1041,7 @@ fn docker_mode_runs_the_image_with_a_hardened_container() {
     assert_eq!(calls[1], ["rm", "-f", name.as_str()]);
     check_docker_run(&calls[2], &image, &job_dir, &name);
     assert_eq!(calls[3], ["rm", "-f", name.as_str()]);
+    check_no_secrets(&calls[2], &state);
     // Worker logs come through the docker CLI and are re-emitted tagged.
     let logs = json_lines(&String::from_utf8_lossy(&out.stderr));
     assert!(
