@@ -183,6 +183,19 @@ mod tests {
     }
 
     #[test]
+    fn spec_numbers_reach_spec_json_exactly() {
+        // Found by fuzzing (tests/fuzz/inputs/rs_job_spec/float-one-ulp-off.json): serde_json's
+        // default float parser can be one ULP off, so spec.json held another number than the
+        // coordinator sent. `float_roundtrip` (Cargo.toml) parses exactly; 6.666666666666667e40
+        // is the nearest f64, what Python's json (the worker) reads from the same text.
+        let text = "{\n  \"schrequiredetfau_renullersion\": 66666666666666666666666666666666666666666\n}";
+        let v = parse_spec(text).expect("an object");
+        assert_eq!(v["schrequiredetfau_renullersion"].as_f64(), Some(6.666666666666667e40));
+        let written = serde_json::to_string_pretty(&v).expect("serialize");
+        assert_eq!(parse_spec(&written), Ok(v));
+    }
+
+    #[test]
     fn writes_spec_json_atomically() {
         let dir = std::env::temp_dir().join(format!("rm-spec-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("mkdir");
