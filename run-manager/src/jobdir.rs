@@ -188,9 +188,13 @@ mod tests {
         // default float parser can be one ULP off, so spec.json held another number than the
         // coordinator sent. `float_roundtrip` (Cargo.toml) parses exactly; 6.666666666666667e40
         // is the nearest f64, what Python's json (the worker) reads from the same text.
-        let text = "{\n  \"schrequiredetfau_renullersion\": 66666666666666666666666666666666666666666\n}";
+        let text =
+            "{\n  \"schrequiredetfau_renullersion\": 66666666666666666666666666666666666666666\n}";
         let v = parse_spec(text).expect("an object");
-        assert_eq!(v["schrequiredetfau_renullersion"].as_f64(), Some(6.666666666666667e40));
+        assert_eq!(
+            v["schrequiredetfau_renullersion"].as_f64(),
+            Some(6.666666666666667e40)
+        );
         let written = serde_json::to_string_pretty(&v).expect("serialize");
         assert_eq!(parse_spec(&written), Ok(v));
     }
