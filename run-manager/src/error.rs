@@ -32,7 +32,7 @@ pub enum Error {
     },
     /// A coordinator call failed; `status` keeps the gRPC code so callers can
     /// tell UNAVAILABLE from INVALID_ARGUMENT.
-    #[error("coordinator call `{call}` failed: {} ({:?}){}", status.message(), status.code(), hint_for(status))]
+    #[error("coordinator call `{call}` failed: {}", describe(status))]
     Rpc {
         call: &'static str,
         status: tonic::Status,
@@ -61,6 +61,17 @@ pub enum Error {
     /// Anything else that should not happen.
     #[error("{0}")]
     Internal(String),
+}
+
+/// `message (Code)` and a `hint:` line: the coordinator's own when its message
+/// carries one (it knows best), else the TLS fault's, else one by code.
+fn describe(status: &tonic::Status) -> String {
+    let message = status.message();
+    let (text, hint) = match message.split_once("\nhint:") {
+        Some((text, theirs)) => (text, format!("\nhint:{theirs}")),
+        None => (message, hint_for(status)),
+    };
+    format!("{text} ({:?}){hint}", status.code())
 }
 
 /// The `hint:` line for a failed call: the TLS fault's own, else one by code.
@@ -146,6 +157,17 @@ mod tests {
             status: tonic::Status::unauthenticated("no"),
         };
         assert_eq!(unauth.exit_code(), 1);
+        // The coordinator's own hint replaces the generic one, after the code.
+        let theirs = Error::Rpc {
+            call: "Register",
+            status: tonic::Status::unauthenticated(
+                "the CNs disagree\nhint: use the right certificate",
+            ),
+        };
+        assert_eq!(
+            theirs.to_string(),
+            "coordinator call `Register` failed: the CNs disagree (Unauthenticated)\nhint: use the right certificate"
+        );
         assert_eq!(Error::Interrupted(2).exit_code(), 130);
         assert_eq!(Error::Interrupted(15).exit_code(), 143);
         assert_eq!(
