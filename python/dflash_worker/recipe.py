@@ -356,6 +356,31 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _resolve_path(name: str, key: str, value: Any, base: Path, where: str) -> Path:
+    """A path field's value, absolute (relative ones against `base`); `~` expands to a home directory."""
+    _check_type(name, key, value, (str,))
+    if not value:
+        raise ConfigError(f"`[{name}].{key}` is empty in `{where}`")
+    # No filesystem takes NUL in a name; os.path refuses it with a bare ValueError.
+    if "\0" in value:
+        raise ConfigError(f"`[{name}].{key}` contains a NUL character in `{where}`")
+    try:  # JSON can spell a lone surrogate (`"\\ud800"`); no path is made of one
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"`[{name}].{key}` is not valid Unicode (a lone surrogate at character {exc.start}) in `{where}`") from None
+    try:
+        p = Path(value).expanduser()
+    except RuntimeError:  # `~user` for an unknown user, or no home directory at all
+        user = value[1:].split("/", 1)[0]
+        raise ConfigError(
+            f"`[{name}].{key}` is `{value}` in `{where}`: cannot expand `~{user}`, "
+            + (f"no user `{user}` here" if user else "no home directory")
+            + "\nhint: write the path out in full"
+        ) from None
+    p = p if p.is_absolute() else base / p
+    return Path(p.resolve(strict=False))
+
+
 def _build_section(name: str, cls: type, table: Any, base: Path, where: str) -> Any:
     if not isinstance(table, dict):
         raise ConfigError(f"`{name}` must be a table (`[{name}]`) in `{where}`")
@@ -369,12 +394,7 @@ def _build_section(name: str, cls: type, table: Any, base: Path, where: str) -> 
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         if known[key].metadata.get("path"):
-            _check_type(name, key, value, (str,))
-            if not value:
-                raise ConfigError(f"`[{name}].{key}` is empty in `{where}`")
-            p = Path(value).expanduser()
-            value = p if p.is_absolute() else base / p
-            value = Path(value.resolve(strict=False))
+            value = _resolve_path(name, key, value, base, where)
         kwargs[key] = value
     missing = [f.name for f in known.values() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs]  # noqa: E501
     if missing:
