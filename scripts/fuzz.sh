@@ -88,10 +88,12 @@ run_target() {
     py_*) cmd=("$PY" fuzz/python/run.py "$t") ;;
     rs_*) cmd=("$rs_dir/$(rs_bin "$t")") ;;
   esac
-  local rc=0 started
+  local rc=0 started scratch
   started=$(date +%s)
   # The bound is libFuzzer's; `timeout` only catches a run that ignores it.
-  timeout $(( seconds + 120 )) "${cmd[@]}" "${flags[@]}" "$corpus" "${seeds[@]}" >"$log" 2>&1 || rc=$?
+  scratch=$(mktemp -d "$scratch_base/dflash-fuzz-$t.XXXXXX")
+  DFLASH_FUZZ_SCRATCH=$scratch timeout $(( seconds + 120 )) "${cmd[@]}" "${flags[@]}" "$corpus" "${seeds[@]}" >"$log" 2>&1 || rc=$?
+  rm -rf "$scratch"
   local execs rate new found elapsed
   elapsed=$(( $(date +%s) - started ))
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
@@ -114,6 +116,9 @@ run_target() {
   fi
 }
 
+# Each input is written to a file (the parsers read files): on tmpfs where there is one.
+scratch_base=${TMPDIR:-/tmp}
+if [ -d /dev/shm ] && [ -w /dev/shm ]; then scratch_base=/dev/shm; fi
 printf '%-16s %10s %9s %8s %8s %8s\n' target execs exec/s corpus crashes time
 status=0
 for t in "${targets[@]}"; do

@@ -16,8 +16,10 @@ functions without it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,8 +32,14 @@ from dflash_worker.weights.header import read_header
 from dflash_worker.worker.spec import SPEC_FILE, JobSpec
 
 # One scratch directory per process, on tmpfs where there is one: every input is
-# written to a file there, as production reads files.
-_SCRATCH = Path(tempfile.mkdtemp(prefix="dflash-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+# written to a file there, as production reads files. scripts/fuzz.sh names one
+# and removes it (libFuzzer ends the process without running `atexit`).
+if os.environ.get("DFLASH_FUZZ_SCRATCH"):
+    _SCRATCH = Path(os.environ["DFLASH_FUZZ_SCRATCH"])
+    _SCRATCH.mkdir(parents=True, exist_ok=True)
+else:
+    _SCRATCH = Path(tempfile.mkdtemp(prefix="dflash-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
 
 
 def _scratch_file(name: str, data: bytes) -> Path:
