@@ -17,6 +17,15 @@ pub const TLS_CA: &str = "DFLASH_TLS_CA";
 pub const TLS_CLIENT_CERT: &str = "DFLASH_TLS_CLIENT_CERT";
 /// Mutual TLS: the PEM private key of `--client-cert` (`--client-key`).
 pub const TLS_CLIENT_KEY: &str = "DFLASH_TLS_CLIENT_KEY";
+/// Read by `dflash-coordinator serve` (not by the run-manager): the TLS
+/// certificate, key and client CA it serves with. Removed from the environment
+/// of the `--local` embedded coordinator, which must serve the plaintext
+/// loopback that `--local` dials whatever the shell has set.
+pub const COORDINATOR_TLS_CERT: &str = "DFLASH_TLS_CERT";
+/// See [`COORDINATOR_TLS_CERT`].
+pub const COORDINATOR_TLS_KEY: &str = "DFLASH_TLS_KEY";
+/// See [`COORDINATOR_TLS_CERT`].
+pub const COORDINATOR_TLS_CLIENT_CA: &str = "DFLASH_TLS_CLIENT_CA";
 /// The coordinator's admin token. The run-manager sets it only for the
 /// embedded coordinator of `--local` (kept off its command line) and never
 /// passes it to a worker.

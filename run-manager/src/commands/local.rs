@@ -167,6 +167,54 @@ pub fn find_python(flag: Option<&Path>) -> PathBuf {
     PathBuf::from("python3")
 }
 
+/// The coordinator's `serve` variables for TLS, which `--local` never wants.
+const SERVE_TLS_VARS: [&str; 3] = [
+    crate::env_vars::COORDINATOR_TLS_CERT,
+    crate::env_vars::COORDINATOR_TLS_KEY,
+    crate::env_vars::COORDINATOR_TLS_CLIENT_CA,
+];
+
+/// The embedded coordinator's command: plaintext on 127.0.0.1 (port 0), its
+/// state under `state_dir`, the admin token in its environment and the TLS
+/// variables out of it (the shell may have them set for another coordinator;
+/// `--local` dials plaintext).
+fn serve_command(
+    python: &Path,
+    state_dir: &Path,
+    artifact_root: &Path,
+    extra: &[&str],
+    admin_token: &str,
+) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.args([
+        "-m",
+        "dflash_worker.coordinator",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--db",
+    ])
+    .arg(state_dir.join("coordinator.db"))
+    .arg("--artifacts")
+    .arg(state_dir.join("artifacts"))
+    .arg("--allow-artifact-root")
+    .arg(artifact_root)
+    .args(extra)
+    // Through the environment: its command line is readable by other users.
+    .env(crate::env_vars::ADMIN_TOKEN, admin_token);
+    for var in SERVE_TLS_VARS {
+        cmd.env_remove(var);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        // Its own process group: a Ctrl-C in the terminal must reach only the
+        // run-manager, which still needs the coordinator to hand the job back.
+        .process_group(0)
+        .kill_on_drop(true);
+    cmd
+}
+
 impl EmbeddedCoordinator {
     /// Start `python -m dflash_worker.coordinator serve` under `state_dir`,
     /// accepting `file://` artifacts under `artifact_root`, and wait for its
@@ -184,23 +232,7 @@ impl EmbeddedCoordinator {
     ) -> Result<Self> {
         std::fs::create_dir_all(state_dir).map_err(Error::io("cannot create", state_dir))?;
         let admin_token = random_token()?;
-        let mut child = Command::new(python)
-            .args(["-m", "dflash_worker.coordinator", "serve", "--listen", "127.0.0.1:0", "--db"])
-            .arg(state_dir.join("coordinator.db"))
-            .arg("--artifacts")
-            .arg(state_dir.join("artifacts"))
-            .arg("--allow-artifact-root")
-            .arg(artifact_root)
-            .args(extra)
-            // Through the environment: its command line is readable by other users.
-            .env(crate::env_vars::ADMIN_TOKEN, &admin_token)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            // Its own process group: a Ctrl-C in the terminal must reach only the
-            // run-manager, which still needs the coordinator to hand the job back.
-            .process_group(0)
-            .kill_on_drop(true)
+        let mut child = serve_command(python, state_dir, artifact_root, extra, &admin_token)
             .spawn()
             .map_err(|e| {
                 Error::Usage(format!(
@@ -483,6 +515,38 @@ mod tests {
         assert_eq!(
             (r.required_client_version.as_str(), r.num_jobs),
             ("9.9.9", 2)
+        );
+    }
+
+    #[test]
+    fn embedded_coordinator_gets_no_tls_variables_but_the_admin_token() {
+        let cmd = serve_command(
+            Path::new("python3"),
+            Path::new("/state"),
+            Path::new("/jobs"),
+            &[],
+            "secret",
+        );
+        let envs: std::collections::HashMap<_, _> = cmd
+            .as_std()
+            .get_envs()
+            .map(|(k, v)| (k.to_string_lossy().into_owned(), v.map(|v| v.to_owned())))
+            .collect();
+        for var in ["DFLASH_TLS_CERT", "DFLASH_TLS_KEY", "DFLASH_TLS_CLIENT_CA"] {
+            // Present with no value: removed from what the child inherits.
+            assert_eq!(envs.get(var), Some(&None), "{var}: {envs:?}");
+        }
+        assert_eq!(envs.get("DFLASH_ADMIN_TOKEN"), Some(&Some("secret".into())));
+        let args: Vec<_> = cmd.as_std().get_args().collect();
+        assert!(
+            args.windows(2).any(|w| w == ["--listen", "127.0.0.1:0"]),
+            "{args:?}"
+        );
+        assert!(
+            !args
+                .iter()
+                .any(|a| a.to_string_lossy().starts_with("--tls")),
+            "{args:?}"
         );
     }
 
