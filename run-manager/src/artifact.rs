@@ -12,6 +12,7 @@ use crate::client::{retry, ProviderClient, RetryPolicy};
 use crate::error::Error;
 use crate::events::ArtifactEvent;
 use crate::jobdir::hash_file;
+use crate::lease_lost::LeaseLost;
 use crate::paths::{file_uri, resolve_inside};
 use crate::proto::{Artifact, Lease, ReportArtifactRequest};
 
@@ -25,7 +26,7 @@ pub struct Verified {
 }
 
 /// What reporting a verified artifact came to.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum Reported {
     /// The coordinator recorded it.
     Recorded,
@@ -33,8 +34,8 @@ pub enum Reported {
     NotRecorded,
     /// The file could not be read for an inline report (logged).
     Unreadable,
-    /// ABORTED: the lease is stale.
-    Stale(String),
+    /// The lease is lost: stale (ABORTED) or this provider's token refused.
+    Lost(LeaseLost),
 }
 
 /// Resolve `a.path` inside `job_dir` and check its sha256 and size; the error
@@ -114,9 +115,17 @@ impl Reporter<'_> {
                 tracing::info!(job_id = %job, artifact = %a.name, kind = %a.kind, sha256 = %v.sha256, size_bytes = v.size_bytes, %uri, "artifact reported");
                 Reported::Recorded
             }
-            Err(Error::Rpc { status, .. }) if status.code() == tonic::Code::Aborted => {
-                Reported::Stale(status.message().to_string())
-            }
+            Err(Error::Rpc { status, .. }) => match LeaseLost::of("ReportArtifact", &status) {
+                Some(lost) => Reported::Lost(lost),
+                None => {
+                    let e = Error::Rpc {
+                        call: "ReportArtifact",
+                        status,
+                    };
+                    tracing::error!(job_id = %job, artifact = %a.name, "{e}");
+                    Reported::NotRecorded
+                }
+            },
             Err(e) => {
                 tracing::error!(job_id = %job, artifact = %a.name, "{e}");
                 Reported::NotRecorded

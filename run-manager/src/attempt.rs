@@ -14,7 +14,11 @@
 //! - the run-manager itself got SIGINT/SIGTERM -> SIGTERM to the worker, wait
 //!   for it, RETRYABLE so the job is requeued at once;
 //! - the coordinator answered ABORTED (the lease is stale) -> the worker is
-//!   killed and the attempt is abandoned without FinishAttempt.
+//!   killed and the attempt is abandoned without FinishAttempt;
+//! - the coordinator refused this provider's token (UNAUTHENTICATED /
+//!   PERMISSION_DENIED on a reopened Heartbeat stream, ReportArtifact or
+//!   FinishAttempt: revoked, or rotated past its grace) -> the same, and the
+//!   run-manager exits 1 ([`Error::TokenRefused`]).
 //!
 //! Structure: [`run_attempt`] admits the lease (or [`refuse`]s it, the one
 //! way a lease is turned down), then a [`Supervisor`] holds everything an
@@ -40,6 +44,7 @@ use crate::events::{ArtifactEvent, WorkerEvent};
 use crate::heartbeat::{apply_progress, heartbeat_task, HbSignal};
 use crate::jobdir::{parse_spec, JobSpecFile};
 use crate::launch::{Launch, Launcher};
+use crate::lease_lost::LeaseLost;
 use crate::paths::{check_id, path_from_file_uri};
 use crate::policy::{preflight, Decision, Downgrade, PolicyContext};
 use crate::proto::{AttemptOutcome, FinishAttemptRequest, HeartbeatRequest, Lease, Phase};
@@ -76,12 +81,12 @@ pub struct AttemptConfig {
 #[derive(Debug)]
 pub struct AttemptResult {
     pub job_id: String,
-    /// None when the lease went stale and no FinishAttempt was sent.
+    /// None when the lease was lost and no FinishAttempt was sent.
     pub outcome: Option<AttemptOutcome>,
     pub message: String,
     /// Job state after FinishAttempt, as the coordinator reported it.
     pub job_state: Option<String>,
-    /// Set when the run-manager must stop after this attempt (exit 10, signal).
+    /// Set when the run-manager must stop after this attempt (exit 10, signal, token refused).
     pub stop: Option<Error>,
 }
 
@@ -92,7 +97,8 @@ enum RunEnd {
     Cancelled,
     /// The worker crashed or ended without `done`; restart if the budget allows.
     Crashed(String),
-    Stale(String),
+    /// Stale or refused: no FinishAttempt.
+    Lost(LeaseLost),
     Signalled(i32),
 }
 
@@ -187,8 +193,9 @@ async fn refuse(
     })
 }
 
-/// Run one lease to its end. Errors are only returned for failures of the
-/// run-manager itself (e.g. it cannot write the job directory).
+/// Run one lease to its end. Errors are returned for failures of the
+/// run-manager itself (e.g. it cannot write the job directory) and when
+/// FinishAttempt finds this provider's token refused.
 pub async fn run_attempt(
     client: &ProviderClient,
     cfg: &AttemptConfig,
@@ -237,7 +244,7 @@ pub async fn run_attempt(
         shutdown,
         resume,
         cancel_requested: false,
-        stale: None,
+        lost: None,
         shutdown_signal: None,
     };
     let end = sup.run().await;
@@ -278,7 +285,7 @@ fn lease_resume(lease: &Lease) -> Option<(PathBuf, u64)> {
     }
 }
 
-/// Send the FinishAttempt that `end` calls for (none for a stale lease).
+/// Send the FinishAttempt that `end` calls for (none for a lost lease).
 async fn conclude(
     client: &ProviderClient,
     cfg: &AttemptConfig,
@@ -303,16 +310,7 @@ async fn conclude(
             ),
             Some(Error::Interrupted(sig)),
         ),
-        RunEnd::Stale(m) => {
-            tracing::warn!(job_id = %job_id, "lease is stale (ABORTED): {m}; abandoning the attempt");
-            return Ok(AttemptResult {
-                job_id: job_id.clone(),
-                outcome: None,
-                message: m,
-                job_state: None,
-                stop: None,
-            });
-        }
+        RunEnd::Lost(lost) => return Ok(abandon(job_id, lost)),
     };
     let job_state = finish(client, &cfg.rpc, lease, outcome, &message).await?;
     tracing::info!(job_id = %job_id, outcome = ?outcome, job_state = job_state.as_deref().unwrap_or("?"), reason = %message, "attempt finished");
@@ -325,7 +323,30 @@ async fn conclude(
     })
 }
 
-/// Send FinishAttempt; returns the job state, or None when the lease was stale.
+/// An attempt whose lease was lost: logged, no FinishAttempt; a refused token stops the run-manager.
+fn abandon(job_id: &str, lost: LeaseLost) -> AttemptResult {
+    let stop = lost.stop_error(job_id);
+    let message = match &lost {
+        LeaseLost::Stale(m) => {
+            tracing::warn!(job_id = %job_id, "lease is stale (ABORTED): {m}; abandoning the attempt");
+            m.clone()
+        }
+        LeaseLost::Refused { call, status } => {
+            tracing::error!(job_id = %job_id, call, code = ?status.code(), "the coordinator refused this provider's token: {}; abandoning the attempt without FinishAttempt", status.message());
+            status.message().to_string()
+        }
+    };
+    AttemptResult {
+        job_id: job_id.to_string(),
+        outcome: None,
+        message,
+        job_state: None,
+        stop,
+    }
+}
+
+/// Send FinishAttempt; returns the job state, or None when the lease was
+/// stale; a refused token is [`Error::TokenRefused`].
 async fn finish(
     client: &ProviderClient,
     rpc: &RetryPolicy,
@@ -346,15 +367,22 @@ async fn finish(
     .await;
     match res {
         Ok(resp) => Ok(Some(resp.job_state)),
-        Err(Error::Rpc { status, .. }) if status.code() == tonic::Code::Aborted => {
-            tracing::warn!(job_id = %lease.job_id, "lease is no longer valid; the coordinator already moved on: {}", status.message());
-            Ok(None)
-        }
+        Err(Error::Rpc { call, status }) => match LeaseLost::of(call, &status) {
+            Some(LeaseLost::Stale(m)) => {
+                tracing::warn!(job_id = %lease.job_id, "lease is no longer valid; the coordinator already moved on: {m}");
+                Ok(None)
+            }
+            Some(lost) => {
+                let stop = lost.stop_error(&lease.job_id);
+                Err(stop.unwrap_or(Error::Rpc { call, status }))
+            }
+            None => Err(Error::Rpc { call, status }),
+        },
         Err(e) => Err(e),
     }
 }
 
-/// Await `fut` unless CANCEL, a stale lease or a shutdown signal comes first
+/// Await `fut` unless CANCEL, a lost lease or a shutdown signal comes first
 /// (CHECKPOINT_NOW has no worker to reach here and is dropped).
 async fn interruptible<T>(
     signals: &mut mpsc::Receiver<HbSignal>,
@@ -367,7 +395,7 @@ async fn interruptible<T>(
             v = &mut fut => return Ok(v),
             Some(s) = signals.recv() => match s {
                 HbSignal::Cancel => return Err(RunEnd::Cancelled),
-                HbSignal::Aborted(m) => return Err(RunEnd::Stale(m)),
+                HbSignal::Lost(lost) => return Err(RunEnd::Lost(lost)),
                 HbSignal::CheckpointNow => {}
             },
             sig = signalled(shutdown) => return Err(RunEnd::Signalled(sig)),
@@ -392,7 +420,8 @@ struct Supervisor<'a> {
     /// Checkpoint a (re)started worker resumes from (its `manifest.json`), and its step.
     resume: Option<(PathBuf, u64)>,
     cancel_requested: bool,
-    stale: Option<String>,
+    /// Set once the lease is lost (the worker is then killed, nothing more reported).
+    lost: Option<LeaseLost>,
     shutdown_signal: Option<i32>,
 }
 
@@ -439,7 +468,7 @@ impl Supervisor<'_> {
                 job_id = %self.lease.job_id, restart = restarts, max_restarts = self.cfg.max_restarts,
                 delay_ms = delay.as_millis() as u64, "worker {why}; restarting from {from}"
             );
-            // Wait out the backoff, but still obey CANCEL, staleness and signals.
+            // Wait out the backoff, but still obey CANCEL, a lost lease and signals.
             let backoff = tokio::time::sleep(delay);
             if let Err(end) = interruptible(&mut self.signals, self.shutdown, backoff).await {
                 return Ok(end);
@@ -473,7 +502,7 @@ impl Supervisor<'_> {
         // them like live ones (bounded, in case a grandchild keeps stdout open).
         let drain_until = Instant::now() + DRAIN_TIMEOUT;
         while let Ok(Some(ev)) = tokio::time::timeout_at(drain_until, output.events.recv()).await {
-            // The worker has exited: a lease found stale leaves nothing to kill.
+            // The worker has exited: a lease found lost leaves nothing to kill.
             self.on_event(ev, &mut run).await;
         }
         output.logs.finish(LOG_FLUSH_TIMEOUT).await;
@@ -523,7 +552,7 @@ impl Supervisor<'_> {
     }
 
     /// Handle one worker event, live or drained after exit; true when
-    /// reporting an artifact found the lease stale.
+    /// reporting an artifact found the lease lost.
     async fn on_event(&mut self, ev: WorkerEvent, run: &mut WorkerRun) -> bool {
         let job_id = &self.lease.job_id;
         match ev {
@@ -544,9 +573,9 @@ impl Supervisor<'_> {
     /// Verify and report one artifact. A verified checkpoint (its
     /// `manifest.json`) is what the next start resumes from, and its step the
     /// heartbeat's `committed_step`, even when the coordinator did not record
-    /// it. Nothing is reported once the lease is stale; true when it turned out so.
+    /// it. Nothing is reported once the lease is lost; true when it turned out so.
     async fn on_artifact(&mut self, a: &ArtifactEvent) -> bool {
-        if self.stale.is_some() {
+        if self.lost.is_some() {
             return false;
         }
         let verified = match artifact::verify(&self.job_dir, a).await {
@@ -563,8 +592,9 @@ impl Supervisor<'_> {
             inline_max_bytes: self.cfg.inline_max_bytes,
         };
         match reporter.report(a, &verified).await {
-            Reported::Stale(m) => {
-                self.stale = Some(m);
+            Reported::Lost(lost) => {
+                log_lost(&self.lease.job_id, &lost);
+                self.lost = Some(lost);
                 return true;
             }
             Reported::Unreadable => return false,
@@ -593,9 +623,9 @@ impl Supervisor<'_> {
                 tracing::info!(job_id = %job_id, "CHECKPOINT_NOW from the coordinator (SIGUSR1)");
                 launch.checkpoint();
             }
-            HbSignal::Aborted(m) => {
-                tracing::warn!(job_id = %job_id, "lease is stale: killing the worker");
-                self.stale = Some(m);
+            HbSignal::Lost(lost) => {
+                log_lost(job_id, &lost);
+                self.lost = Some(lost);
                 launch.kill();
             }
         }
@@ -609,8 +639,8 @@ impl Supervisor<'_> {
 
     /// How the attempt stands after a worker run that ended with `status`.
     fn verdict(&mut self, status: &ExitStatus, how: String, run: &WorkerRun) -> RunEnd {
-        if let Some(m) = self.stale.take() {
-            return RunEnd::Stale(m);
+        if let Some(lost) = self.lost.take() {
+            return RunEnd::Lost(lost);
         }
         if let Some(sig) = self.shutdown_signal {
             return RunEnd::Signalled(sig);
@@ -630,5 +660,17 @@ impl Supervisor<'_> {
             (None, false) if status.success() => "exited 0 without a `done` event".to_string(),
             (None, false) => how,
         })
+    }
+}
+
+/// Say why a live worker is about to be killed.
+fn log_lost(job_id: &str, lost: &LeaseLost) {
+    match lost {
+        LeaseLost::Stale(_) => {
+            tracing::warn!(job_id = %job_id, "lease is stale: killing the worker")
+        }
+        LeaseLost::Refused { call, status } => {
+            tracing::error!(job_id = %job_id, call, code = ?status.code(), "the coordinator refused this provider's token: killing the worker")
+        }
     }
 }

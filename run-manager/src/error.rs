@@ -37,6 +37,18 @@ pub enum Error {
         call: &'static str,
         status: tonic::Status,
     },
+    /// The coordinator refused this provider's token in the middle of an
+    /// attempt (revoked, or rotated and its grace period over): the worker
+    /// was stopped and no FinishAttempt sent; the coordinator re-leases the job.
+    #[error(
+        "job `{job_id}` abandoned and its worker stopped: {}",
+        describe_refusal(call, status)
+    )]
+    TokenRefused {
+        job_id: String,
+        call: &'static str,
+        status: tonic::Status,
+    },
     /// A file-system operation failed.
     #[error("{context} `{}`: {source}", path.display())]
     Io {
@@ -74,6 +86,26 @@ fn describe(status: &tonic::Status) -> String {
     format!("{text} ({:?}){hint}", status.code())
 }
 
+/// A refused token mid-attempt: the coordinator's message and hint, and ours
+/// too (it names the flags that carry a new token), unless theirs was the only one.
+fn describe_refusal(call: &str, status: &tonic::Status) -> String {
+    let mut text = format!(
+        "coordinator call `{call}` refused this provider: {}",
+        describe(status)
+    );
+    if status.message().contains("\nhint:") {
+        text.push_str(hint_for_code(status.code()));
+    }
+    text
+}
+
+/// Whether `status` is the coordinator's per-peer limit on failed
+/// authentications (RESOURCE_EXHAUSTED with `retry after N s`), as opposed to
+/// grpc's own RESOURCE_EXHAUSTED for an oversized message.
+pub fn is_rate_limited(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::ResourceExhausted && status.message().contains("retry after")
+}
+
 /// The `hint:` line for a failed call: the TLS fault's own, else one by code.
 fn hint_for(status: &tonic::Status) -> String {
     match crate::tls_fault::fault_of(status) {
@@ -85,9 +117,11 @@ fn hint_for(status: &tonic::Status) -> String {
 fn hint_for_code(code: tonic::Code) -> &'static str {
     match code {
         tonic::Code::Unauthenticated => {
-            "\nhint: check the provider token (`--token`, `--token-file`, `DFLASH_PROVIDER_TOKEN`); the coordinator's admin creates provider tokens"
+            "\nhint: check the provider token (`--token`, `--token-file`, `DFLASH_PROVIDER_TOKEN`): it may have been revoked, or rotated and its grace period ended; the coordinator's admin creates provider tokens"
         }
-        tonic::Code::PermissionDenied => "\nhint: this token may not make this call (provider vs admin token)",
+        tonic::Code::PermissionDenied => {
+            "\nhint: this token may not make this call (provider vs admin token), or it may have been revoked or rotated: check `--token` / `--token-file`"
+        }
         tonic::Code::Unavailable => "\nhint: is the coordinator running and reachable at `--coordinator`?",
         _ => "",
     }
@@ -114,6 +148,9 @@ impl Error {
             Error::UpgradeRequired { .. } => EXIT_UPGRADE_REQUIRED,
             // A TLS mismatch or refused certificate is configuration, like a bad flag.
             Error::Rpc { status, .. } if crate::tls_fault::fault_of(status).is_some() => EXIT_USER,
+            // Throttled after failed authentications: a token or certificate to fix.
+            Error::Rpc { status, .. } if is_rate_limited(status) => EXIT_USER,
+            Error::TokenRefused { .. } => EXIT_USER,
             Error::Rpc { status, .. } => match status.code() {
                 tonic::Code::Unauthenticated
                 | tonic::Code::PermissionDenied
@@ -179,5 +216,52 @@ mod tests {
             .exit_code(),
             3
         );
+    }
+
+    #[test]
+    fn rate_limit_is_a_user_error_with_the_coordinators_hint() {
+        let limited = Error::Rpc {
+            call: "Register",
+            status: tonic::Status::resource_exhausted(
+                "too many failed authentications from `127.0.0.1` (20 in 60 s); retry after 42 s\nhint: check the provider token (`--token`)",
+            ),
+        };
+        assert_eq!(limited.exit_code(), EXIT_USER);
+        assert_eq!(
+            limited.to_string(),
+            "coordinator call `Register` failed: too many failed authentications from `127.0.0.1` (20 in 60 s); retry after 42 s (ResourceExhausted)\nhint: check the provider token (`--token`)"
+        );
+        // grpc's own RESOURCE_EXHAUSTED (an oversized message) stays unexpected.
+        let oversized = Error::Rpc {
+            call: "ReportArtifact",
+            status: tonic::Status::resource_exhausted("message larger than max"),
+        };
+        assert_eq!(oversized.exit_code(), EXIT_UNEXPECTED);
+    }
+
+    #[test]
+    fn a_token_refused_mid_attempt_names_the_job_and_both_hints() {
+        let refused = Error::TokenRefused {
+            job_id: "job-1".into(),
+            call: "Heartbeat",
+            status: tonic::Status::unauthenticated(
+                "this provider's token was revoked\nhint: ask the coordinator's admin for a new provider token",
+            ),
+        };
+        assert_eq!(refused.exit_code(), EXIT_USER);
+        let text = refused.to_string();
+        assert!(text.starts_with("job `job-1` abandoned and its worker stopped: coordinator call `Heartbeat` refused this provider: this provider's token was revoked (Unauthenticated)\nhint: ask the coordinator's admin"), "{text}");
+        assert!(
+            text.contains("\nhint: check the provider token (`--token`, `--token-file`"),
+            "{text}"
+        );
+        assert!(text.contains("revoked, or rotated"), "{text}");
+        // Without a hint of the coordinator's, ours appears once.
+        let bare = Error::TokenRefused {
+            job_id: "j".into(),
+            call: "FinishAttempt",
+            status: tonic::Status::permission_denied("no"),
+        };
+        assert_eq!(bare.to_string().matches("hint:").count(), 1, "{bare}");
     }
 }

@@ -3,9 +3,11 @@
 //!
 //! One task per attempt keeps one stream open: it sends the latest progress
 //! every `interval` and soon after it changes (at most once per
-//! `min(interval, 1 s)`), forwards CANCEL / CHECKPOINT_NOW, reports ABORTED
-//! (the lease is stale) and reopens the stream with backoff when the
-//! coordinator drops it. It ends when the progress sender is dropped.
+//! `min(interval, 1 s)`), forwards CANCEL / CHECKPOINT_NOW, reports a lost
+//! lease (ABORTED: stale; UNAUTHENTICATED / PERMISSION_DENIED: this provider's
+//! token is refused, see `crate::lease_lost`) and ends, and reopens the stream
+//! with backoff when it breaks for any other reason. It ends when the progress
+//! sender is dropped.
 
 use std::time::{Duration, Instant};
 
@@ -15,15 +17,16 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::backoff::Backoff;
 use crate::client::ProviderClient;
 use crate::events::Progress;
+use crate::lease_lost::LeaseLost;
 use crate::proto::{Directive, HeartbeatRequest, HeartbeatResponse, Phase};
 
 /// What the heartbeat task tells the attempt's supervisor.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum HbSignal {
     Cancel,
     CheckpointNow,
-    /// The coordinator answered ABORTED: the lease is stale.
-    Aborted(String),
+    /// The lease is lost: stale (ABORTED) or this provider's token refused.
+    Lost(LeaseLost),
 }
 
 /// Map a worker phase name to the proto enum.
@@ -55,7 +58,7 @@ pub fn apply_progress(req: &mut HeartbeatRequest, p: &Progress) {
 
 /// How one stream ended.
 enum StreamEnd {
-    /// The attempt is over (progress sender dropped, ABORTED, supervisor gone).
+    /// The attempt is over (progress sender dropped, lease lost, supervisor gone).
     Done,
     /// Open another stream after the backoff.
     Reopen,
@@ -117,13 +120,11 @@ impl Heartbeats {
         }
     }
 
-    /// A broken or refused stream: ABORTED ends the task, anything else reopens.
+    /// A broken or refused stream: a lost lease (ABORTED, or the token
+    /// refused when the stream reopens) ends the task, anything else reopens.
     async fn failed(&mut self, status: tonic::Status, what: &str) -> StreamEnd {
-        if status.code() == tonic::Code::Aborted {
-            let _ = self
-                .out
-                .send(HbSignal::Aborted(status.message().to_string()))
-                .await;
+        if let Some(lost) = LeaseLost::of("Heartbeat", &status) {
+            let _ = self.out.send(HbSignal::Lost(lost)).await;
             return StreamEnd::Done;
         }
         tracing::warn!(code = ?status.code(), "{what}: {}", status.message());

@@ -21,6 +21,7 @@ pub mod events;
 pub mod heartbeat;
 pub mod jobdir;
 pub mod launch;
+pub mod lease_lost;
 pub mod logging;
 pub mod paths;
 pub mod policy;

@@ -18,7 +18,7 @@ use run_manager::client::admin_client;
 use run_manager::commands::local::EmbeddedCoordinator;
 use run_manager::proto::{
     CancelJobRequest, CreateProviderRequest, CreateRunRequest, GetRunRequest,
-    RequestCheckpointRequest, RunSpec,
+    RequestCheckpointRequest, RevokeProviderRequest, RunSpec,
 };
 use run_manager::transport::Target;
 use sha2::Digest;
@@ -203,11 +203,18 @@ fn local_noop_job_end_to_end() {
         &dir,
         serde_json::json!({"spec": {"stages": ["noop"], "noop": {"steps": 5, "step_seconds": 0.02, "checkpoint_every": 2}}}),
     );
+    // The shell's TLS settings for serving a coordinator are not the embedded
+    // one's: it must serve the plaintext loopback `--local` dials (with these
+    // files missing, a coordinator that read them would not even start).
+    let absent = dir.join("absent.pem");
     let out = run_manager(&dir.join("work"))
         .args(["--local", "--json", "--python"])
         .arg(&py)
         .arg("--spec")
         .arg(&spec)
+        .env("DFLASH_TLS_CERT", &absent)
+        .env("DFLASH_TLS_KEY", &absent)
+        .env("DFLASH_TLS_CLIENT_CA", &absent)
         .output()
         .expect("run");
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
@@ -768,6 +775,138 @@ fn stale_lease_kills_the_worker_and_abandons_the_attempt() {
     assert!(all.contains("lease is stale"), "{all}");
     assert!(all.contains("killed by signal 9 (SIGKILL)"), "{all}");
     assert!(!all.contains("attempt finished"), "{all}");
+    rt.block_on(coordinator.stop());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn token_refused_on_a_reopened_heartbeat_stream_stops_the_worker_and_exits_1() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("revoked");
+    let (rt, coordinator, work) = runtime_with_coordinator(&py, &dir, &[]);
+    let _guard = rt.enter();
+    let address = coordinator.address.clone();
+    let target = Target::loopback(&address).expect("target");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
+    let provider = rt.block_on(async {
+        let provider = admin
+            .create_provider(CreateProviderRequest { name: "it".into() })
+            .await
+            .expect("provider")
+            .into_inner();
+        admin
+            .create_run(CreateRunRequest {
+                spec: Some(RunSpec {
+                    name: "revoked".into(),
+                    // No checkpoint (so no ReportArtifact) before the revocation.
+                    spec_json: r#"{"stages":["noop"],"noop":{"steps":400,"step_seconds":0.05,"checkpoint_every":1000}}"#.into(),
+                    required_client_version: run_manager::version::CLIENT_VERSION.into(),
+                    checkpoint_policy: "durable".into(),
+                    max_local_ranks: 1,
+                    num_jobs: 1,
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("run");
+        provider
+    });
+    let mut cmd = run_manager(&work);
+    cmd.args([
+        "--coordinator",
+        &address,
+        "--token",
+        &provider.token,
+        "--max-jobs",
+        "1",
+    ]);
+    let (child, rx) = spawn_watched(cmd);
+    let mut seen = Vec::new();
+    wait_for(&rx, &mut seen, "stage start", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("stage `noop` starting"))
+    });
+    // Freeze the run-manager, revoke the provider and restart the coordinator
+    // on the same port: the open stream (which would answer ABORTED) is gone,
+    // and the stream the run-manager reopens is refused UNAUTHENTICATED.
+    let pid = child.id() as i32;
+    // SAFETY: kill(2) on our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let revoked = rt
+        .block_on(admin.revoke_provider(RevokeProviderRequest {
+            provider_id: provider.provider_id.clone(),
+        }))
+        .expect("revoke")
+        .into_inner();
+    assert_eq!(revoked.aborted_leases, 1);
+    drop(admin);
+    rt.block_on(coordinator.stop());
+    let coordinator = rt
+        .block_on(EmbeddedCoordinator::start_with_args(
+            &py,
+            &dir.join("coord"),
+            &work.join("jobs"),
+            &["--listen", &address],
+        ))
+        .expect("coordinator restarted");
+    assert_eq!(coordinator.address, address);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let (code, _stdout, seen) = finish(child, rx, seen);
+    let all = seen.join("\n");
+    assert_eq!(code, Some(1), "{all}");
+    assert!(
+        all.contains("the coordinator refused this provider's token: killing the worker"),
+        "{all}"
+    );
+    assert!(all.contains("killed by signal 9 (SIGKILL)"), "{all}");
+    assert!(!all.contains("attempt finished"), "{all}");
+    assert!(
+        all.contains("abandoned and its worker stopped: coordinator call `Heartbeat` refused this provider: this provider's token was revoked (Unauthenticated)"),
+        "{all}"
+    );
+    assert!(
+        all.contains("hint: check the provider token (`--token`, `--token-file`"),
+        "{all}"
+    );
+    rt.block_on(coordinator.stop());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn rate_limited_after_failed_authentications_exits_1_with_the_coordinators_hint() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("ratelimit");
+    let (rt, coordinator, work) =
+        runtime_with_coordinator(&py, &dir, &["--auth-failure-limit", "1"]);
+    let attempt = || {
+        run_manager(&work)
+            .args([
+                "--coordinator",
+                &coordinator.address,
+                "--token",
+                "not-a-token",
+            ])
+            .output()
+            .expect("run")
+    };
+    let first = attempt();
+    assert_eq!(first.status.code(), Some(1), "{}", show(&first));
+    assert!(
+        String::from_utf8_lossy(&first.stderr).contains("(Unauthenticated)"),
+        "{}",
+        show(&first)
+    );
+    let throttled = attempt();
+    let err = String::from_utf8_lossy(&throttled.stderr);
+    assert_eq!(throttled.status.code(), Some(1), "{}", show(&throttled));
+    assert!(
+        err.contains("error: coordinator call `Register` failed: too many failed authentications from `127.0.0.1`")
+            && err.contains("retry after")
+            && err.contains("(ResourceExhausted)\nhint: check the provider token (`--token`)"),
+        "{err}"
+    );
     rt.block_on(coordinator.stop());
     let _ = std::fs::remove_dir_all(&dir);
 }
