@@ -103,17 +103,31 @@ def wait_until(pred, timeout: float = WAIT_S, interval: float = 0.05, what: str 
 
 
 class Coordinator:
-    """`dflash-coordinator serve` on 127.0.0.1 with its own SQLite file; admin CLI calls against it."""
+    """`dflash-coordinator serve` on 127.0.0.1 with its own SQLite file; admin CLI calls against it.
 
-    def __init__(self, workdir: Path, *, lease_ttl: float, allow_roots: tuple[Path, ...] = (), admin_token: str | None = None):
+    `serve_args` are extra `serve` flags (e.g. `--tls-cert`/`--tls-key`); a coordinator serving TLS gets
+    an `https://` address. `info` is its "listening" line.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        lease_ttl: float,
+        allow_roots: tuple[Path, ...] = (),
+        admin_token: str | None = None,
+        serve_args: tuple[str, ...] = (),
+    ):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.db = workdir / "coordinator.db"
         self.lease_ttl = lease_ttl
         self.allow_roots = allow_roots
         self.admin_token = admin_token or secrets.token_hex(16)
+        self.serve_args = tuple(serve_args)
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.info: dict = {}
         self.starts = 0
 
     def start(self, port: int = 0) -> Coordinator:
@@ -123,7 +137,7 @@ class Coordinator:
         args = [
             str(COORDINATOR), "serve", "--db", str(self.db), "--listen", f"127.0.0.1:{port}",
             "--lease-ttl", str(self.lease_ttl), "--max-wait", "2",
-            *[x for r in self.allow_roots for x in ("--allow-artifact-root", str(r))],
+            *[x for r in self.allow_roots for x in ("--allow-artifact-root", str(r))], *self.serve_args,
         ]  # fmt: skip
         # The admin token travels in the environment, not on the command line.
         self.proc = subprocess.Popen(
@@ -138,7 +152,8 @@ class Coordinator:
         if not line:
             self.proc.wait(10)
             raise AssertionError(f"coordinator exited {self.proc.returncode}: {self.stderr_path.read_text()}")
-        self.address = json.loads(line)["address"]
+        self.info = json.loads(line)
+        self.address = ("https://" if self.info.get("tls") else "") + self.info["address"]
         return self
 
     @property
@@ -207,7 +222,8 @@ class Coordinator:
 class RunManager:
     """`run-manager` as a child process; stderr JSON lines collected as they come."""
 
-    def __init__(self, work_dir: Path, *args: str, heartbeat: float = 0.3):
+    def __init__(self, work_dir: Path, *args: str, heartbeat: float = 0.3, extra_env: dict[str, str] | None = None):
+        """`extra_env` joins the clean environment (e.g. credentials a test wants the run-manager to hold)."""
         self.work_dir = work_dir
         cmd = [
             str(RUN_MANAGER), "--work-dir", str(work_dir), "--native-client", str(NATIVE_CLIENT),
@@ -216,7 +232,7 @@ class RunManager:
             "--rpc-retries", "60", "--poll-wait", "2", *args,
         ]  # fmt: skip
         self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(**(extra_env or {})))
         self.lines: list[str] = []
         self.logs: list[dict] = []
         self.stdout = ""

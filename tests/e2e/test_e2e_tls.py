@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import selectors
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from e2e_helpers import COORDINATOR, REPO, Coordinator, clean_env, client_version
+from e2e_helpers import REPO, Coordinator, client_version
 
 sys.path.insert(0, str(REPO / "tests"))
 from tls_certs import CertFiles, TlsWorld, tls_world  # noqa: E402
@@ -31,31 +30,16 @@ class TlsCoordinator(Coordinator):
     """`dflash-coordinator serve` with `--tls-cert/--tls-key` (and `--tls-client-ca` for mutual TLS); its admin CLI over https."""
 
     def __init__(self, workdir: Path, *, certs: TlsWorld, mtls: bool, server: CertFiles | None = None, **kw):
-        super().__init__(workdir, **kw)
-        self.certs, self.mtls, self.server = certs, mtls, server or certs.server
+        server = server or certs.server
+        serve_args = ("--tls-cert", str(server.cert), "--tls-key", str(server.key))
+        serve_args += ("--tls-client-ca", str(certs.ca.cert)) if mtls else ()
+        super().__init__(workdir, serve_args=serve_args, **kw)
+        self.certs, self.mtls, self.server = certs, mtls, server
 
     def start(self, port: int = 0) -> TlsCoordinator:
-        self.starts += 1
-        self.stderr_path = self.workdir / f"serve-{self.starts}.log"
-        args = [
-            str(COORDINATOR), "serve", "--db", str(self.db), "--listen", f"127.0.0.1:{port}",
-            "--lease-ttl", str(self.lease_ttl), "--max-wait", "2",
-            *[x for r in self.allow_roots for x in ("--allow-artifact-root", str(r))],
-            "--tls-cert", str(self.server.cert), "--tls-key", str(self.server.key),
-            *(["--tls-client-ca", str(self.certs.ca.cert)] if self.mtls else []),
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=open(self.stderr_path, "wb"), env=clean_env(DFLASH_ADMIN_TOKEN=self.admin_token)
-        )
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        line = self.proc.stdout.readline() if sel.select(timeout=60) else b""
-        if not line:
-            self.proc.kill()
-            raise AssertionError(f"TLS coordinator did not start: {self.stderr_path.read_text()}")
-        info = json.loads(line)
-        assert (info["tls"], info["mtls"]) == (True, self.mtls), info
-        self.address = "https://" + info["address"]
+        super().start(port)
+        assert (self.info["tls"], self.info["mtls"]) == (True, self.mtls), self.info
+        assert self.address.startswith("https://"), self.address
         return self
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:

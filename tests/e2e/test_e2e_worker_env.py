@@ -45,7 +45,7 @@ def process_group(pgid: int) -> list[int]:
     return pids
 
 
-def test_native_worker_environment_holds_no_secret(tmp_path, procs, binaries, monkeypatch):
+def test_native_worker_environment_holds_no_secret(tmp_path, procs, binaries):
     coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, allow_roots=(tmp_path,))
     token = coord.provider_token("box-env")
     run_id = coord.create_run("worker-env", NOOP_SPEC, client_version=client_version())
@@ -60,10 +60,7 @@ def test_native_worker_environment_holds_no_secret(tmp_path, procs, binaries, mo
         "MY_API_TOKEN": "api-" + secrets.token_hex(12),
     }
     # The run-manager's environment: the harness's clean one plus the credentials.
-    original = e2e_helpers.clean_env
-    with monkeypatch.context() as m:
-        m.setattr(e2e_helpers, "clean_env", lambda **extra: {**original(**extra), **secrets_env})
-        rm = procs.run_manager(tmp_path / "work", "--coordinator", coord.address, "--name", "box-env", "--max-jobs", "1")
+    rm = procs.run_manager(tmp_path / "work", "--coordinator", coord.address, "--name", "box-env", "--max-jobs", "1", extra_env=secrets_env)
     assert environ(rm.proc.pid)["DFLASH_PROVIDER_TOKEN"] == token  # the premise: the parent holds them
 
     started = rm.wait_for("the worker to start", _started)
