@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..data.jsonl import DEFAULT_MAX_LINE_BYTES
+from ..data.prepare import SPLIT_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,10 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, metavar="DIR",
                         help="output dir; train.jsonl, val.jsonl, test.jsonl and manifest.json are replaced atomically")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split hash (default 0)")
-    parser.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
+    # The fractions default to None (0.05 in prepare_data) so `--split` can refuse them when given.
+    parser.add_argument("--val-fraction", type=float, default=None, metavar="F",
                         help="fraction of prompt groups for validation (default 0.05)")
-    parser.add_argument("--test-fraction", type=float, default=0.05, metavar="F",
+    parser.add_argument("--test-fraction", type=float, default=None, metavar="F",
                         help="fraction of prompt groups for test (default 0.05)")
+    parser.add_argument("--split", choices=SPLIT_NAMES, default=None,
+                        help="send every kept row to this one split, no hashing (e.g. a held-out set prepared on "
+                        "its own); exclusive with the fractions and `--holdout-file`")
+    parser.add_argument("--holdout-file", default=None, metavar="FILE",
+                        help="text file of group keys or row ids (the `id` of a prepared row), one per line, "
+                        "`#` comments allowed: their prompt groups land in test whatever the hash says")
     parser.add_argument("--skip-invalid", action="store_true",
                         help="drop unusable rows (counted by reason in the manifest and on stderr) instead of failing")
     parser.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES, metavar="N",
@@ -40,11 +48,22 @@ def run(args: argparse.Namespace) -> int:
     m = prepare_data(
         args.input, args.output, seed=args.seed, val_fraction=args.val_fraction,
         test_fraction=args.test_fraction, skip_invalid=args.skip_invalid,
-        max_line_bytes=args.max_line_bytes, on_drop=on_drop,
+        max_line_bytes=args.max_line_bytes, on_drop=on_drop, split=args.split, holdout_file=args.holdout_file,
     )
     c = m["counts"]
     split = ", ".join(f"{k} {v}" for k, v in c["split"].items())
     print(f"prepared {c['rows']} rows into `{args.output}` ({split})", file=sys.stderr)
+    h = m.get("holdout")
+    if h is not None:
+        print(f"held out {h['rows']} rows ({h['groups']} groups) listed in `{args.holdout_file}` in test", file=sys.stderr)
+        if h["unknown_keys"]:
+            first = ", ".join(f"`{k}`" for k in h["unknown_listed"][:5])
+            print(
+                f"warning: {h['unknown_keys']} of {h['keys']} keys in `{args.holdout_file}` match no kept row "
+                f"(first: {first})\nhint: list the `id` of a prepared row or a group key; all are in the manifest's "
+                "`holdout.unknown_listed` (first 20)",
+                file=sys.stderr,
+            )
     if m["dropped"]:
         print("dropped " + ", ".join(f"{k} {v}" for k, v in m["dropped"].items()), file=sys.stderr)
     if args.json:

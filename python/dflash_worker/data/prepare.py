@@ -8,6 +8,16 @@ folded whitespace, across sources) -> assign each group a split from a
 seeded hash of its key -> write ``train.jsonl``, ``val.jsonl``, ``test.jsonl``
 and ``manifest.json``.
 
+Two ways to fix a split instead of hashing (`SplitPlan`): ``split="test"``
+(or ``"train"``, ``"val"``) sends every kept row to that one split, for a
+held-out set prepared on its own; a holdout file (`read_holdout`) lists
+group keys or row ids whose groups must land in ``test`` while the rest are
+hashed as usual, so a test set stays fixed as more data is added. A row id
+is the ``id`` written on each prepared row; a listed row pulls its whole
+group into ``test`` (a group never straddles splits). Neither is recorded
+in the manifest unless used, so an invocation without them writes the same
+bytes as before they existed.
+
 A prompt that appears in two sources (or with different spacing) is one
 group: all of its rows land in the same split, each keeping its own `source`
 tag; only rows identical in every message are duplicates.
@@ -39,6 +49,12 @@ from .schema import Row, exact_key, normalize_row, prompt_key
 FORMAT = "dflash-worker/prepared-data/v1"
 SPLIT_NAMES = ("train", "val", "test")
 MAX_LISTED_DROPS = 50
+MAX_LISTED_UNKNOWN = 20
+_DEFAULT_FRACTION = 0.05
+# A row id is `exact_key(row)[:16]`; a group key is the whole `prompt_key(row)` (a sha256 hex digest).
+ROW_ID_LEN = 16
+GROUP_KEY_LEN = 64
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,146 @@ def split_of(group: str, *, seed: int, val_fraction: float, test_fraction: float
     if u < test_fraction + val_fraction:
         return "val"
     return "train"
+
+
+@dataclass(frozen=True)
+class Holdout:
+    """A parsed holdout file: its listed keys (first-seen order, lowercased) and what identifies it."""
+
+    file: str
+    sha256: str
+    keys: tuple[str, ...]
+    lines: int
+
+
+def read_holdout(path: str | Path) -> Holdout:
+    """Parse a holdout file: one group key or row id per line; blank lines and `#` comments ignored.
+
+    Raises DataError naming the file and line for bytes that are not UTF-8, a
+    NUL byte, or an entry that is neither a row id nor a group key.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read holdout file `{path}`: {exc.strerror or exc}") from None
+    hint = "\nhint: one group key (64 hex digits) or row id (16 hex digits, the `id` of a prepared row) per line"
+    body = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
+    keys: dict[str, None] = {}
+    raw_lines = body.split(b"\n")
+    for lineno, raw in enumerate(raw_lines, 1):
+        if b"\0" in raw:
+            raise DataError(f"holdout file `{path}` line {lineno}: contains a NUL byte (not a text file?)" + hint)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"holdout file `{path}` line {lineno}: not valid UTF-8 (byte {exc.start + 1} of the line)" + hint
+            ) from None
+        entry = text.split("#", 1)[0].strip().lower()
+        if not entry:
+            continue
+        if len(entry) not in (ROW_ID_LEN, GROUP_KEY_LEN) or not set(entry) <= _HEX:
+            raise DataError(
+                f"holdout file `{path}` line {lineno}: `{entry[:80]}` is neither a row id nor a group key" + hint
+            )
+        keys.setdefault(entry, None)
+    lines = len(raw_lines) - (1 if body.endswith(b"\n") or not body else 0)
+    return Holdout(file=path.name, sha256=sha256_bytes(data), keys=tuple(keys), lines=lines)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How kept rows are assigned to splits, decided once from the arguments.
+
+    `mode` is ``"hash"`` (seeded hash of the group key, the default),
+    ``"hash+holdout"`` (listed groups to ``test``, the rest hashed) or
+    ``"all:<split>"`` (every row to one split).
+    """
+
+    seed: int
+    val_fraction: float | None
+    test_fraction: float | None
+    mode: str = "hash"
+    holdout: Holdout | None = None
+
+    @classmethod
+    def resolve(
+        cls, *, seed: int, val_fraction: float | None, test_fraction: float | None,
+        split: str | None, holdout: Holdout | None,
+    ) -> SplitPlan:
+        if split is not None:
+            if split not in SPLIT_NAMES:
+                raise ConfigError(f"`--split` must be one of {', '.join(f'`{s}`' for s in SPLIT_NAMES)}, found `{split}`")
+            given = [n for n, f in (("--val-fraction", val_fraction), ("--test-fraction", test_fraction)) if f is not None]
+            if given:
+                raise ConfigError(
+                    f"`--split {split}` sends every row to `{split}`; it cannot be combined with `{given[0]}`"
+                    "\nhint: pass either `--split` or the fractions"
+                )
+            if holdout is not None:
+                raise ConfigError(
+                    f"`--split {split}` sends every row to `{split}`; it cannot be combined with `--holdout-file`"
+                    "\nhint: pass either `--split` or `--holdout-file`"
+                )
+            return cls(seed=seed, val_fraction=None, test_fraction=None, mode=f"all:{split}")
+        vf = _DEFAULT_FRACTION if val_fraction is None else val_fraction
+        tf = _DEFAULT_FRACTION if test_fraction is None else test_fraction
+        return cls(seed=seed, val_fraction=vf, test_fraction=tf,
+                   mode="hash" if holdout is None else "hash+holdout", holdout=holdout)
+
+    def hashed(self, group: str) -> str:
+        """The split the seeded hash gives `group` (only in the hash modes)."""
+        assert self.val_fraction is not None and self.test_fraction is not None
+        return split_of(group, seed=self.seed, val_fraction=self.val_fraction, test_fraction=self.test_fraction)
+
+    def params(self) -> dict[str, Any]:
+        """What the split fingerprint covers; the default mode adds nothing to the pre-existing fields."""
+        p: dict[str, Any] = {"seed": self.seed, "val_fraction": self.val_fraction, "test_fraction": self.test_fraction}
+        if self.mode != "hash":
+            p["split_mode"] = self.mode
+        if self.holdout is not None:
+            p["holdout_sha256"] = self.holdout.sha256
+        return p
+
+
+def _assign(kept: Sequence[_Kept], plan: SplitPlan) -> tuple[list[str], dict[str, Any] | None]:
+    """The split of every kept row, and the manifest's `holdout` section when a holdout file is used."""
+    if plan.mode.startswith("all:"):
+        return [plan.mode[4:]] * len(kept), None
+    if plan.holdout is None:
+        return [plan.hashed(k.group) for k in kept], None
+    listed = set(plan.holdout.keys)
+    held: set[str] = set()
+    matched: set[str] = set()
+    for k in kept:
+        for key in (k.group, k.exact[:ROW_ID_LEN]):
+            if key in listed:
+                held.add(k.group)
+                matched.add(key)
+    out: list[str] = []
+    moved: Counter[str] = Counter()
+    for k in kept:
+        s = plan.hashed(k.group)
+        if k.group in held:
+            moved[s] += s != "test"
+            s = "test"
+        out.append(s)
+    unknown = [key for key in plan.holdout.keys if key not in matched]
+    section = {
+        "file": plan.holdout.file,
+        "sha256": plan.holdout.sha256,
+        "lines": plan.holdout.lines,
+        "keys": len(plan.holdout.keys),
+        "matched_keys": len(matched),
+        "unknown_keys": len(unknown),
+        "unknown_listed": unknown[:MAX_LISTED_UNKNOWN],
+        "groups": len(held),
+        "rows": sum(1 for k in kept if k.group in held),
+        # Rows the hash alone would have put elsewhere.
+        "moved_from": {s: moved[s] for s in ("train", "val")},
+    }
+    return out, section
 
 
 def _check_args(inputs: Sequence[Path], seed: int, val_fraction: float, test_fraction: float, max_line_bytes: int) -> None:
@@ -103,20 +259,29 @@ def prepare_data(
     output: str | Path,
     *,
     seed: int = 0,
-    val_fraction: float = 0.05,
-    test_fraction: float = 0.05,
+    val_fraction: float | None = None,
+    test_fraction: float | None = None,
     skip_invalid: bool = False,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     on_drop: Callable[[str, int, str, str], None] | None = None,
+    split: str | None = None,
+    holdout_file: str | Path | None = None,
 ) -> dict[str, Any]:
     """Prepare `inputs` into `output`; returns the manifest that was written.
+
+    The fractions default to 0.05 each. `split` sends every kept row to that
+    one split (exclusive with the fractions and `holdout_file`);
+    `holdout_file` forces the groups it lists into ``test`` (see `read_holdout`).
 
     Raises DataError naming file and line for the first unusable row unless
     `skip_invalid`, in which case each one is dropped, counted by reason in the
     manifest, listed (first 50) and reported through `on_drop(file, line, reason, message)`.
     """
     paths = [Path(p) for p in inputs]
-    _check_args(paths, seed, val_fraction, test_fraction, max_line_bytes)
+    holdout = None if holdout_file is None else read_holdout(holdout_file)
+    plan = SplitPlan.resolve(seed=seed, val_fraction=val_fraction, test_fraction=test_fraction,
+                             split=split, holdout=holdout)
+    _check_args(paths, seed, plan.val_fraction or 0.0, plan.test_fraction or 0.0, max_line_bytes)
     output = Path(output)
 
     kept: list[_Kept] = []
@@ -192,8 +357,8 @@ def prepare_data(
     source_split: dict[str, Counter[str]] = {}
     groups_split: dict[str, set[str]] = {s: set() for s in SPLIT_NAMES}
     prompt_only: Counter[str] = Counter()
-    for k in kept:
-        s = split_of(k.group, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction)
+    assigned, holdout_section = _assign(kept, plan)
+    for k, s in zip(kept, assigned, strict=True):
         split_rows[s].append(dumps_row(_row_json(k)))
         by_split[s] += 1
         source_counts[k.row.source] += 1
@@ -207,7 +372,7 @@ def prepare_data(
         name: {"sha256": sha256_bytes(blob), "bytes": len(blob), "rows": by_split[name.split(".")[0]]}
         for name, blob in blobs.items()
     }
-    params = {"seed": seed, "val_fraction": val_fraction, "test_fraction": test_fraction}
+    params = plan.params()
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "params": {**params, "skip_invalid": skip_invalid, "max_line_bytes": max_line_bytes},
@@ -226,6 +391,7 @@ def prepare_data(
         "dropped_total": sum(dropped.values()),
         "drops_listed": drops,
         "ignored_fields": dict(sorted(ignored.items())),
+        **({} if holdout_section is None else {"holdout": holdout_section}),
         "files": files,
         # Identifies the exact split contents; capture and training record it.
         "split_fingerprint": fingerprint({"files": {n: f["sha256"] for n, f in files.items()}, **params}),
