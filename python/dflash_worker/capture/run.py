@@ -79,6 +79,7 @@ from ..manifest import (
     write_json_atomic,
 )
 from ..recipe import CaptureConfig, Recipe
+from ..stop_tokens import stop_token_ids
 from ..worker.events import Event, EventSink, Log, Progress
 from .layout import FORMAT, MANIFEST, SHARD_FORMAT, shard_path, sidecar_path
 
@@ -388,20 +389,6 @@ def resume(out: Path, key: str) -> ResumePoint:
 
 
 # --------------------------------------------------------------------- 3. teacher and shards
-def _stop_ids(tokenizer: Any, config: dict[str, Any]) -> list[int]:
-    ids: set[int] = set()
-    eos = config.get("eos_token_id")
-    for v in eos if isinstance(eos, list) else [eos]:
-        if isinstance(v, int):
-            ids.add(v)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
-        ids.add(im_end)
-    return sorted(ids)
-
-
 def teacher_features(model: Any, input_ids: list[int], layer_ids: list[int], device: Any):
     """`[T, len(layer_ids) * H]` on the CPU: ``hidden_states[id + 1]`` of each id, concatenated."""
     import torch
@@ -620,7 +607,7 @@ def _capture_examples(plan: CapturePlan, model: Any, examples: list[Example], re
     import torch
 
     dtype = getattr(torch, plan.cap.dtype)
-    stops = _stop_ids(plan.tokenizer, plan.geometry.config)
+    stops = stop_token_ids(plan.recipe.model.target, plan.tokenizer)
     with ShardWriter(plan, records, total=len(examples), emit=emit) as writer:
         for i in range(writer.position, len(examples)):
             ex = examples[i]
