@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_worker.data.jsonl import FileStats, LineError, iter_jsonl
 from dflash_worker.errors import ConfigError
 from dflash_worker.recipe import load_recipe
 from dflash_worker.worker.spec import SPEC_FILE, JobSpec
@@ -77,3 +78,13 @@ def test_spec_recipe_path_with_lone_surrogate_is_named(tmp_path):
     # was: UnicodeEncodeError: surrogates not allowed, from os.lstat in Path.resolve
     msg = _spec_error(tmp_path, "path-lone-surrogate.json")
     assert "`[model].draft` is not valid Unicode (a lone surrogate at character 0) in `spec.recipe`" in msg
+
+
+def test_jsonl_integer_past_pythons_digit_limit_is_a_line_error():
+    # found reviewing the targets (past libFuzzer's default 4 KiB inputs); was: ValueError: Exceeds
+    # the limit (4300 digits) for integer string conversion, from json.loads
+    got = list(iter_jsonl(INPUTS / "py_jsonl" / "integer-5000-digits.jsonl", FileStats()))
+    assert got[0] == (1, {"prompt": "ok", "response": "fine"})
+    line, err = got[1]
+    assert line == 2 and isinstance(err, LineError)
+    assert (err.reason, err.message) == ("invalid_json", "a number has more than `4300` digits")

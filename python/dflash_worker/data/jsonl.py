@@ -11,8 +11,8 @@ Decisions (tested in tests/data):
 - A line longer than ``max_line_bytes`` is an error; it is never read into
   memory whole (the reader skips to the next newline in 1 MiB chunks).
 - Invalid UTF-8, invalid JSON, nesting deep enough to hit Python's recursion
-  limit, duplicate keys in an object, and lone surrogates (``"\\ud800"``)
-  are errors.
+  limit, an integer longer than Python's int-parsing limit (4300 digits),
+  duplicate keys in an object, and lone surrogates (``"\\ud800"``) are errors.
 
 The reader never raises for a bad line: it yields a `LineError` so the caller
 decides between failing (the default) and a counted drop (``--skip-invalid``).
@@ -21,6 +21,7 @@ decides between failing (the default) and a counted drop (``--skip-invalid``).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,10 @@ def parse_json_line(text: str, line: int) -> Any | LineError:
         return LineError(line, "invalid_json", f"invalid JSON at column {exc.colno}: {exc.msg}")
     except RecursionError:
         return LineError(line, "invalid_json", "JSON nested too deeply")
+    except ValueError as exc:  # int() refusing a number longer than sys.get_int_max_str_digits()
+        if "integer string conversion" in str(exc):
+            return LineError(line, "invalid_json", f"a number has more than `{sys.get_int_max_str_digits()}` digits")
+        return LineError(line, "invalid_json", f"invalid JSON: {exc}")
 
 
 def iter_jsonl(
