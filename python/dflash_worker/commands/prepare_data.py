@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"prepared {c['rows']} rows into `{args.output}` ({split})", file=sys.stderr)
     h = m.get("holdout")
     if h is not None:
-        print(f"held out {h['rows']} rows ({h['groups']} groups) listed in `{args.holdout_file}` in test", file=sys.stderr)
+        print(f"held out {h['rows']} rows ({h['groups']} groups) in test, listed in `{args.holdout_file}`",
+              file=sys.stderr)
         if h["unknown_keys"]:
             first = ", ".join(f"`{k}`" for k in h["unknown_listed"][:5])
             print(
