@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -50,6 +51,14 @@ def _check_type(section: str, name: str, value: Any, kinds: tuple[type, ...]) ->
     if not ok:
         want = " or ".join(k.__name__ for k in kinds)
         raise ConfigError(f"`[{section}].{name}` must be {want}, found `{value!r}` ({type(value).__name__})")
+
+
+def _is_finite(value: int | float) -> bool:
+    """`math.isfinite` for any int too: one past float's range (TOML and JSON allow any length) is not finite."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check_choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -126,7 +135,7 @@ class CaptureConfig:
         _check_type(s, "regenerate", self.regenerate, (bool,))
         _check_choice(s, "sampling", self.sampling, SAMPLING)
         _check_type(s, "temperature", self.temperature, (int, float))
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
+        if not (_is_finite(self.temperature) and self.temperature > 0):
             raise ConfigError(f"`[capture].temperature` must be a finite number > 0, found `{self.temperature}`")
         _check_type(s, "top_p", self.top_p, (int, float))
         if not (0 < self.top_p <= 1):
@@ -176,7 +185,7 @@ def _check_device(section: str, value: Any) -> None:
 
 def _check_number(section: str, name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
     _check_type(section, name, value, (int, float))
-    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    ok = _is_finite(value) and (value > lo if lo_open else value >= lo) and value <= hi
     if not ok:
         raise ConfigError(f"`[{section}].{name}` must be in `{'(' if lo_open else '['}{lo}, {hi}]`, found `{value}`")
 
@@ -436,4 +445,8 @@ def load_recipe(path: str | Path) -> Recipe:
         raise ConfigError(f"recipe `{path}` is not valid UTF-8 (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"recipe `{path}` is not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"recipe `{path}` is not valid TOML: arrays or tables nested too deeply") from None
+    except ValueError:  # int() refusing an integer longer than sys.get_int_max_str_digits()
+        raise ConfigError(f"recipe `{path}` is not valid TOML: an integer has more than `{sys.get_int_max_str_digits()}` digits") from None
     return recipe_from_dict(raw, base=path.resolve().parent, source=str(path))

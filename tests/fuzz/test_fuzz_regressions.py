@@ -88,3 +88,32 @@ def test_jsonl_integer_past_pythons_digit_limit_is_a_line_error():
     line, err = got[1]
     assert line == 2 and isinstance(err, LineError)
     assert (err.reason, err.message) == ("invalid_json", "a number has more than `4300` digits")
+
+
+def _recipe_error(tmp_path: Path, name: str) -> str:
+    path = tmp_path / "recipe.toml"
+    shutil.copy(INPUTS / "py_recipe" / name, path)
+    with pytest.raises(ConfigError) as info:
+        load_recipe(path)
+    return str(info.value)
+
+
+# The next three were found reviewing the py_recipe target (the fuzzer had not built such inputs in
+# 2 minutes); each escaped load_recipe as a bare exception.
+def test_recipe_nested_too_deeply_is_named(tmp_path):
+    # was: RecursionError, from tomllib
+    msg = _recipe_error(tmp_path, "nested-arrays-1000.toml")
+    assert msg == f"recipe `{tmp_path / 'recipe.toml'}` is not valid TOML: arrays or tables nested too deeply"
+
+
+def test_recipe_integer_past_pythons_digit_limit_is_named(tmp_path):
+    # was: ValueError: Exceeds the limit (4300 digits) for integer string conversion, from tomllib
+    msg = _recipe_error(tmp_path, "integer-5000-digits.toml")
+    assert msg == f"recipe `{tmp_path / 'recipe.toml'}` is not valid TOML: an integer has more than `4300` digits"
+
+
+def test_recipe_number_past_float_range_is_out_of_range(tmp_path):
+    # was: OverflowError: int too large to convert to float, from math.isfinite
+    msg = _recipe_error(tmp_path, "lr-past-float-range.toml")
+    assert msg.startswith("`[train].lr` must be in `(0.0, inf]`, found `1000")
+    assert msg.endswith(f"in `{tmp_path / 'recipe.toml'}`")
