@@ -23,8 +23,8 @@ group: all of its rows land in the same split, each keeping its own `source`
 tag; only rows identical in every message are duplicates.
 
 Output is a pure function of the input bytes, their file names, the order
-they are given in, the seed and the fractions: rows keep input order within
-a split, JSON is written with sorted keys, and the manifest holds no
+they are given in, the seed, the fractions, `split` and the holdout file's
+bytes: rows keep input order within a split, JSON is written with sorted keys, and the manifest holds no
 timestamps or absolute paths. Every file is written atomically (temporary
 file, fsync, rename), manifest last, and nothing is written until every input
 has been read, so a failure never touches what is already in the output dir.
