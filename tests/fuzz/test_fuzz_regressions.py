@@ -117,3 +117,22 @@ def test_recipe_number_past_float_range_is_out_of_range(tmp_path):
     msg = _recipe_error(tmp_path, "lr-past-float-range.toml")
     assert msg.startswith("`[train].lr` must be in `(0.0, inf]`, found `1000")
     assert msg.endswith(f"in `{tmp_path / 'recipe.toml'}`")
+
+
+# The next three were found reviewing the py_spec target; each escaped JobSpec.load as a bare exception.
+def test_spec_nested_too_deeply_for_json_is_named(tmp_path):
+    # was: RecursionError, from json.loads
+    msg = _spec_error(tmp_path, "nested-2000.json")
+    assert msg == f"`{(tmp_path / 'job' / SPEC_FILE).resolve()}` is not valid JSON: nested too deeply"
+
+
+def test_spec_nested_past_the_depth_limit_is_named(tmp_path):
+    # was: RecursionError, from copy.deepcopy of the recipe (json.loads takes ~1000 levels, deepcopy ~500)
+    msg = _spec_error(tmp_path, "recipe-nested-600.json")
+    assert msg == f"`{(tmp_path / 'job' / SPEC_FILE).resolve()}`: spec.json is nested more than 64 levels deep"
+
+
+def test_spec_job_dir_with_nul_is_named(tmp_path):
+    # was: ValueError: embedded null byte, from Path.resolve
+    msg = _spec_error(tmp_path, "job-dir-nul.json")
+    assert msg.endswith(": `job_dir` contains a NUL character")

@@ -73,6 +73,17 @@ def _str_list(obj: Mapping[str, Any], key: str, where: str, default: Any = ...) 
     return tuple(v)
 
 
+def _check_path(text: str, what: str) -> str:
+    """`text` if a filesystem could hold it: no NUL, no lone surrogate (os.fsencode refuses both)."""
+    if "\0" in text:
+        raise ConfigError(f"{what} contains a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"{what} is not valid Unicode (a lone surrogate at character {exc.start})") from None
+    return text
+
+
 def _refuse_unknown(obj: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(obj) - set(known))
     if unknown:
@@ -283,6 +294,8 @@ class Job:
             inputs = _str_list(obj, "inputs", "`spec`", ())
             if not inputs or not all(inputs):
                 raise ConfigError("`spec.inputs` must be a non-empty list of JSONL paths")
+            for i, p in enumerate(inputs):
+                _check_path(p, f"`spec.inputs[{i}]`")
         formats = _str_list(obj, "export_formats", "`spec`", ())
         bad = [f for f in formats if f not in EXPORT_FORMATS]
         if bad:
@@ -331,6 +344,24 @@ def job_recipe(raw: Any, job_dir: Path) -> Recipe:
 
 
 # ----------------------------------------------------------------- the file
+# Far deeper than any spec.json (about five levels). Checked before anything walks
+# the document, so copying, validating and quoting it never meets Python's
+# recursion limit (json.loads accepts ~1000 levels; copy.deepcopy fails near 500).
+MAX_DEPTH = 64
+
+
+def _check_depth(doc: Any) -> None:
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"spec.json is nested more than {MAX_DEPTH} levels deep")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
 _FILE_KEYS = (
     "schema_version", "spec", "lease", "resume_checkpoint", "resume_step", "restart",
     "job_dir", "device", "local_ranks", "downgrades", "client_version",
@@ -366,6 +397,8 @@ class JobSpec:
             raise ConfigError(f"cannot read `{path}`: {exc.strerror or exc}") from None
         except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise ConfigError(f"`{path}` is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"`{path}` is not valid JSON: nested too deeply") from None
         try:
             return cls.from_json(doc, job_dir=job_dir)
         except ConfigError as exc:
@@ -374,6 +407,7 @@ class JobSpec:
     @classmethod
     def from_json(cls, doc: Any, *, job_dir: Path) -> JobSpec:
         doc = _object(doc, "spec.json")
+        _check_depth(doc)
         _refuse_unknown(doc, _FILE_KEYS, "spec.json")
         version = doc.get("schema_version")
         if version != SPEC_SCHEMA_VERSION or isinstance(version, bool):
@@ -382,12 +416,14 @@ class JobSpec:
                 "hint: run-manager and dflash_worker come from one install; reinstall both"
             )
         if "job_dir" in doc:
-            written = Path(_get(doc, "job_dir", "spec.json", (str,), "a path"))
+            written = Path(_check_path(_get(doc, "job_dir", "spec.json", (str,), "a path"), "`job_dir`"))
             if written.resolve() != job_dir:
                 raise ConfigError(f"`job_dir` is `{written}` but the worker was started in `{job_dir}`")
         resume = _get(doc, "resume_checkpoint", "spec.json", (str, type(None)), "a path or null", None)
         if resume is not None and not resume:
             raise ConfigError("`resume_checkpoint` is an empty string")
+        if resume:
+            _check_path(resume, "`resume_checkpoint`")
         local_ranks = _uint(doc, "local_ranks", "spec.json", 1, hi=1024)
         if local_ranks < 1:
             raise ConfigError("`local_ranks` must be at least 1")
