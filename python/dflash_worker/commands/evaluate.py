@@ -9,6 +9,8 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, metavar="DIR", help="run directory of a completed `dflash-worker train`")
+    parser.add_argument("--data", metavar="DIR", default=None,
+                        help="prepared data directory whose prompts are scored (default: the run's own `[data].dir`)")
     parser.add_argument("--split", choices=("train", "val", "test"), default=None,
                         help="prepared split whose prompts are evaluated (default: `[evaluate].split`, else `test`)")
     parser.add_argument("--max-prompts", type=int, default=None, metavar="N",
@@ -33,12 +35,16 @@ def run(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        report = evaluate_run(args.run, split=args.split, out_dir=args.output, max_prompts=args.max_prompts, on_event=on_event)
+        report = evaluate_run(args.run, split=args.split, out_dir=args.output, max_prompts=args.max_prompts, on_event=on_event,
+                              data_dir=args.data)
     finally:
         if bar is not None:
             bar.close()
-    b, t = report["baseline"]["tau_mean"], report["trained"]["tau_mean"]
-    print(f"evaluate: {report['prompts']} prompts, acceptance length baseline {b:.3f} -> trained {t:.3f}: {report['verdict']}",
+    b, t = report["baseline"], report["trained"]
+    lossless = {True: "lossless", False: "NOT lossless: " + ", ".join(m["id"] for m in report["lossless_mismatches"]),
+                None: "lossless not checked (temperature > 0)"}[report["lossless"]]
+    print(f"evaluate: {report['prompts']} prompts, acceptance length (pooled) baseline {b['tau_pooled']:.3f} -> trained "
+          f"{t['tau_pooled']:.3f}: {report['verdict']} (per-prompt mean {b['tau_mean']:.3f} -> {t['tau_mean']:.3f}); {lossless}",
           file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))

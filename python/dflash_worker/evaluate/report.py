@@ -2,23 +2,30 @@
 
 Both drafts run real speculative generation against the teacher
 (`dflash_worker.evaluate.speculate.speculative_generate`) on the same prompts
-of a held-out split (default ``test``), rendered with the run's chat template
-and thinking mode. Per draft and prompt we record the per-step acceptance
-lengths exactly as `speculative_generate` returns them and derive:
+of a held-out split (default ``test``) of a prepared data directory (default:
+the run's own ``[data].dir``; ``data_dir`` / ``--data`` scores any other),
+rendered with the run's chat template and thinking mode, stopping on the
+shared stop-token rule (`dflash_worker.stop_tokens`). Per draft and prompt we
+record the per-step acceptance lengths exactly as `speculative_generate`
+returns them and derive:
 
-- acceptance length ``tau`` = mean tokens per verify step (accepted draft
-  tokens + the bonus token);
+- acceptance length ``tau``: the headline is the **pooled** figure, committed
+  tokens / verify steps over all prompts (what upstream ``dflash_generate``
+  and the papers report); the mean of per-prompt ``tau`` is reported beside
+  it (short answers weigh more in that mean);
 - matching proposals = ``tau - 1`` (mean accepted draft tokens per step);
 - per-position acceptance: for block position k, the fraction of steps that
   accepted at least k draft tokens (steps cut short by `max_new_tokens` or a
   stop token count as produced).
 
-Verdict per prompt and overall (overall compares the mean of the per-prompt
-``tau``): ``tied`` when ``|tau_trained - tau_baseline| <= tie_tolerance *
-tau_baseline`` (`[evaluate].tie_tolerance`, relative, default 2%), else
-``improved`` or ``regressed``. With greedy decoding (temperature 0) both
-drafts must reproduce the teacher's own greedy output; the report records
-whether they did.
+Verdict per prompt (on its ``tau``) and overall (on the pooled ``tau``;
+``verdict_per_prompt_mean`` keeps the old basis): ``tied`` when
+``|tau_trained - tau_baseline| <= tie_tolerance * tau_baseline``
+(`[evaluate].tie_tolerance`, relative, default 2%), else ``improved`` or
+``regressed``. With greedy decoding (temperature 0) speculative decoding is
+lossless: each prompt is also decoded by the teacher alone (argmax, same stop
+tokens and ``max_new_tokens``) and both drafts' outputs must equal it; the
+report says ``lossless`` and names every prompt (and draft) that differs.
 
 The trained draft is the run's BF16 export (``RUN/export``), loaded from its
 files; for a run exported only as AF4G64 it is rebuilt from the selected
@@ -84,6 +91,71 @@ def _trained_draft(run_dir: Path, recipe, device, selection: dict[str, Any]):
     return model, f"{run_dir / ckpt.CHECKPOINTS / selection['checkpoint']} (af4g64 values)"
 
 
+STOP_RULE = "teacher generation_config.json eos ids (else config.json), then the tokenizer's eos; repeats dropped, order kept"
+TAU_POOLED = "committed tokens / verify steps over all prompts"
+LOSSLESS_REFERENCE = "the teacher's own greedy decoding (argmax, same stop tokens and max_new_tokens)"
+
+
+def summarize(rows: list[dict[str, Any]], name: str, block_size: int) -> dict[str, Any]:
+    """Overall figures of draft `name`: pooled tau (the headline) and the mean of per-prompt tau."""
+    taus = [r[name]["tau"] for r in rows]
+    pooled = step_stats([a for r in rows for a in r[name]["acceptance_lengths"]], block_size)
+    mean = sum(taus) / len(taus) if taus else 0.0
+    return {"tau_pooled": pooled["tau"], "tau_mean": mean, "matching_proposals_mean": mean - 1.0,
+            "committed_tokens": sum(sum(r[name]["acceptance_lengths"]) for r in rows), "verify_steps": pooled["steps"],
+            "pooled": pooled}
+
+
+def _prompts(data_dir: Path, split: str, limit: int, tokenizer, thinking: str) -> list[tuple[str, list[int]]]:
+    from ..data import PreparedData, render_prompt
+    from ..errors import DataError
+
+    prompts = []
+    for ex in PreparedData(data_dir).iter_split(split):
+        prompts.append((ex.id, render_prompt(tokenizer, ex.prompt_messages, thinking=thinking)))
+        if len(prompts) >= limit:
+            break
+    if not prompts:
+        raise DataError(f"split `{split}` of `{data_dir}` has no prompts to evaluate\n"
+                        "hint: pick another `--split`, or `--data DIR` with prompts in that split")
+    return prompts
+
+
+def _evaluate_prompt(i: int, pid: str, ids: list[int], drafts: dict[str, Any], target, ecfg, stop: list[int], T: int, dev):
+    """One prompt: both drafts' speculative generation and, at temperature 0, the teacher's greedy decoding."""
+    import torch
+
+    from . import speculate
+
+    x = torch.tensor([ids], dtype=torch.long, device=dev)
+    row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids)}
+    outs = {}
+    for name, draft in drafts.items():
+        gen = torch.Generator(device="cpu").manual_seed(i) if ecfg.temperature > 0 else None
+        res = speculate.speculative_generate(
+            draft, target, x, max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop,
+            temperature=ecfg.temperature, generator=gen,
+        )
+        row[name] = {"acceptance_lengths": list(res.acceptance_lengths), **step_stats(res.acceptance_lengths, T),
+                     "output_tokens": res.num_output_tokens}
+        outs[name] = res.output_ids[0].tolist()
+    row["same_output"] = outs["baseline"] == outs["trained"]
+    if ecfg.temperature == 0:
+        teacher = speculate.greedy_generate(target, x, max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop)[0].tolist()
+        row["teacher_output_tokens"] = len(teacher) - len(ids)
+        row["matches_teacher"] = {name: out == teacher for name, out in outs.items()}
+        row["lossless"] = all(row["matches_teacher"].values())
+    row["verdict"] = verdict(row["trained"]["tau"], row["baseline"]["tau"], ecfg.tie_tolerance)
+    return row
+
+
+def _lossless(rows: list[dict[str, Any]], temperature: float) -> dict[str, Any]:
+    if temperature != 0:
+        return {"lossless": None, "lossless_mismatches": [], "lossless_reference": None}
+    bad = [{"id": r["id"], "drafts": [n for n, ok in r["matches_teacher"].items() if not ok]} for r in rows if not r["lossless"]]
+    return {"lossless": not bad, "lossless_mismatches": bad, "lossless_reference": LOSSLESS_REFERENCE}
+
+
 def evaluate_run(
     run_dir: str | Path,
     *,
@@ -92,22 +164,23 @@ def evaluate_run(
     max_prompts: int | None = None,
     on_event: EventSink | None = None,
     device: DeviceChoice | None = None,
+    data_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate a completed run; writes report.json / report.md / acceptance.png and returns the report.
 
-    `on_event` gets a `Progress` (phase `evaluate`) after each prompt; `device`, when given,
-    is where to run (the job runner's placement), else `[evaluate].device` is resolved here.
+    `data_dir` is any prepared data directory (default: the run's own `[data].dir`). `on_event`
+    gets a `Progress` (phase `evaluate`) after each prompt; `device`, when given, is where to run
+    (the job runner's placement), else `[evaluate].device` is resolved here.
     """
     import torch
 
-    from ..data import PreparedData, load_tokenizer, render_prompt
+    from ..data import load_tokenizer
     from ..device import provenance, resolve_device
-    from ..errors import DataError
     from ..model import load_draft
     from ..recipe import EvaluateConfig
+    from ..stop_tokens import stop_token_ids
     from ..train.export_run import read_selection, recipe_from_state
     from ..weights import load_model
-    from .speculate import speculative_generate
 
     emit = on_event or (lambda e: None)
     run_dir = Path(run_dir)
@@ -115,58 +188,36 @@ def evaluate_run(
     recipe = recipe_from_state(run_dir, selection)
     ecfg = recipe.evaluate or EvaluateConfig()
     split = split or ecfg.split
-    limit = max_prompts or ecfg.max_prompts
     choice = device or resolve_device(ecfg.device)
     dev = choice.torch_device
+    data = Path(data_dir) if data_dir is not None else Path(recipe.data.dir)
 
     tokenizer = load_tokenizer(recipe.model.target)
-    prompts = []
-    for ex in PreparedData(recipe.data.dir).iter_split(split):
-        prompts.append((ex.id, render_prompt(tokenizer, ex.prompt_messages, thinking=recipe.data.thinking)))
-        if len(prompts) >= limit:
-            break
-    if not prompts:
-        raise DataError(f"split `{split}` of `{recipe.data.dir}` has no prompts to evaluate\nhint: use `--split val` or prepare data with a test fraction")
+    prompts = _prompts(data, split, max_prompts or ecfg.max_prompts, tokenizer, recipe.data.thinking)
     target = load_model(recipe.model.target, device=dev, dtype=torch.float32)
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-    baseline = load_draft(recipe.model.draft, device=dev, dtype=torch.float32)
+    stop = stop_token_ids(recipe.model.target, tokenizer)
     trained, trained_from = _trained_draft(run_dir, recipe, dev, selection)
-    T = baseline.block_size
+    drafts = {"baseline": load_draft(recipe.model.draft, device=dev, dtype=torch.float32), "trained": trained}
+    T = drafts["baseline"].block_size
 
     rows = []
     for i, (pid, ids) in enumerate(prompts):
-        x = torch.tensor([ids], dtype=torch.long, device=dev)
-        row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids)}
-        outs = {}
-        for name, draft in (("baseline", baseline), ("trained", trained)):
-            gen = torch.Generator(device="cpu").manual_seed(i) if ecfg.temperature > 0 else None
-            res = speculative_generate(
-                draft, target, x, max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop,
-                temperature=ecfg.temperature, generator=gen,
-            )
-            row[name] = {"acceptance_lengths": list(res.acceptance_lengths), **step_stats(res.acceptance_lengths, T),
-                         "output_tokens": res.num_output_tokens}
-            outs[name] = res.output_ids[0].tolist()
-        row["same_output"] = outs["baseline"] == outs["trained"]
-        row["verdict"] = verdict(row["trained"]["tau"], row["baseline"]["tau"], ecfg.tie_tolerance)
-        rows.append(row)
+        rows.append(_evaluate_prompt(i, pid, ids, drafts, target, ecfg, stop, T, dev))
         emit(Progress(phase="evaluate", step=i + 1, total_steps=len(prompts)))
 
-    def overall(name: str) -> dict[str, Any]:
-        taus = [r[name]["tau"] for r in rows]
-        all_lengths = [a for r in rows for a in r[name]["acceptance_lengths"]]
-        pooled = step_stats(all_lengths, T)
-        return {"tau_mean": sum(taus) / len(taus), "matching_proposals_mean": sum(taus) / len(taus) - 1.0,
-                "pooled": pooled}
-
-    base_o, tr_o = overall("baseline"), overall("trained")
+    base_o, tr_o = summarize(rows, "baseline", T), summarize(rows, "trained", T)
     report = {
         "run": str(run_dir),
+        "data": str(data),
+        "data_source": "run" if data_dir is None else "--data",
         "split": split,
         "prompts": len(rows),
         "block_size": T,
         "temperature": ecfg.temperature,
         "max_new_tokens": ecfg.max_new_tokens,
+        "stop_token_ids": stop,
+        "stop_token_rule": STOP_RULE,
+        "tau_pooled_rule": TAU_POOLED,
         "tie_tolerance": ecfg.tie_tolerance,
         "tie_rule": "tied when |tau_trained - tau_baseline| <= tie_tolerance * tau_baseline",
         "baseline_draft": str(recipe.model.draft),
@@ -174,9 +225,13 @@ def evaluate_run(
         "selection_step": selection["step"],
         "baseline": base_o,
         "trained": tr_o,
-        "verdict": verdict(tr_o["tau_mean"], base_o["tau_mean"], ecfg.tie_tolerance),
+        "verdict": verdict(tr_o["tau_pooled"], base_o["tau_pooled"], ecfg.tie_tolerance),
+        "verdict_basis": "tau_pooled",
+        "verdict_per_prompt_mean": verdict(tr_o["tau_mean"], base_o["tau_mean"], ecfg.tie_tolerance),
         "verdict_counts": {v: sum(1 for r in rows if r["verdict"] == v) for v in VERDICTS},
+        # kept for compatibility: compares the two drafts with each other, not with the teacher
         "greedy_outputs_identical": all(r["same_output"] for r in rows) if ecfg.temperature == 0 else None,
+        **_lossless(rows, ecfg.temperature),
         "per_prompt": rows,
         "device": provenance(choice),
     }
@@ -198,18 +253,29 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:
 
 
 def render_markdown(r: dict[str, Any]) -> str:
+    """report.md: pooled tau first (with the per-prompt mean beside it), verdict, lossless check, tables."""
     b, t = r["baseline"], r["trained"]
     lines = [
         f"# Evaluation of `{r['run']}` on split `{r['split']}`",
         "",
-        f"Overall verdict: **{r['verdict']}** ({r['tie_rule']}, tie_tolerance {r['tie_tolerance']}).",
+        f"**Acceptance length tau (pooled, {TAU_POOLED}): baseline {b['tau_pooled']:.3f} -> trained {t['tau_pooled']:.3f}**"
+        f" (per-prompt mean: baseline {b['tau_mean']:.3f} -> trained {t['tau_mean']:.3f}).",
+        "",
+        f"Overall verdict (on pooled tau): **{r['verdict']}** ({r['tie_rule']}, tie_tolerance {r['tie_tolerance']}).",
         f"Prompts: {r['prompts']} (improved {r['verdict_counts']['improved']}, tied {r['verdict_counts']['tied']}, "
         f"regressed {r['verdict_counts']['regressed']}); temperature {r['temperature']}, max_new_tokens {r['max_new_tokens']}.",
+        f"Data: `{r['data']}` (from {r['data_source']}); stop token ids {r['stop_token_ids']} ({r['stop_token_rule']}).",
         "",
-        "| draft | acceptance length (mean tau) | matching proposals | steps |",
-        "|---|---|---|---|",
-        f"| baseline (released) | {b['tau_mean']:.3f} | {b['matching_proposals_mean']:.3f} | {b['pooled']['steps']} |",
-        f"| trained (step {r['selection_step']}) | {t['tau_mean']:.3f} | {t['matching_proposals_mean']:.3f} | {t['pooled']['steps']} |",
+    ]
+    lines += _lossless_lines(r)
+    lines += [
+        "| draft | tau (pooled) | tau (per-prompt mean) | matching proposals (pooled) | verify steps | committed tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, o in (("baseline (released)", b), (f"trained (step {r['selection_step']})", t)):
+        lines.append(f"| {label} | {o['tau_pooled']:.3f} | {o['tau_mean']:.3f} | {o['pooled']['matching_proposals']:.3f} | "
+                     f"{o['verify_steps']} | {o['committed_tokens']} |")
+    lines += [
         "",
         "Per-position acceptance (fraction of steps accepting at least k draft tokens):",
         "",
@@ -218,12 +284,20 @@ def render_markdown(r: dict[str, Any]) -> str:
     ]
     for k, (x, y) in enumerate(zip(b["pooled"]["per_position"], t["pooled"]["per_position"]), start=1):
         lines.append(f"| {k} | {x:.3f} | {y:.3f} |")
-    lines += ["", "| prompt | baseline tau | trained tau | verdict |", "|---|---|---|---|"]
+    lines += ["", "| prompt | baseline tau | trained tau | verdict | matches teacher |", "|---|---|---|---|---|"]
     for row in r["per_prompt"]:
-        lines.append(f"| `{row['id']}` | {row['baseline']['tau']:.3f} | {row['trained']['tau']:.3f} | {row['verdict']} |")
-    if r.get("greedy_outputs_identical") is not None:
-        lines += ["", f"Greedy outputs identical for both drafts (lossless check): {r['greedy_outputs_identical']}."]
+        same = "-" if "lossless" not in row else ("yes" if row["lossless"] else "**no**")
+        lines.append(f"| `{row['id']}` | {row['baseline']['tau']:.3f} | {row['trained']['tau']:.3f} | {row['verdict']} | {same} |")
     return "\n".join(lines) + "\n"
+
+
+def _lossless_lines(r: dict[str, Any]) -> list[str]:
+    if r.get("lossless") is None:
+        return ["Lossless check: not applicable (temperature > 0).", ""]
+    if r["lossless"]:
+        return [f"Lossless check: **passed**: both drafts' outputs equal {r['lossless_reference']} on every prompt.", ""]
+    named = ", ".join(f"`{m['id']}` ({', '.join(m['drafts'])})" for m in r["lossless_mismatches"])
+    return [f"Lossless check: **FAILED**: outputs differ from {r['lossless_reference']} on {named}.", ""]
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
