@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dflash-worker/cargo-target
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint test-python test-rust proto lock bench-effectiveness
+.PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness
 
 install:
 	@scripts/setup-env.sh
@@ -24,7 +24,7 @@ demo: install
 	@scripts/demo.sh
 
 test: install
-	@$(MAKE) --no-print-directory lint test-python test-rust
+	@$(MAKE) --no-print-directory lint test-python test-rust fuzz
 
 # Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml;
 # rustfmt, and clippy with the workspace's lint levels ([workspace.lints]) as errors.
@@ -40,6 +40,11 @@ test-python:
 
 test-rust:
 	PYO3_PYTHON=$(abspath $(PY)) cargo test --workspace --locked
+
+# Every fuzz target for FUZZ_SECONDS each (docs/fuzzing.md); longer: `scripts/fuzz.sh --seconds 600`.
+FUZZ_SECONDS ?= 20
+fuzz:
+	@scripts/fuzz.sh --seconds $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 proto:
 	@scripts/gen-proto.sh

@@ -81,7 +81,8 @@ run_target() {
   stamp=$(mktemp)
   local seeds=("$work/seeds/$t")
   [ -d "tests/fuzz/inputs/$t" ] && seeds+=("tests/fuzz/inputs/$t")
-  local flags=(-max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1
+  # 16 KiB inputs: deep nesting and 4300-digit integers (Python's int-parsing limit) need more than libFuzzer's default 4 KiB
+  local flags=(-max_total_time="$seconds" -max_len=16384 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1
     -dict="$work/seeds/$t.dict" -artifact_prefix="$crashes/")
   local cmd
   case "$t" in
