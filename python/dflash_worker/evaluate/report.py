@@ -37,6 +37,7 @@ Outputs in the report directory: ``report.json``, ``report.md`` and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,16 +122,33 @@ def _prompts(data_dir: Path, split: str, limit: int, tokenizer, thinking: str) -
     return prompts
 
 
-def _evaluate_prompt(i: int, pid: str, ids: list[int], drafts: dict[str, Any], target, ecfg, stop: list[int], T: int, dev):
+@dataclass(frozen=True)
+class _Models:
+    """What every prompt is generated with: the target, both drafts, the settings and the stop ids."""
+
+    target: Any
+    drafts: dict[str, Any]  # "baseline", "trained"
+    ecfg: Any  # EvaluateConfig
+    stop: list[int]
+    device: Any  # torch.device
+
+    @property
+    def block_size(self) -> int:
+        return self.drafts["baseline"].block_size
+
+
+def _evaluate_prompt(m: _Models, i: int, pid: str, ids: list[int]) -> dict[str, Any]:
     """One prompt: both drafts' speculative generation and, at temperature 0, the teacher's greedy decoding."""
     import torch
 
     from . import speculate
 
-    x = torch.tensor([ids], dtype=torch.long, device=dev)
+    target, ecfg, stop, T = m.target, m.ecfg, m.stop, m.block_size
+
+    x = torch.tensor([ids], dtype=torch.long, device=m.device)
     row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids)}
     outs = {}
-    for name, draft in drafts.items():
+    for name, draft in m.drafts.items():
         gen = torch.Generator(device="cpu").manual_seed(i) if ecfg.temperature > 0 else None
         res = speculate.speculative_generate(
             draft, target, x, max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop,
@@ -197,12 +215,13 @@ def evaluate_run(
     target = load_model(recipe.model.target, device=dev, dtype=torch.float32)
     stop = stop_token_ids(recipe.model.target, tokenizer)
     trained, trained_from = _trained_draft(run_dir, recipe, dev, selection)
-    drafts = {"baseline": load_draft(recipe.model.draft, device=dev, dtype=torch.float32), "trained": trained}
-    T = drafts["baseline"].block_size
+    models = _Models(target, {"baseline": load_draft(recipe.model.draft, device=dev, dtype=torch.float32), "trained": trained},
+                     ecfg, stop, dev)
+    T = models.block_size
 
     rows = []
     for i, (pid, ids) in enumerate(prompts):
-        rows.append(_evaluate_prompt(i, pid, ids, drafts, target, ecfg, stop, T, dev))
+        rows.append(_evaluate_prompt(models, i, pid, ids))
         emit(Progress(phase="evaluate", step=i + 1, total_steps=len(prompts)))
 
     base_o, tr_o = summarize(rows, "baseline", T), summarize(rows, "trained", T)
