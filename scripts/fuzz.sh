@@ -13,8 +13,10 @@
 # regression inputs under tests/fuzz/inputs/TARGET are fed as seeds too.
 #
 # Per target it prints executions, executions per second, corpus size and
-# crashes. A crashing input is saved under fuzz/crashes/TARGET/ (gitignored)
-# and the script exits 1. `make fuzz` runs it; `make test` includes it.
+# crashes. A crashing input is saved under fuzz/crashes/TARGET/ (gitignored;
+# $DFLASH_FUZZ_CRASHES elsewhere) and the script exits 1. `make fuzz` runs it;
+# `make test` includes it. `py_canary` crashes on purpose and runs only when
+# named (tests/fuzz checks that a crash fails the run).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -40,7 +42,7 @@ done
 case "$seconds" in ''|*[!0-9]*|0) echo "fuzz: --seconds must be a positive integer, got \`$seconds\`" >&2; exit 2 ;; esac
 [ ${#targets[@]} -gt 0 ] || targets=("${PY_TARGETS[@]}" "${RS_TARGETS[@]}")
 for t in "${targets[@]}"; do
-  case " ${PY_TARGETS[*]} ${RS_TARGETS[*]} " in
+  case " ${PY_TARGETS[*]} ${RS_TARGETS[*]} py_canary " in
     *" $t "*) ;;
     *) echo "fuzz: unknown target \`$t\`" >&2; echo "hint: scripts/fuzz.sh --list" >&2; exit 2 ;;
   esac
@@ -76,7 +78,7 @@ fi
 
 # Run one target; prints its row of the summary, returns non-zero on a crash.
 run_target() {
-  local t=$1 corpus=$work/corpus/$1 crashes=$root/fuzz/crashes/$1 log=$work/logs/$1.log stamp
+  local t=$1 corpus=$work/corpus/$1 crashes=${DFLASH_FUZZ_CRASHES:-$root/fuzz/crashes}/$1 log=$work/logs/$1.log stamp
   mkdir -p "$corpus" "$crashes"
   stamp=$(mktemp)
   local seeds=("$work/seeds/$t")

@@ -136,6 +136,7 @@ def dictionaries() -> dict[str, list[str]]:
         "py_spec": json_tokens + spec_keys + ["/", "..", "~", "bf16", "af4g64"],
         "rs_worker_event": json_tokens + event_keys,
         "rs_job_spec": json_tokens + run_spec_keys,
+        "py_canary": ["FU"],
     }
 
 
@@ -153,6 +154,7 @@ def write_all(out: Path) -> None:
         "py_spec": spec_seeds(),
         "rs_worker_event": event_seeds(),
         "rs_job_spec": run_spec_seeds() + spec_seeds()[2:],
+        "py_canary": [b"FUZZ"],
     }
     for target, items in seeds.items():
         d = out / target

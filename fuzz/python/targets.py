@@ -117,9 +117,16 @@ def check_spec(data: bytes) -> None:
     assert again.to_json() == doc
 
 
+def check_canary(data: bytes) -> None:
+    """Crashes on purpose on input starting `FU` (its seed): tests/fuzz proves a crash fails the run."""
+    if data.startswith(b"FU"):
+        raise KeyError("canary")
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "py_header": check_header,
     "py_jsonl": check_jsonl,
     "py_recipe": check_recipe,
     "py_spec": check_spec,
+    "py_canary": check_canary,  # not run by scripts/fuzz.sh unless named
 }
