@@ -159,7 +159,10 @@ def run_evaluate(ctx: StageContext) -> None:
     )
     ctx.report_all(out, kind="report")
     n = int(report["prompts"])
-    _progress(ctx, "evaluate", n, n, tau_baseline=report["baseline"]["tau_mean"], tau_trained=report["trained"]["tau_mean"])
+    b, t = report["baseline"], report["trained"]
+    # pooled tau (committed tokens / verify steps) is the headline, as in the report; the per-prompt mean beside it
+    _progress(ctx, "evaluate", n, n, tau_baseline=b["tau_pooled"], tau_trained=t["tau_pooled"],
+              tau_baseline_mean=b["tau_mean"], tau_trained_mean=t["tau_mean"])  # fmt: skip
 
 
 # Stage name -> runner (the names are `spec.STAGE_NAMES`).
