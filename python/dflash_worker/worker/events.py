@@ -119,7 +119,11 @@ class Artifact:
 
 @dataclass(frozen=True, kw_only=True)
 class Log:
-    """A notable moment worth a line in the run-manager's log (resume, stop request)."""
+    """A notable moment (resume, stop request) for whoever runs the library call.
+
+    Not a wire event: the run-manager's reader knows none named `log`. The job runner
+    writes these to its JSON log on stderr (which the run-manager relays); the CLI prints them.
+    """
 
     name: ClassVar[str] = "log"
     message: str

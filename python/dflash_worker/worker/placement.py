@@ -35,9 +35,6 @@ if TYPE_CHECKING:
     from ..device import DeviceChoice
     from ..recipe import Recipe
 
-# recipe sections that name a device
-DEVICE_SECTIONS = ("capture", "train", "evaluate")
-
 # feature -> replacement; mirrors `DOWNGRADES` in run-manager/src/policy.rs.
 DOWNGRADES = {"flash_attention_2": "sdpa", "torch_compile": "eager", "liger": "torch"}
 # what each downgrade changes in this worker
