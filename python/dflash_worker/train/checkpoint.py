@@ -94,10 +94,11 @@ def save(
     return _commit(run_dir, step, write)
 
 
-def _commit(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Path:
+def _commit(run_dir: str | Path, step: int, write: Callable[[Path], None], *, expect: dict[str, Any] | None = None) -> Path:
     """The commit protocol: `write` fills a temporary directory with `_FILES`; each file is
     fsynced and hashed into ``manifest.json`` (written last), the directory fsynced and renamed
-    into place, the parent fsynced, then ``LATEST`` replaced atomically."""
+    into place, the parent fsynced, then ``LATEST`` replaced atomically. With `expect` (another
+    manifest's ``files``), files that hash otherwise are refused before anything is renamed."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
@@ -111,6 +112,12 @@ def _commit(run_dir: str | Path, step: int, write: Callable[[Path], None]) -> Pa
         for name in _FILES:
             _fsync_file(tmp / name)
             files[name] = {"sha256": sha256_file(tmp / name), "size": (tmp / name).stat().st_size}
+        if expect is not None:
+            changed = [n for n in _FILES if files[n] != expect.get(n)]
+            if changed:
+                raise CheckpointError(
+                    f"checkpoint files {', '.join(f'`{n}`' for n in changed)} changed while they were copied; nothing was committed"
+                )
         (tmp / "manifest.json").write_bytes(
             (json.dumps({"format": FORMAT, "step": step, "files": files}, sort_keys=True, indent=1) + "\n").encode()
         )
@@ -146,7 +153,8 @@ def seed(run_dir: str | Path, manifest: str | Path) -> int | None:
     src = Path(manifest)
     if src.name != "manifest.json":
         raise CheckpointError(f"resume checkpoint `{src}` is not a checkpoint's `manifest.json`")
-    step = verify(src.parent).get("step")
+    source = verify(src.parent)
+    step = source.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"checkpoint `{src}` has no valid `step`")
 
@@ -154,8 +162,8 @@ def seed(run_dir: str | Path, manifest: str | Path) -> int | None:
         for name in _FILES:
             shutil.copyfile(src.parent / name, tmp / name)
 
-    dest = _commit(run_dir, step, write)
-    verify(dest)  # the copy is what the manifest promised (a file changed while it was copied fails here)
+    # the copy is what the manifest promised: a file changed while it was copied is refused before the rename
+    _commit(run_dir, step, write, expect=source["files"])
     return step
 
 
