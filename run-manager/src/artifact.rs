@@ -1,20 +1,21 @@
 //! Artifacts a worker announced: verified against the file on disk, then
-//! reported to the coordinator (inline or as a `file://` URI).
+//! made into what the upload queue sends (`crate::upload`).
 //!
 //! Verification comes first and needs no network: the path must resolve inside
 //! the job directory and its sha256 and size must be what the worker claimed.
-//! A verified checkpoint is one a restarted worker may resume from, whether or
-//! not the coordinator managed to record it.
+//! A checkpoint's manifest must parse and every file it lists must lie next to
+//! it, inside the job directory, with the listed size (its sha256 is checked
+//! as it uploads). A verified checkpoint is one a restarted worker may resume
+//! from, whether or not the coordinator has recorded it yet.
 
 use std::path::{Path, PathBuf};
 
-use crate::client::{retry, ProviderClient, RetryPolicy};
-use crate::error::Error;
+use crate::checkpoint;
 use crate::events::ArtifactEvent;
 use crate::jobdir::hash_file;
-use crate::lease_lost::LeaseLost;
-use crate::paths::{file_uri, resolve_inside};
-use crate::proto::{Artifact, Lease, ReportArtifactRequest};
+use crate::paths::resolve_inside;
+use crate::proto::Artifact;
+use crate::upload::{FileUpload, Item};
 
 /// An artifact whose file matches the worker's claim.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,17 +26,12 @@ pub struct Verified {
     pub size_bytes: u64,
 }
 
-/// What reporting a verified artifact came to.
-#[derive(Debug, Clone)]
-pub enum Reported {
-    /// The coordinator recorded it.
-    Recorded,
-    /// The report failed for another reason (logged); the file is still verified.
-    NotRecorded,
-    /// The file could not be read for an inline report (logged).
-    Unreadable,
-    /// The lease is lost: stale (ABORTED) or this provider's token refused.
-    Lost(LeaseLost),
+/// A verified file and where it is on this machine (for `--local`'s summary).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalArtifact {
+    pub name: String,
+    pub sha256: String,
+    pub path: PathBuf,
 }
 
 /// Resolve `a.path` inside `job_dir` and check its sha256 and size; the error
@@ -62,76 +58,81 @@ pub async fn verify(job_dir: &Path, a: &ArtifactEvent) -> Result<Verified, Strin
     })
 }
 
-/// Where reports go and how: the lease, RPC retries, and the inline size limit
-/// (artifacts up to `inline_max_bytes` travel in the request; 0: none do).
-pub struct Reporter<'a> {
-    pub client: &'a ProviderClient,
-    pub rpc: &'a RetryPolicy,
-    pub lease: &'a Lease,
-    pub inline_max_bytes: u64,
+/// What the queue uploads for a verified artifact, and the files it covers:
+/// the file itself, or for a checkpoint its listed files and then its
+/// manifest. The error says why a checkpoint is refused.
+pub async fn upload_item(
+    job_dir: &Path,
+    a: &ArtifactEvent,
+    v: &Verified,
+) -> Result<(Item, Vec<LocalArtifact>), String> {
+    let upload = |name: &str, kind: &str, sha256: &str, size: u64, path: PathBuf| FileUpload {
+        path,
+        artifact: Artifact {
+            name: name.to_string(),
+            kind: kind.to_string(),
+            sha256: sha256.to_string(),
+            size_bytes: size,
+            uri: String::new(),
+            step: a.step,
+        },
+    };
+    let manifest = upload(&a.name, &a.kind, &v.sha256, v.size_bytes, v.path.clone());
+    let mut local = vec![LocalArtifact {
+        name: a.name.clone(),
+        sha256: v.sha256.clone(),
+        path: v.path.clone(),
+    }];
+    if a.kind != "checkpoint" {
+        return Ok((Item::File(manifest), local));
+    }
+    let (name, path, root) = (a.name.clone(), v.path.clone(), job_dir.to_path_buf());
+    let listed = tokio::task::spawn_blocking(move || listed_files(&name, &path, &root))
+        .await
+        .map_err(|e| format!("reading the checkpoint manifest failed: {e}"))??;
+    let mut files = Vec::with_capacity(listed.len());
+    for (f, path) in listed {
+        local.push(LocalArtifact {
+            name: f.name.clone(),
+            sha256: f.sha256.clone(),
+            path: path.clone(),
+        });
+        files.push(upload(
+            &f.name,
+            checkpoint::FILE_KIND,
+            &f.sha256,
+            f.size,
+            path,
+        ));
+    }
+    Ok((Item::Checkpoint { files, manifest }, local))
 }
 
-impl Reporter<'_> {
-    /// Report one verified artifact (ReportArtifact, retried per the policy).
-    pub async fn report(&self, a: &ArtifactEvent, v: &Verified) -> Reported {
-        let job = &self.lease.job_id;
-        let inline = self.inline_max_bytes > 0 && v.size_bytes <= self.inline_max_bytes;
-        let content = if inline {
-            match tokio::fs::read(&v.path).await {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::error!(job_id = %job, artifact = %a.name, "cannot read artifact `{}`: {e}", v.path.display());
-                    return Reported::Unreadable;
-                }
-            }
-        } else {
-            Vec::new()
-        };
-        let req = ReportArtifactRequest {
-            lease_id: self.lease.lease_id.clone(),
-            artifact: Some(Artifact {
-                name: a.name.clone(),
-                kind: a.kind.clone(),
-                sha256: v.sha256.clone(),
-                size_bytes: v.size_bytes,
-                uri: if inline {
-                    String::new()
-                } else {
-                    file_uri(&v.path)
-                },
-                step: a.step,
-            }),
-            content,
-        };
-        let res = retry(self.rpc, "ReportArtifact", || {
-            let mut c = self.client.clone();
-            let r = req.clone();
-            async move { c.report_artifact(r).await }
-        })
-        .await;
-        match res {
-            Ok(resp) => {
-                let uri = resp.artifact.map(|a| a.uri).unwrap_or_default();
-                tracing::info!(job_id = %job, artifact = %a.name, kind = %a.kind, sha256 = %v.sha256, size_bytes = v.size_bytes, %uri, "artifact reported");
-                Reported::Recorded
-            }
-            Err(Error::Rpc { status, .. }) => match LeaseLost::of("ReportArtifact", &status) {
-                Some(lost) => Reported::Lost(lost),
-                None => {
-                    let e = Error::Rpc {
-                        call: "ReportArtifact",
-                        status,
-                    };
-                    tracing::error!(job_id = %job, artifact = %a.name, "{e}");
-                    Reported::NotRecorded
-                }
-            },
-            Err(e) => {
-                tracing::error!(job_id = %job, artifact = %a.name, "{e}");
-                Reported::NotRecorded
-            }
+/// The files the manifest at `path` lists, each resolved inside `job_dir` and of the listed size.
+fn listed_files(
+    name: &str,
+    path: &Path,
+    job_dir: &Path,
+) -> Result<Vec<(checkpoint::ListedFile, PathBuf)>, String> {
+    let refused = |m: String| format!("refused checkpoint `{name}`: {m}");
+    let files = checkpoint::read(name, path).map_err(refused)?;
+    let mut out = Vec::with_capacity(files.len());
+    for f in files {
+        let p = resolve_inside(job_dir, &checkpoint::local_path(path, &f))
+            .map_err(|e| refused(format!("its file `{}`: {e}", f.file)))?;
+        let size = std::fs::metadata(&p)
+            .map_err(|e| refused(format!("cannot read `{}`: {e}", p.display())))?
+            .len();
+        if size != f.size {
+            return Err(refused(format!(
+                "`{}` has {size} bytes, its manifest says {}",
+                p.display(),
+                f.size
+            )));
         }
+        out.push((f, p));
     }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -174,6 +175,99 @@ mod tests {
             missing.contains("refused artifact") || missing.contains("cannot read"),
             "{missing}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn sha(b: &[u8]) -> String {
+        use sha2::Digest;
+        crate::transfer::hex(&sha2::Sha256::digest(b))
+    }
+
+    /// A job dir holding checkpoint `c/step-2` whose manifest is `manifest`; returns the dir.
+    async fn checkpoint_with(
+        tag: &str,
+        manifest: &str,
+        files: &[(&str, &[u8])],
+    ) -> (PathBuf, ArtifactEvent, Verified) {
+        let dir = std::env::temp_dir().join(format!("rm-artifact-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ck = dir.join("c/step-2");
+        std::fs::create_dir_all(&ck).expect("mkdir");
+        for (name, bytes) in files {
+            std::fs::write(ck.join(name), bytes).expect("write");
+        }
+        std::fs::write(ck.join("manifest.json"), manifest).expect("write");
+        let dir = dir.canonicalize().expect("canonical");
+        let a = ArtifactEvent {
+            name: "c/step-2/manifest.json".into(),
+            kind: "checkpoint".into(),
+            path: "c/step-2/manifest.json".into(),
+            sha256: sha(manifest.as_bytes()),
+            size_bytes: manifest.len() as u64,
+            step: 2,
+        };
+        let v = verify(&dir, &a).await.expect("verified");
+        (dir, a, v)
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_uploads_its_listed_files_then_its_manifest() {
+        let m = format!(
+            r#"{{"step": 2, "files": {{"w.bin": {{"sha256": "{}", "size": 3}}}}}}"#,
+            sha(b"abc")
+        );
+        let (dir, a, v) = checkpoint_with("ok", &m, &[("w.bin", b"abc")]).await;
+        let (item, local) = upload_item(&dir, &a, &v).await.expect("item");
+        let Item::Checkpoint { files, manifest } = item else {
+            panic!("{item:?}")
+        };
+        assert_eq!(files.len(), 1);
+        assert_eq!(files[0].artifact.name, "c/step-2/w.bin");
+        assert_eq!(files[0].artifact.kind, "checkpoint_file");
+        assert_eq!(
+            (files[0].artifact.size_bytes, files[0].artifact.step),
+            (3, 2)
+        );
+        assert_eq!(files[0].path, dir.join("c/step-2/w.bin"));
+        assert_eq!(manifest.artifact.name, "c/step-2/manifest.json");
+        assert_eq!(local.len(), 2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_with_a_missing_or_wrong_sized_file_is_refused() {
+        let m = format!(
+            r#"{{"files": {{"w.bin": {{"sha256": "{}", "size": 3}}}}}}"#,
+            sha(b"abc")
+        );
+        let (dir, a, v) = checkpoint_with("missing", &m, &[]).await;
+        let err = upload_item(&dir, &a, &v).await.expect_err("missing");
+        assert!(
+            err.contains("refused checkpoint") && err.contains("`w.bin`"),
+            "{err}"
+        );
+        let (dir, a, v) = checkpoint_with("size", &m, &[("w.bin", b"abcd")]).await;
+        let err = upload_item(&dir, &a, &v).await.expect_err("size");
+        assert!(err.contains("has 4 bytes"), "{err}");
+        let (dir, a, v) = checkpoint_with("corrupt", "{not json", &[]).await;
+        let err = upload_item(&dir, &a, &v).await.expect_err("corrupt");
+        assert!(err.contains("is not a manifest"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_listed_file_may_not_point_outside_the_job_directory() {
+        let m = format!(
+            r#"{{"files": {{"link": {{"sha256": "{}", "size": 6}}}}}}"#,
+            sha(b"secret")
+        );
+        let (dir, a, v) = checkpoint_with("link", &m, &[]).await;
+        let outside = dir.with_extension("outside");
+        std::fs::write(&outside, b"secret").expect("write");
+        std::os::unix::fs::symlink(&outside, dir.join("c/step-2/link")).expect("symlink");
+        let err = upload_item(&dir, &a, &v).await.expect_err("outside");
+        assert!(err.contains("outside the job directory"), "{err}");
+        let _ = std::fs::remove_file(&outside);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

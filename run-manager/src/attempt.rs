@@ -1,5 +1,6 @@
-//! One job attempt: preflight, job directory, worker supervision with
-//! restarts, heartbeats, artifact reports, and the FinishAttempt that ends it.
+//! One job attempt: preflight, job directory, the resume checkpoint, worker
+//! supervision with restarts, heartbeats, artifact uploads, and the
+//! FinishAttempt that ends it.
 //!
 //! Outcomes:
 //! - worker emitted `done` and exited 0 -> SUCCEEDED;
@@ -16,9 +17,19 @@
 //! - the coordinator answered ABORTED (the lease is stale) -> the worker is
 //!   killed and the attempt is abandoned without FinishAttempt;
 //! - the coordinator refused this provider's token (UNAUTHENTICATED /
-//!   PERMISSION_DENIED on a reopened Heartbeat stream, ReportArtifact or
+//!   PERMISSION_DENIED on a reopened Heartbeat stream, an artifact transfer or
 //!   FinishAttempt: revoked, or rotated past its grace) -> the same, and the
-//!   run-manager exits 1 ([`Error::TokenRefused`]).
+//!   run-manager exits 1 ([`Error::TokenRefused`]);
+//! - the coordinator refused an upload (INVALID_ARGUMENT, ALREADY_EXISTS,
+//!   RESOURCE_EXHAUSTED, FAILED_PRECONDITION, NOT_FOUND) -> the worker is
+//!   killed, FAILED with the refusal; an artifact that cannot be read any more
+//!   -> RETRYABLE; the coordinator unavailable until the lease would expire ->
+//!   abandoned like a stale lease.
+//!
+//! Uploads run on `crate::upload`'s queue, in announcement order, while the
+//! worker runs; FinishAttempt goes only once the queue has drained (heartbeats
+//! keep the lease alive meanwhile), so a SUCCEEDED attempt's artifacts are
+//! all recorded.
 //!
 //! Structure: [`run_attempt`] admits the lease (or [`refuse`]s it, the one
 //! way a lease is turned down), then a [`Supervisor`] holds everything an
@@ -26,7 +37,8 @@
 //! heartbeat channels, shutdown, resume checkpoint) and runs one start per
 //! [`Supervisor::run_once`]. How a worker is started and signalled (native or
 //! container) is `crate::launch`'s; heartbeats are `crate::heartbeat`'s;
-//! artifact checks are `crate::artifact`'s.
+//! artifact checks are `crate::artifact`'s, uploads `crate::upload`'s and the
+//! resume checkpoint's download `crate::resume`'s.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -35,20 +47,23 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::artifact::{self, Reported, Reporter};
+use crate::artifact::{self, LocalArtifact};
 use crate::backoff::Backoff;
-use crate::client::{retry, ProviderClient, RetryPolicy};
+use crate::client::{retry_until, ProviderClient, RetryPolicy};
 use crate::docker::DockerConfig;
 use crate::error::{Error, Result};
 use crate::events::{ArtifactEvent, WorkerEvent};
-use crate::heartbeat::{apply_progress, heartbeat_task, HbSignal};
+use crate::heartbeat::{apply_progress, heartbeat_task, Pace, Signal};
 use crate::jobdir::{parse_spec, JobSpecFile};
 use crate::launch::{Launch, Launcher};
 use crate::lease_lost::LeaseLost;
-use crate::paths::{check_id, path_from_file_uri};
+use crate::paths::check_id;
 use crate::policy::{preflight, Decision, Downgrade, PolicyContext};
 use crate::proto::{AttemptOutcome, FinishAttemptRequest, HeartbeatRequest, Lease, Phase};
-use crate::shutdown::{signalled, Shutdown};
+use crate::resume::Fetcher;
+use crate::shutdown::{next_signal, signalled, Shutdown};
+use crate::transfer::LeaseClock;
+use crate::upload::{UploadFailure, UploadQueue, Uploader};
 use crate::worker::{self, describe_exit, WorkerCommand};
 
 /// How long events still in the pipe are read after the worker exited.
@@ -72,10 +87,10 @@ pub struct AttemptConfig {
     pub heartbeat_interval: Duration,
     /// Time a worker has to exit after SIGTERM before it is killed.
     pub grace: Duration,
-    /// Artifacts up to this size travel inline in ReportArtifact; larger ones
-    /// (and all when 0) are reported by `file://` URI.
-    pub inline_max_bytes: u64,
 }
+
+/// Lease TTL assumed when a lease names none.
+const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(60);
 
 /// How an attempt ended.
 #[derive(Debug)]
@@ -88,6 +103,8 @@ pub struct AttemptResult {
     pub job_state: Option<String>,
     /// Set when the run-manager must stop after this attempt (exit 10, signal, token refused).
     pub stop: Option<Error>,
+    /// The verified artifacts and where they are on this machine.
+    pub local_artifacts: Vec<LocalArtifact>,
 }
 
 /// Where the attempt stands after one worker run.
@@ -97,6 +114,8 @@ enum RunEnd {
     Cancelled,
     /// The worker crashed or ended without `done`; restart if the budget allows.
     Crashed(String),
+    /// RETRYABLE without a restart (an artifact could not be uploaded from here).
+    Retryable(String),
     /// Stale or refused: no FinishAttempt.
     Lost(LeaseLost),
     Signalled(i32),
@@ -183,13 +202,15 @@ async fn refuse(
     r: Refusal,
 ) -> Result<AttemptResult> {
     tracing::error!(job_id = %lease.job_id, "refusing the lease: {}", r.message);
-    let job_state = finish(client, &cfg.rpc, lease, r.outcome, &r.message).await?;
+    let until = tokio::time::Instant::now() + lease_ttl(lease);
+    let job_state = finish(client, &cfg.rpc, until, lease, r.outcome, &r.message).await?;
     Ok(AttemptResult {
         job_id: lease.job_id.clone(),
         outcome: Some(r.outcome),
         message: r.message,
         job_state,
         stop: r.stop,
+        local_artifacts: Vec::new(),
     })
 }
 
@@ -208,50 +229,27 @@ pub async fn run_attempt(
         Err(refusal) => return refuse(client, cfg, &lease, refusal).await,
     };
     let job_dir = create_job_dir(&cfg.work_dir, &lease.job_id)?;
-    let resume = lease_resume(&lease);
-    let initial = HeartbeatRequest {
-        lease_id: lease.lease_id.clone(),
-        phase: Phase::Starting as i32,
-        committed_step: resume.as_ref().map_or(0, |r| r.1),
-        ..Default::default()
+    let (mut sup, hb_task) = Supervisor::start(client, cfg, &lease, admission, job_dir, shutdown);
+    let end = match sup.run().await {
+        Ok(end) => Ok(sup.drain(end).await),
+        Err(e) => Err(e),
     };
-    let (progress, progress_rx) = watch::channel(initial);
-    let (hb_tx, signals) = mpsc::channel(16);
-    let hb_task = tokio::spawn(heartbeat_task(
-        client.clone(),
-        progress_rx,
-        hb_tx,
-        cfg.heartbeat_interval,
-        cfg.rpc.backoff,
-    ));
-    let spec_file = JobSpecFile::new(
-        &lease,
-        admission.spec,
-        &job_dir,
-        &cfg.policy.capabilities,
-        admission.local_ranks,
-        admission.downgrades,
-    );
-    let mut sup = Supervisor {
-        client,
-        cfg,
-        lease: &lease,
-        job_dir,
-        launcher: admission.launcher,
-        spec_file,
-        progress,
-        signals,
-        shutdown,
-        resume,
-        cancel_requested: false,
-        lost: None,
-        shutdown_signal: None,
-    };
-    let end = sup.run().await;
+    let local_artifacts = std::mem::take(&mut sup.local_artifacts);
+    let until = sup.clock.expires_at();
     // Dropping the progress sender ends the heartbeat task; abort it in case it is mid-RPC.
     drop(sup);
     hb_task.abort();
-    conclude(client, cfg, &lease, end?).await
+    let mut result = conclude(client, cfg, until, &lease, end?).await?;
+    result.local_artifacts = local_artifacts;
+    Ok(result)
+}
+
+/// How long the lease lives without a heartbeat.
+fn lease_ttl(lease: &Lease) -> Duration {
+    match lease.ttl_seconds {
+        0 => DEFAULT_LEASE_TTL,
+        s => Duration::from_secs(u64::from(s)),
+    }
 }
 
 /// `<work-dir>/jobs/<job_id>`, created and resolved to its canonical path.
@@ -264,31 +262,11 @@ fn create_job_dir(work_dir: &Path, job_id: &str) -> Result<PathBuf> {
         .map_err(Error::io("cannot resolve job directory", &job_dir))
 }
 
-/// The lease's resume checkpoint (its `manifest.json`) and step, when that
-/// file is on this machine.
-fn lease_resume(lease: &Lease) -> Option<(PathBuf, u64)> {
-    let ckpt = lease.resume_checkpoint.as_ref()?;
-    let job_id = &lease.job_id;
-    match path_from_file_uri(&ckpt.uri) {
-        Ok(p) if p.is_file() => {
-            tracing::info!(job_id = %job_id, step = ckpt.step, "resuming from `{}`", p.display());
-            Some((p, ckpt.step))
-        }
-        Ok(p) => {
-            tracing::warn!(job_id = %job_id, "resume checkpoint `{}` is not on this machine; starting from the beginning", p.display());
-            None
-        }
-        Err(e) => {
-            tracing::warn!(job_id = %job_id, "cannot use resume checkpoint: {e}; starting from the beginning");
-            None
-        }
-    }
-}
-
 /// Send the FinishAttempt that `end` calls for (none for a lost lease).
 async fn conclude(
     client: &ProviderClient,
     cfg: &AttemptConfig,
+    until: Instant,
     lease: &Lease,
     end: RunEnd,
 ) -> Result<AttemptResult> {
@@ -301,7 +279,7 @@ async fn conclude(
             "cancelled by the coordinator".to_string(),
             None,
         ),
-        RunEnd::Crashed(m) => (AttemptOutcome::Retryable, m, None),
+        RunEnd::Crashed(m) | RunEnd::Retryable(m) => (AttemptOutcome::Retryable, m, None),
         RunEnd::Signalled(sig) => (
             AttemptOutcome::Retryable,
             format!(
@@ -312,7 +290,7 @@ async fn conclude(
         ),
         RunEnd::Lost(lost) => return Ok(abandon(job_id, lost)),
     };
-    let job_state = finish(client, &cfg.rpc, lease, outcome, &message).await?;
+    let job_state = finish(client, &cfg.rpc, until, lease, outcome, &message).await?;
     tracing::info!(job_id = %job_id, outcome = ?outcome, job_state = job_state.as_deref().unwrap_or("?"), reason = %message, "attempt finished");
     Ok(AttemptResult {
         job_id: job_id.clone(),
@@ -320,6 +298,7 @@ async fn conclude(
         message,
         job_state,
         stop,
+        local_artifacts: Vec::new(),
     })
 }
 
@@ -342,14 +321,17 @@ fn abandon(job_id: &str, lost: LeaseLost) -> AttemptResult {
         message,
         job_state: None,
         stop,
+        local_artifacts: Vec::new(),
     }
 }
 
-/// Send FinishAttempt; returns the job state, or None when the lease was
-/// stale; a refused token is [`Error::TokenRefused`].
+/// Send FinishAttempt (UNAVAILABLE retried until `until`, when the lease
+/// would expire); returns the job state, or None when the lease was stale; a
+/// refused token is [`Error::TokenRefused`].
 async fn finish(
     client: &ProviderClient,
     rpc: &RetryPolicy,
+    until: Instant,
     lease: &Lease,
     outcome: AttemptOutcome,
     message: &str,
@@ -359,7 +341,7 @@ async fn finish(
         outcome: outcome as i32,
         message: message.chars().take(4096).collect(),
     };
-    let res = retry(rpc, "FinishAttempt", || {
+    let res = retry_until(rpc, until, "FinishAttempt", || {
         let mut c = client.clone();
         let r = req.clone();
         async move { c.finish_attempt(r).await }
@@ -382,10 +364,10 @@ async fn finish(
     }
 }
 
-/// Await `fut` unless CANCEL, a lost lease or a shutdown signal comes first
-/// (CHECKPOINT_NOW has no worker to reach here and is dropped).
+/// Await `fut` unless CANCEL, a lost lease, a failed upload or a shutdown
+/// signal comes first (CHECKPOINT_NOW has no worker to reach here and is dropped).
 async fn interruptible<T>(
-    signals: &mut mpsc::Receiver<HbSignal>,
+    signals: &mut mpsc::Receiver<Signal>,
     shutdown: &mut Shutdown,
     fut: impl std::future::Future<Output = T>,
 ) -> std::result::Result<T, RunEnd> {
@@ -394,12 +376,22 @@ async fn interruptible<T>(
         tokio::select! {
             v = &mut fut => return Ok(v),
             Some(s) = signals.recv() => match s {
-                HbSignal::Cancel => return Err(RunEnd::Cancelled),
-                HbSignal::Lost(lost) => return Err(RunEnd::Lost(lost)),
-                HbSignal::CheckpointNow => {}
+                Signal::Cancel => return Err(RunEnd::Cancelled),
+                Signal::Lost(lost) => return Err(RunEnd::Lost(lost)),
+                Signal::Upload(failure) => return Err(failed_upload(failure)),
+                Signal::CheckpointNow => {}
             },
             sig = signalled(shutdown) => return Err(RunEnd::Signalled(sig)),
         }
+    }
+}
+
+/// What a failed upload makes of the attempt.
+fn failed_upload(failure: UploadFailure) -> RunEnd {
+    match failure {
+        UploadFailure::Lost(lost) => RunEnd::Lost(lost),
+        refused @ UploadFailure::Refused { .. } => RunEnd::Failed(refused.to_string()),
+        local @ UploadFailure::Local { .. } => RunEnd::Retryable(local.to_string()),
     }
 }
 
@@ -414,15 +406,21 @@ struct Supervisor<'a> {
     spec_file: JobSpecFile,
     /// The next heartbeat: the worker's latest progress.
     progress: watch::Sender<HeartbeatRequest>,
-    /// Directives from the heartbeat task.
-    signals: mpsc::Receiver<HbSignal>,
+    /// Directives from the heartbeat task, failures from the upload queue.
+    signals: mpsc::Receiver<Signal>,
     shutdown: &'a mut Shutdown,
+    /// Verified artifacts, uploaded in order.
+    queue: UploadQueue,
+    clock: LeaseClock,
     /// Checkpoint a (re)started worker resumes from (its `manifest.json`), and its step.
     resume: Option<(PathBuf, u64)>,
     cancel_requested: bool,
     /// Set once the lease is lost (the worker is then killed, nothing more reported).
     lost: Option<LeaseLost>,
+    /// Set once an upload failed for good (the worker is then killed).
+    upload_failure: Option<UploadFailure>,
     shutdown_signal: Option<i32>,
+    local_artifacts: Vec<LocalArtifact>,
 }
 
 /// What one worker run said and what was asked of it.
@@ -435,10 +433,93 @@ struct WorkerRun {
     kill_at: Option<Instant>,
 }
 
-impl Supervisor<'_> {
-    /// Prepare the launch once, then start the worker, restarting it after a
-    /// crash (with backoff) until it ends some other way or the budget is spent.
+impl<'a> Supervisor<'a> {
+    /// Start the heartbeat task and the upload queue of an admitted lease;
+    /// returns the supervisor and the heartbeat task (it ends when the supervisor is dropped).
+    fn start(
+        client: &'a ProviderClient,
+        cfg: &'a AttemptConfig,
+        lease: &'a Lease,
+        admission: Admission,
+        job_dir: PathBuf,
+        shutdown: &'a mut Shutdown,
+    ) -> (Self, tokio::task::JoinHandle<()>) {
+        let clock = LeaseClock::start(lease_ttl(lease));
+        let initial = HeartbeatRequest {
+            lease_id: lease.lease_id.clone(),
+            phase: Phase::Starting as i32,
+            committed_step: lease.resume_checkpoint.as_ref().map_or(0, |c| c.step),
+            ..Default::default()
+        };
+        let (progress, progress_rx) = watch::channel(initial);
+        let (signal_tx, signals) = mpsc::channel(16);
+        let pace = Pace {
+            interval: cfg.heartbeat_interval,
+            backoff: cfg.rpc.backoff,
+            clock: clock.clone(),
+        };
+        let hb_task = tokio::spawn(heartbeat_task(
+            client.clone(),
+            progress_rx,
+            signal_tx.clone(),
+            pace,
+        ));
+        let uploader = Uploader {
+            client: client.clone(),
+            lease_id: lease.lease_id.clone(),
+            job_id: lease.job_id.clone(),
+            clock: clock.clone(),
+            backoff: cfg.rpc.backoff,
+            retries: cfg.rpc.retries,
+        };
+        let spec_file = JobSpecFile::new(
+            lease,
+            admission.spec,
+            &job_dir,
+            &cfg.policy.capabilities,
+            admission.local_ranks,
+            admission.downgrades,
+        );
+        let sup = Supervisor {
+            client,
+            cfg,
+            lease,
+            job_dir,
+            launcher: admission.launcher,
+            spec_file,
+            progress,
+            signals,
+            shutdown,
+            queue: UploadQueue::start(uploader, signal_tx),
+            clock,
+            resume: None,
+            cancel_requested: false,
+            lost: None,
+            upload_failure: None,
+            shutdown_signal: None,
+            local_artifacts: Vec::new(),
+        };
+        (sup, hb_task)
+    }
+
+    /// Make the resume checkpoint local and prepare the launch once, then
+    /// start the worker, restarting it after a crash (with backoff) until it
+    /// ends some other way or the budget is spent.
     async fn run(&mut self) -> Result<RunEnd> {
+        // Heartbeats keep the lease alive while the checkpoint downloads.
+        let mut fetcher = Fetcher {
+            client: self.client.clone(),
+            lease: self.lease,
+            job_dir: &self.job_dir,
+            clock: self.clock.clone(),
+            backoff: self.cfg.rpc.backoff,
+            retries: self.cfg.rpc.retries,
+        };
+        match interruptible(&mut self.signals, self.shutdown, fetcher.resume()).await {
+            Ok(Ok(resume)) => self.resume = resume,
+            Ok(Err(lost)) => return Ok(RunEnd::Lost(lost)),
+            Err(end) => return Ok(end),
+        }
         // Docker: pull the image once per attempt (heartbeats keep the lease alive meanwhile).
         let prepare = self.launcher.prepare(&self.lease.job_id);
         match interruptible(&mut self.signals, self.shutdown, prepare).await {
@@ -502,7 +583,6 @@ impl Supervisor<'_> {
         // them like live ones (bounded, in case a grandchild keeps stdout open).
         let drain_until = Instant::now() + DRAIN_TIMEOUT;
         while let Ok(Some(ev)) = tokio::time::timeout_at(drain_until, output.events.recv()).await {
-            // The worker has exited: a lease found lost leaves nothing to kill.
             self.on_event(ev, &mut run).await;
         }
         output.logs.finish(LOG_FLUSH_TIMEOUT).await;
@@ -531,11 +611,7 @@ impl Supervisor<'_> {
                 st = launch.wait() => {
                     return st.map_err(|e| Error::Internal(format!("waiting for the worker failed: {e}")));
                 }
-                Some(ev) = events.recv() => {
-                    if self.on_event(ev, run).await {
-                        launch.kill();
-                    }
-                }
+                Some(ev) = events.recv() => self.on_event(ev, run).await,
                 Some(s) = self.signals.recv() => self.on_directive(s, launch, run),
                 sig = signalled(self.shutdown), if self.shutdown_signal.is_none() => {
                     tracing::warn!(job_id = %self.lease.job_id, "received {}: asking the worker to checkpoint and stop (SIGTERM)", worker::signal_name(sig));
@@ -551,13 +627,12 @@ impl Supervisor<'_> {
         }
     }
 
-    /// Handle one worker event, live or drained after exit; true when
-    /// reporting an artifact found the lease lost.
-    async fn on_event(&mut self, ev: WorkerEvent, run: &mut WorkerRun) -> bool {
+    /// Handle one worker event, live or drained after exit.
+    async fn on_event(&mut self, ev: WorkerEvent, run: &mut WorkerRun) {
         let job_id = &self.lease.job_id;
         match ev {
             WorkerEvent::Progress(p) => self.progress.send_modify(|req| apply_progress(req, &p)),
-            WorkerEvent::Artifact(a) => return self.on_artifact(&a).await,
+            WorkerEvent::Artifact(a) => self.on_artifact(&a).await,
             WorkerEvent::Done => run.saw_done = true,
             WorkerEvent::Stopped { committed_step } => {
                 tracing::info!(job_id = %job_id, committed_step = committed_step.unwrap_or(0), "worker stopped after committing a checkpoint");
@@ -567,65 +642,103 @@ impl Supervisor<'_> {
                 run.error_event = Some((message, retryable));
             }
         }
-        false
     }
 
-    /// Verify and report one artifact. A verified checkpoint (its
-    /// `manifest.json`) is what the next start resumes from, and its step the
-    /// heartbeat's `committed_step`, even when the coordinator did not record
-    /// it. Nothing is reported once the lease is lost; true when it turned out so.
-    async fn on_artifact(&mut self, a: &ArtifactEvent) -> bool {
-        if self.lost.is_some() {
-            return false;
+    /// Verify one artifact and queue its upload. A verified checkpoint (its
+    /// `manifest.json`, with the files it lists in place) is what the next
+    /// start resumes from, and its step the heartbeat's `committed_step`,
+    /// whether or not its upload has happened yet. Nothing is queued once the
+    /// lease is lost or an upload failed.
+    async fn on_artifact(&mut self, a: &ArtifactEvent) {
+        if self.lost.is_some() || self.upload_failure.is_some() {
+            return;
         }
+        let job_id = &self.lease.job_id;
         let verified = match artifact::verify(&self.job_dir, a).await {
             Ok(v) => v,
             Err(message) => {
-                tracing::error!(job_id = %self.lease.job_id, artifact = %a.name, "{message}");
-                return false;
+                tracing::error!(job_id = %job_id, artifact = %a.name, "{message}");
+                return;
             }
         };
-        let reporter = Reporter {
-            client: self.client,
-            rpc: &self.cfg.rpc,
-            lease: self.lease,
-            inline_max_bytes: self.cfg.inline_max_bytes,
-        };
-        match reporter.report(a, &verified).await {
-            Reported::Lost(lost) => {
-                log_lost(&self.lease.job_id, &lost);
-                self.lost = Some(lost);
-                return true;
+        let (item, local) = match artifact::upload_item(&self.job_dir, a, &verified).await {
+            Ok(x) => x,
+            Err(message) => {
+                tracing::error!(job_id = %job_id, artifact = %a.name, "{message}");
+                return;
             }
-            Reported::Unreadable => return false,
-            Reported::Recorded | Reported::NotRecorded => {}
-        }
+        };
+        tracing::info!(job_id = %job_id, artifact = %a.name, kind = %a.kind, sha256 = %verified.sha256, listed_files = local.len().saturating_sub(1), "artifact verified; queued for upload");
+        self.local_artifacts.extend(local);
+        self.queue.push(item);
         if a.kind == "checkpoint" {
             self.progress
                 .send_modify(|req| req.committed_step = req.committed_step.max(a.step));
             self.resume = Some((verified.path, a.step));
         }
-        false
+    }
+
+    /// Wait for the queued uploads (heartbeats go on meanwhile) before the
+    /// attempt may end: a lost lease or a new shutdown signal stops waiting;
+    /// a failed upload turns a success into its failure.
+    async fn drain(&mut self, end: RunEnd) -> RunEnd {
+        if matches!(end, RunEnd::Lost(_)) || self.upload_failure.is_some() {
+            return end;
+        }
+        let job_id = &self.lease.job_id;
+        let drained = {
+            let pending = self.queue.drain();
+            tokio::pin!(pending);
+            loop {
+                tokio::select! {
+                    r = &mut pending => break r,
+                    Some(s) = self.signals.recv() => if let Signal::Lost(lost) = s {
+                        return RunEnd::Lost(lost);
+                    },
+                    sig = next_signal(self.shutdown) => {
+                        tracing::warn!(job_id = %job_id, "received {} while uploading artifacts; not waiting for them", worker::signal_name(sig));
+                        return match end {
+                            RunEnd::Signalled(first) => RunEnd::Signalled(first),
+                            _ => RunEnd::Signalled(sig),
+                        };
+                    }
+                }
+            }
+        };
+        match (end, drained) {
+            (end, Ok(())) => end,
+            (RunEnd::Succeeded, Err(failure)) => failed_upload(failure),
+            (_, Err(UploadFailure::Lost(lost))) => RunEnd::Lost(lost),
+            (end, Err(failure)) => {
+                tracing::error!(job_id = %job_id, "{failure}");
+                end
+            }
+        }
     }
 
     /// Act on a directive from the coordinator.
-    fn on_directive(&mut self, s: HbSignal, launch: &Launch, run: &mut WorkerRun) {
+    fn on_directive(&mut self, s: Signal, launch: &Launch, run: &mut WorkerRun) {
         let job_id = &self.lease.job_id;
         match s {
-            HbSignal::Cancel => {
+            Signal::Cancel => {
                 if !self.cancel_requested {
                     tracing::info!(job_id = %job_id, "CANCEL from the coordinator: asking the worker to checkpoint and stop (SIGTERM)");
                     self.cancel_requested = true;
                     self.stop_worker(launch, run);
                 }
             }
-            HbSignal::CheckpointNow => {
+            Signal::CheckpointNow => {
                 tracing::info!(job_id = %job_id, "CHECKPOINT_NOW from the coordinator (SIGUSR1)");
                 launch.checkpoint();
             }
-            HbSignal::Lost(lost) => {
+            Signal::Lost(lost) | Signal::Upload(UploadFailure::Lost(lost)) => {
                 log_lost(job_id, &lost);
                 self.lost = Some(lost);
+                launch.kill();
+            }
+            Signal::Upload(failure) => {
+                tracing::error!(job_id = %job_id, "{failure}; killing the worker");
+                self.upload_failure = Some(failure);
                 launch.kill();
             }
         }
@@ -641,6 +754,9 @@ impl Supervisor<'_> {
     fn verdict(&mut self, status: &ExitStatus, how: String, run: &WorkerRun) -> RunEnd {
         if let Some(lost) = self.lost.take() {
             return RunEnd::Lost(lost);
+        }
+        if let Some(failure) = &self.upload_failure {
+            return failed_upload(failure.clone());
         }
         if let Some(sig) = self.shutdown_signal {
             return RunEnd::Signalled(sig);

@@ -211,7 +211,9 @@ pub struct Cli {
     #[arg(long, env = env_vars::RESTART_BACKOFF_MAX_MS, default_value_t = 60_000, value_name = "MS")]
     pub restart_backoff_max_ms: u64,
 
-    /// Retries of a coordinator call that fails with UNAVAILABLE.
+    /// Retries of a coordinator call that fails with UNAVAILABLE. Artifact uploads, downloads and
+    /// FinishAttempt keep retrying UNAVAILABLE until the lease would expire; for them this bounds
+    /// streams cut some other way in a row.
     #[arg(long, env = env_vars::RPC_RETRIES, default_value_t = 8)]
     pub rpc_retries: u32,
 
@@ -231,11 +233,6 @@ pub struct Cli {
     /// Seconds a worker has to checkpoint and exit after SIGTERM before it is killed.
     #[arg(long, env = env_vars::GRACE_PERIOD, default_value_t = 60.0, value_name = "SECS")]
     pub grace_period: f64,
-
-    /// Send artifacts up to this many bytes inline in ReportArtifact (for coordinators that cannot
-    /// read this machine's files); larger ones, and all when 0, are reported as `file://` URIs.
-    #[arg(long, default_value_t = 0, value_name = "BYTES")]
-    pub inline_artifacts_max_bytes: u64,
 
     /// Log format on stderr.
     #[arg(long, env = env_vars::LOG_FORMAT, value_enum, default_value_t = LogFormat::Text)]

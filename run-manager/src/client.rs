@@ -77,7 +77,22 @@ pub fn is_transient(status: &tonic::Status) -> bool {
 
 /// Run `f` until it succeeds, fails with a non-transient status, or the
 /// retries are spent. `call` names the RPC in logs and errors.
-pub async fn retry<T, F, Fut>(policy: &RetryPolicy, call: &'static str, mut f: F) -> Result<T>
+pub async fn retry<T, F, Fut>(policy: &RetryPolicy, call: &'static str, f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+{
+    retry_until(policy, tokio::time::Instant::now(), call, f).await
+}
+
+/// [`retry`], but keep retrying transient failures past the policy's
+/// retries until `until` (e.g. when the lease would expire).
+pub async fn retry_until<T, F, Fut>(
+    policy: &RetryPolicy,
+    until: tokio::time::Instant,
+    call: &'static str,
+    mut f: F,
+) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
@@ -86,11 +101,14 @@ where
     loop {
         match f().await {
             Ok(resp) => return Ok(resp.into_inner()),
-            Err(status) if is_transient(&status) && n < policy.retries => {
+            Err(status)
+                if is_transient(&status)
+                    && (n < policy.retries || tokio::time::Instant::now() < until) =>
+            {
                 let delay = policy.backoff.jittered(n, 0.2, jitter_fraction());
                 tracing::warn!(call, code = ?status.code(), retry_in_ms = delay.as_millis() as u64, "coordinator unavailable: {}", status.message());
                 tokio::time::sleep(delay).await;
-                n += 1;
+                n = n.saturating_add(1);
             }
             Err(status) => return Err(Error::Rpc { call, status }),
         }
@@ -174,6 +192,21 @@ mod tests {
         .await
         .expect_err("fails");
         assert_eq!(calls.load(Ordering::SeqCst), 3);
+        assert_eq!(err.exit_code(), 2);
+    }
+
+    #[tokio::test]
+    async fn retry_until_outlasts_the_budget_until_the_deadline() {
+        let calls = AtomicU32::new(0);
+        let until = tokio::time::Instant::now() + Duration::from_millis(40);
+        let err = retry_until(&policy(1), until, "Test", || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Err::<tonic::Response<()>, _>(tonic::Status::unavailable("down")) }
+        })
+        .await
+        .expect_err("fails");
+        assert!(calls.load(Ordering::SeqCst) > 5, "{calls:?}");
+        assert!(tokio::time::Instant::now() >= until);
         assert_eq!(err.exit_code(), 2);
     }
 }

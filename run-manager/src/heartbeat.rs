@@ -1,5 +1,6 @@
 //! The Heartbeat stream of one attempt: the latest worker progress goes to the
-//! coordinator (renewing the lease), its directives come back as [`HbSignal`]s.
+//! coordinator (renewing the lease, and the attempt's [`LeaseClock`]), its
+//! directives come back as [`Signal`]s.
 //!
 //! One task per attempt keeps one stream open: it sends the latest progress
 //! every `interval` and soon after it changes (at most once per
@@ -19,14 +20,18 @@ use crate::client::ProviderClient;
 use crate::events::Progress;
 use crate::lease_lost::LeaseLost;
 use crate::proto::{Directive, HeartbeatRequest, HeartbeatResponse, Phase};
+use crate::transfer::LeaseClock;
+use crate::upload::UploadFailure;
 
-/// What the heartbeat task tells the attempt's supervisor.
+/// What the heartbeat task and the upload queue tell the attempt's supervisor.
 #[derive(Debug, Clone)]
-pub enum HbSignal {
+pub enum Signal {
     Cancel,
     CheckpointNow,
     /// The lease is lost: stale (ABORTED) or this provider's token refused.
     Lost(LeaseLost),
+    /// An upload failed for good (`crate::upload`).
+    Upload(UploadFailure),
 }
 
 /// Map a worker phase name to the proto enum.
@@ -68,25 +73,38 @@ enum StreamEnd {
 struct Heartbeats {
     client: ProviderClient,
     progress: watch::Receiver<HeartbeatRequest>,
-    out: mpsc::Sender<HbSignal>,
+    out: mpsc::Sender<Signal>,
     interval: Duration,
+    clock: LeaseClock,
     /// Consecutive failed streams (reset by any response).
     failures: u32,
+}
+
+/// How often and with what backoff heartbeats go, and the clock they renew.
+pub struct Pace {
+    pub interval: Duration,
+    pub backoff: Backoff,
+    pub clock: LeaseClock,
 }
 
 /// Run the heartbeat task of one attempt (see the module docs).
 pub async fn heartbeat_task(
     client: ProviderClient,
     progress: watch::Receiver<HeartbeatRequest>,
-    out: mpsc::Sender<HbSignal>,
-    interval: Duration,
-    backoff: Backoff,
+    out: mpsc::Sender<Signal>,
+    pace: Pace,
 ) {
+    let Pace {
+        interval,
+        backoff,
+        clock,
+    } = pace;
     let mut hb = Heartbeats {
         client,
         progress,
         out,
         interval,
+        clock,
         failures: 0,
     };
     loop {
@@ -124,7 +142,7 @@ impl Heartbeats {
     /// refused when the stream reopens) ends the task, anything else reopens.
     async fn failed(&mut self, status: tonic::Status, what: &str) -> StreamEnd {
         if let Some(lost) = LeaseLost::of("Heartbeat", &status) {
-            let _ = self.out.send(HbSignal::Lost(lost)).await;
+            let _ = self.out.send(Signal::Lost(lost)).await;
             return StreamEnd::Done;
         }
         tracing::warn!(code = ?status.code(), "{what}: {}", status.message());
@@ -159,6 +177,7 @@ impl Heartbeats {
                 msg = inbound.message() => match msg {
                     Ok(Some(resp)) => {
                         self.failures = 0;
+                        self.clock.renewed();
                         if !self.forward(resp.directive).await { return StreamEnd::Done; }
                         false
                     }
@@ -183,8 +202,8 @@ impl Heartbeats {
     /// Pass a CANCEL / CHECKPOINT_NOW on; false when the supervisor is gone.
     async fn forward(&self, directive: i32) -> bool {
         let signal = match Directive::try_from(directive) {
-            Ok(Directive::Cancel) => HbSignal::Cancel,
-            Ok(Directive::CheckpointNow) => HbSignal::CheckpointNow,
+            Ok(Directive::Cancel) => Signal::Cancel,
+            Ok(Directive::CheckpointNow) => Signal::CheckpointNow,
             _ => return true,
         };
         self.out.send(signal).await.is_ok()

@@ -2,6 +2,9 @@
 //!
 //! Layout under `<work-dir>/jobs/<job_id>/`:
 //! - `spec.json`: written by the run-manager before every worker start;
+//! - `resume/NAME`: the lease's resume checkpoint (manifest and listed files)
+//!   as the run-manager downloaded it, when it was not here already
+//!   (`crate::resume`);
 //! - everything else (checkpoints, exports, logs) is the worker's, reported
 //!   back through `artifact` events with paths inside this directory.
 
@@ -60,8 +63,9 @@ pub struct JobSpecFile {
     /// The lease's `spec_json`, parsed (always a JSON object).
     pub spec: serde_json::Value,
     pub lease: LeaseInfo,
-    /// Absolute path of the checkpoint to resume from (its `manifest.json`, as
-    /// the worker's last `checkpoint` artifact named it), or null to start fresh.
+    /// Absolute path of the checkpoint to resume from (its `manifest.json`: the
+    /// worker's last verified `checkpoint` artifact, or the lease's, found here
+    /// or downloaded under `resume/`), or null to start fresh.
     pub resume_checkpoint: Option<PathBuf>,
     /// Step of that checkpoint (0 when none).
     pub resume_step: u64,

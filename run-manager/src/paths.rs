@@ -1,5 +1,5 @@
-//! Path checks: artifact names, ids used as directory names, artifact files
-//! that must lie inside the job directory, and `file://` URIs.
+//! Path checks: artifact names, ids used as directory names, and artifact
+//! files that must lie inside the job directory.
 //!
 //! The worker is trusted to compute, not to name arbitrary files: everything it
 //! reports is checked here before the run-manager reads or reports it.
@@ -28,8 +28,6 @@ pub enum PathError {
     Unreadable { path: String, message: String },
     #[error("`{0}` is not a regular file")]
     NotAFile(String),
-    #[error("`{0}` is not a `file://` URI")]
-    NotFileUri(String),
 }
 
 /// Accept `name` if it is a relative path that cannot step outside its namespace.
@@ -95,50 +93,6 @@ pub fn resolve_inside(root: &Path, path: &Path) -> Result<PathBuf, PathError> {
         return Err(PathError::NotAFile(real.display().to_string()));
     }
     Ok(real)
-}
-
-/// `file://` URI of an absolute path; bytes outside RFC 3986's unreserved set
-/// (and `/`) are percent-encoded, so spaces and non-UTF-8 names survive.
-pub fn file_uri(path: &Path) -> String {
-    use std::os::unix::ffi::OsStrExt;
-    let mut out = String::from("file://");
-    for &b in path.as_os_str().as_bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// The local path a `file://` URI names (`file:///p` or `file://localhost/p`).
-pub fn path_from_file_uri(uri: &str) -> Result<PathBuf, PathError> {
-    use std::os::unix::ffi::OsStringExt;
-    let bad = || PathError::NotFileUri(uri.chars().take(200).collect());
-    let rest = uri.strip_prefix("file://").ok_or_else(bad)?;
-    let rest = rest.strip_prefix("localhost").unwrap_or(rest);
-    if !rest.starts_with('/') {
-        return Err(bad());
-    }
-    let bytes = rest.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3).ok_or_else(bad)?;
-            let s = std::str::from_utf8(hex).map_err(|_| bad())?;
-            out.push(u8::from_str_radix(s, 16).map_err(|_| bad())?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    if out.contains(&0) {
-        return Err(bad());
-    }
-    Ok(PathBuf::from(std::ffi::OsString::from_vec(out)))
 }
 
 #[cfg(test)]
@@ -232,29 +186,5 @@ mod tests {
         ));
         let _ = std::fs::remove_dir_all(&root);
         let _ = std::fs::remove_dir_all(&outside);
-    }
-
-    #[test]
-    fn file_uris_round_trip() {
-        for p in ["/tmp/a b/c%d.bin", "/x/ünï/ckpt", "/plain/path-1.2_3~"] {
-            let uri = file_uri(Path::new(p));
-            assert!(uri.starts_with("file:///"), "{uri}");
-            assert!(!uri[7..].contains(' '));
-            assert_eq!(path_from_file_uri(&uri).expect("parse"), PathBuf::from(p));
-        }
-        assert_eq!(
-            path_from_file_uri("file://localhost/a/b").expect("parse"),
-            PathBuf::from("/a/b")
-        );
-        for bad in [
-            "s3://b/k",
-            "file://host/a",
-            "file:///a%zz",
-            "file:///a%2",
-            "file:///a%00b",
-            "/a",
-        ] {
-            assert!(path_from_file_uri(bad).is_err(), "{bad}");
-        }
     }
 }

@@ -6,8 +6,8 @@ use crate::attempt::{run_attempt, AttemptConfig, AttemptResult};
 use crate::client::{retry, AdminClient, ProviderClient};
 use crate::error::{Error, Result};
 use crate::proto::{
-    acquire_lease_response, AcquireLeaseRequest, AcquireLeaseResponse, GetRunRequest,
-    GetRunResponse, LaunchMode, RegisterRequest, RegisterResponse,
+    acquire_lease_response, AcquireLeaseRequest, AcquireLeaseResponse, ArtifactInfo, GetRunRequest,
+    GetRunResponse, LaunchMode, ListArtifactsRequest, RegisterRequest, RegisterResponse,
 };
 use crate::shutdown::{signalled, Shutdown};
 use crate::version::{CLIENT_VERSION, PROTOCOL_VERSION};
@@ -71,18 +71,63 @@ pub fn heartbeat_interval(reg: &RegisterResponse, override_: Option<Duration>) -
     asked.min(ttl_third).max(Duration::from_millis(100))
 }
 
-/// The admin view of one run (its jobs and their states).
+/// The admin view of one run: the run and all its jobs (every page).
 pub(crate) async fn get_run(admin: &mut AdminClient, run_id: &str) -> Result<GetRunResponse> {
-    Ok(admin
-        .get_run(GetRunRequest {
-            run_id: run_id.to_string(),
-        })
-        .await
-        .map_err(|status| Error::Rpc {
-            call: "GetRun",
-            status,
-        })?
-        .into_inner())
+    let mut all = GetRunResponse::default();
+    let mut page_token = String::new();
+    loop {
+        let page = admin
+            .get_run(GetRunRequest {
+                run_id: run_id.to_string(),
+                page_size: 0,
+                page_token: page_token.clone(),
+            })
+            .await
+            .map_err(|status| Error::Rpc {
+                call: "GetRun",
+                status,
+            })?
+            .into_inner();
+        all.run = page.run;
+        all.jobs.extend(page.jobs);
+        if page.next_page_token.is_empty() || page.next_page_token == page_token {
+            return Ok(all);
+        }
+        page_token = page.next_page_token;
+    }
+}
+
+/// A job's artifacts (every page): its SUCCEEDED attempt's, or with
+/// `all_attempts` every attempt's records, newest attempt first.
+pub(crate) async fn list_artifacts(
+    admin: &mut AdminClient,
+    run_id: &str,
+    job_id: &str,
+    all_attempts: bool,
+) -> Result<Vec<ArtifactInfo>> {
+    let mut all = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = admin
+            .list_artifacts(ListArtifactsRequest {
+                run_id: run_id.to_string(),
+                job_id: job_id.to_string(),
+                all_attempts,
+                page_size: 0,
+                page_token: page_token.clone(),
+            })
+            .await
+            .map_err(|status| Error::Rpc {
+                call: "ListArtifacts",
+                status,
+            })?
+            .into_inner();
+        all.extend(page.artifacts);
+        if page.next_page_token.is_empty() || page.next_page_token == page_token {
+            return Ok(all);
+        }
+        page_token = page.next_page_token;
+    }
 }
 
 async fn run_done(admin: &mut AdminClient, run_id: &str) -> Result<bool> {

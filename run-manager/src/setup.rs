@@ -238,7 +238,6 @@ pub fn provider_config(cli: &Cli, work_dir: &Path) -> Result<ProviderConfig> {
             rpc,
             heartbeat_interval: Duration::from_secs(10),
             grace: seconds("--grace-period", cli.grace_period)?,
-            inline_max_bytes: cli.inline_artifacts_max_bytes,
         },
     })
 }

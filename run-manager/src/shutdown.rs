@@ -49,6 +49,20 @@ pub async fn signalled(shutdown: &mut Shutdown) -> i32 {
     }
 }
 
+/// Resolves with the next signal that arrives (one received before and
+/// already seen by [`signalled`] does not count; one not yet seen does);
+/// never resolves when none can arrive any more.
+pub async fn next_signal(shutdown: &mut Shutdown) -> i32 {
+    loop {
+        if shutdown.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        if let Some(sig) = *shutdown.borrow_and_update() {
+            return sig;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,6 +75,22 @@ mod tests {
         assert_eq!(waiting.await.expect("join"), libc::SIGTERM);
         let (_tx, mut already) = watch::channel(Some(libc::SIGINT));
         assert_eq!(signalled(&mut already).await, libc::SIGINT);
+    }
+
+    #[tokio::test]
+    async fn next_signal_waits_for_one_not_yet_seen() {
+        let (tx, mut rx) = watch::channel(None);
+        tx.send(Some(libc::SIGTERM)).expect("send");
+        assert_eq!(signalled(&mut rx).await, libc::SIGTERM);
+        let waited =
+            tokio::time::timeout(std::time::Duration::from_millis(30), next_signal(&mut rx)).await;
+        assert!(waited.is_err(), "a seen signal counted again");
+        tx.send(Some(libc::SIGINT)).expect("send");
+        assert_eq!(next_signal(&mut rx).await, libc::SIGINT);
+        drop(tx);
+        let waited =
+            tokio::time::timeout(std::time::Duration::from_millis(30), next_signal(&mut rx)).await;
+        assert!(waited.is_err());
     }
 
     #[tokio::test]

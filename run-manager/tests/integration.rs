@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use run_manager::client::admin_client;
 use run_manager::commands::local::EmbeddedCoordinator;
 use run_manager::proto::{
-    CancelJobRequest, CreateProviderRequest, CreateRunRequest, GetRunRequest,
+    download_artifact_response, AdminDownloadRequest, ArtifactInfo, CancelJobRequest,
+    CreateProviderRequest, CreateRunRequest, GetRunRequest, ListArtifactsRequest,
     RequestCheckpointRequest, RevokeProviderRequest, RunSpec,
 };
 use run_manager::transport::Target;
@@ -128,6 +129,53 @@ fn sha256_hex(path: &Path) -> String {
         .collect()
 }
 
+type Admin = run_manager::client::AdminClient;
+
+/// Every attempt's artifact records of a job (all pages).
+async fn list_artifacts(admin: &mut Admin, run_id: &str, job_id: &str) -> Vec<ArtifactInfo> {
+    let mut out = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = admin
+            .list_artifacts(ListArtifactsRequest {
+                run_id: run_id.into(),
+                job_id: job_id.into(),
+                all_attempts: true,
+                page_size: 0,
+                page_token: page_token.clone(),
+            })
+            .await
+            .expect("list artifacts")
+            .into_inner();
+        out.extend(page.artifacts);
+        if page.next_page_token.is_empty() {
+            return out;
+        }
+        page_token = page.next_page_token;
+    }
+}
+
+/// The bytes of a job's final artifact `name`, fetched from the coordinator.
+async fn download(admin: &mut Admin, run_id: &str, job_id: &str, name: &str) -> Vec<u8> {
+    let mut stream = admin
+        .download_artifact(AdminDownloadRequest {
+            run_id: run_id.into(),
+            job_id: job_id.into(),
+            name: name.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("download")
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = stream.message().await.expect("download stream") {
+        if let Some(download_artifact_response::Msg::Chunk(c)) = m.msg {
+            out.extend(c);
+        }
+    }
+    out
+}
+
 fn json_lines(stderr: &str) -> Vec<serde_json::Value> {
     stderr
         .lines()
@@ -144,8 +192,9 @@ fn show(out: &Output) -> String {
     )
 }
 
-/// Check the summary's single job: succeeded, and its report artifact is the
-/// exact bytes on disk with the state an uninterrupted run would reach.
+/// Check the summary's single job: succeeded, and its report artifact, recorded
+/// in the coordinator's store, is the exact bytes the worker wrote in the job
+/// directory, with the state an uninterrupted run would reach.
 fn check_report(summary: &serde_json::Value, steps: u64) -> serde_json::Value {
     let job = &summary["jobs"][0];
     assert_eq!(job["state"], "succeeded", "{summary:#}");
@@ -156,7 +205,13 @@ fn check_report(summary: &serde_json::Value, steps: u64) -> serde_json::Value {
         .find(|a| a["kind"] == "report")
         .expect("report artifact");
     let uri = report["uri"].as_str().expect("uri");
-    let path = run_manager::paths::path_from_file_uri(uri).expect("file uri");
+    let run_id = summary["run_id"].as_str().expect("run id");
+    assert!(
+        uri.starts_with(&format!("dflash-artifact://{run_id}/"))
+            && uri.ends_with(report["name"].as_str().expect("name")),
+        "{report}"
+    );
+    let path = PathBuf::from(report["path"].as_str().expect("path on this machine"));
     assert_eq!(report["sha256"].as_str(), Some(sha256_hex(&path).as_str()));
     let body: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
@@ -187,7 +242,6 @@ fn runtime_with_coordinator(
         rt.block_on(EmbeddedCoordinator::start_with_args(
             py,
             &dir.join("coord"),
-            &work.join("jobs"),
             args,
         ))
         .expect("coordinator")
@@ -463,9 +517,261 @@ fn checkpoint_announced_just_before_a_crash_is_what_the_restart_resumes_from() {
     assert!(
         ckpt["uri"]
             .as_str()
-            .is_some_and(|u| u.ends_with("/run/checkpoints/step-00000004/manifest.json")),
+            .is_some_and(|u| u.starts_with("dflash-artifact://")
+                && u.ends_with("/checkpoints/step-00000004")),
         "{ckpt}"
     );
+    assert!(
+        ckpt["path"]
+            .as_str()
+            .is_some_and(|p| p.ends_with("/run/checkpoints/step-00000004/manifest.json")),
+        "{ckpt}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run on `coordinator` with `spec_json`, and a provider token; returns (token, run id).
+fn create_run(
+    rt: &tokio::runtime::Runtime,
+    admin: &mut Admin,
+    name: &str,
+    spec_json: &str,
+) -> (String, String) {
+    rt.block_on(async {
+        let token = admin
+            .create_provider(CreateProviderRequest { name: "it".into() })
+            .await
+            .expect("provider")
+            .into_inner()
+            .token;
+        let run = admin
+            .create_run(CreateRunRequest {
+                spec: Some(RunSpec {
+                    name: name.into(),
+                    spec_json: spec_json.into(),
+                    required_client_version: run_manager::version::CLIENT_VERSION.into(),
+                    checkpoint_policy: "durable".into(),
+                    max_local_ranks: 1,
+                    num_jobs: 1,
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("run")
+            .into_inner()
+            .run
+            .expect("run");
+        (token, run.run_id)
+    })
+}
+
+fn job_of(
+    rt: &tokio::runtime::Runtime,
+    admin: &mut Admin,
+    run_id: &str,
+) -> run_manager::proto::JobInfo {
+    rt.block_on(admin.get_run(GetRunRequest {
+        run_id: run_id.into(),
+        ..Default::default()
+    }))
+    .expect("get run")
+    .into_inner()
+    .jobs
+    .remove(0)
+}
+
+#[test]
+fn a_provider_without_the_first_attempts_files_resumes_from_a_downloaded_checkpoint() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("resume-dl");
+    let (rt, coordinator, _) = runtime_with_coordinator(&py, &dir, &[]);
+    let _guard = rt.enter();
+    let target = Target::loopback(&coordinator.address).expect("target");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
+    let steps = 10;
+    let (token, run_id) = create_run(
+        &rt,
+        &mut admin,
+        "resume-elsewhere",
+        &format!(
+            r#"{{"stages":["noop"],"noop":{{"steps":{steps},"step_seconds":0.15,"checkpoint_every":3}}}}"#
+        ),
+    );
+    let provider = |work: &Path| {
+        let mut cmd = run_manager(work);
+        cmd.args(["--coordinator", &coordinator.address, "--token", &token])
+            .args(["--max-jobs", "1", "--max-restarts", "0"]);
+        cmd
+    };
+    // First provider: its worker is killed once a checkpoint is uploaded; with no
+    // restarts left the attempt ends RETRYABLE and the job is queued again.
+    let first = dir.join("first");
+    let (child, rx) = spawn_watched(provider(&first));
+    let mut seen = Vec::new();
+    let started = wait_for(&rx, &mut seen, "worker start", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("worker started"))
+    });
+    let pid = started["pid"].as_i64().expect("pid") as i32;
+    let ck = wait_for(&rx, &mut seen, "an uploaded checkpoint", |v| {
+        v["message"] == "artifact reported" && v["kind"] == "checkpoint"
+    });
+    assert!(
+        ck["uri"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("dflash-artifact://")),
+        "{ck}"
+    );
+    // SAFETY: kill(2) on the worker's pid, read from the run-manager's log.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let (code, _, seen) = finish(child, rx, seen);
+    let all = seen.join("\n");
+    assert_eq!(code, Some(0), "{all}");
+    let finished = json_lines(&all)
+        .into_iter()
+        .find(|l| l["message"] == "attempt finished")
+        .unwrap_or_else(|| panic!("no `attempt finished` line:\n{all}"));
+    assert_eq!(finished["outcome"], "Retryable", "{all}");
+    // The first machine is gone: nothing of its job directory is left.
+    std::fs::remove_dir_all(&first).expect("remove the first work dir");
+
+    let second = dir.join("second");
+    let out = provider(&second).output().expect("second provider");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    assert!(err.contains("downloaded the resume checkpoint"), "{err}");
+    let job = job_of(&rt, &mut admin, &run_id);
+    assert_eq!(
+        (job.state.as_str(), job.attempts),
+        ("succeeded", 2),
+        "{err}"
+    );
+    let report = rt
+        .block_on(list_artifacts(&mut admin, &run_id, &job.job_id))
+        .into_iter()
+        .filter_map(|i| i.artifact)
+        .find(|a| a.kind == "report")
+        .expect("report");
+    let body: serde_json::Value = serde_json::from_slice(&rt.block_on(download(
+        &mut admin,
+        &run_id,
+        &job.job_id,
+        &report.name,
+    )))
+    .expect("report json");
+    assert_eq!(
+        body["state"].as_str(),
+        Some(noop_final_state(steps).as_str()),
+        "{body}"
+    );
+    let resumed = body["resumed_from"].as_u64().expect("resumed_from");
+    assert!(resumed > 0 && resumed.is_multiple_of(3), "{body}");
+    let manifest = second
+        .canonicalize()
+        .expect("second")
+        .join("jobs")
+        .join(&job.job_id)
+        .join(format!(
+            "resume/checkpoints/step-{resumed:06}/manifest.json"
+        ));
+    assert!(manifest.is_file(), "{}", manifest.display());
+    rt.block_on(coordinator.stop());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A stand-in worker whose checkpoint lists a file: attempt 1 commits it and
+/// crashes; attempt 2 (on a machine without attempt 1's files) must find the
+/// manifest and the file, downloaded, as its `resume_checkpoint`.
+const CHECKPOINT_WITH_FILES: &str = r#"#!/bin/sh
+set -eu
+job=$2
+if grep -q '"attempt": 1,' "$job/spec.json"; then
+  d="$job/run/checkpoints/step-00000004"
+  mkdir -p "$d"
+  printf 'weights of step 4' > "$d/w.bin"
+  wsha=$(sha256sum "$d/w.bin" | cut -d' ' -f1)
+  printf '{"files": {"w.bin": {"sha256": "%s", "size": 17}}, "step": 4}' "$wsha" > "$d/manifest.json"
+  sha=$(sha256sum "$d/manifest.json" | cut -d' ' -f1)
+  size=$(wc -c < "$d/manifest.json" | tr -d ' ')
+  printf '{"event":"artifact","name":"run/checkpoints/step-00000004/manifest.json","kind":"checkpoint","path":"%s","sha256":"%s","size_bytes":%s,"step":4}\n' "$d/manifest.json" "$sha" "$size"
+  exit 1
+fi
+m="$job/resume/run/checkpoints/step-00000004/manifest.json"
+if grep -qF "\"resume_checkpoint\": \"$m\"," "$job/spec.json" \
+  && [ "$(cat "$job/resume/run/checkpoints/step-00000004/w.bin")" = "weights of step 4" ]; then
+  echo '{"event":"done"}'
+  exit 0
+fi
+echo '{"event":"error","message":"the downloaded checkpoint is not in spec.json","retryable":false}'
+exit 1
+"#;
+
+#[test]
+fn checkpoint_files_are_uploaded_before_their_manifest_and_downloaded_with_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(py) = python() else { return };
+    let dir = temp_dir("ckpt-files");
+    let script = dir.join("worker.sh");
+    std::fs::write(&script, CHECKPOINT_WITH_FILES).expect("write");
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let (rt, coordinator, _) = runtime_with_coordinator(&py, &dir, &[]);
+    let _guard = rt.enter();
+    let target = Target::loopback(&coordinator.address).expect("target");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
+    let (token, run_id) = create_run(&rt, &mut admin, "ckpt-files", r#"{"stages":["noop"]}"#);
+    let provider = |work: &Path| {
+        let mut cmd = Command::new(RUN_MANAGER);
+        cmd.env("NO_COLOR", "1")
+            .arg("--work-dir")
+            .arg(work)
+            .arg("--worker-cmd")
+            .arg(&script)
+            .args([
+                "--device",
+                "cpu",
+                "--log-format",
+                "json",
+                "--rpc-backoff-ms",
+                "50",
+            ])
+            .args(["--coordinator", &coordinator.address, "--token", &token])
+            .args(["--max-jobs", "1", "--max-restarts", "0"]);
+        cmd
+    };
+    let first = dir.join("first");
+    let out = provider(&first).output().expect("first provider");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    std::fs::remove_dir_all(&first).expect("remove the first work dir");
+    let out = provider(&dir.join("second"))
+        .output()
+        .expect("second provider");
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let job = job_of(&rt, &mut admin, &run_id);
+    assert_eq!(
+        (job.state.as_str(), job.attempts),
+        ("succeeded", 2),
+        "{}",
+        show(&out)
+    );
+    let records = rt.block_on(list_artifacts(&mut admin, &run_id, &job.job_id));
+    let first_attempt: Vec<(String, String)> = records
+        .iter()
+        .filter(|i| i.attempt == 1)
+        .filter_map(|i| i.artifact.as_ref())
+        .map(|a| (a.name.clone(), a.kind.clone()))
+        .collect();
+    assert!(
+        first_attempt.contains(&(
+            "run/checkpoints/step-00000004/w.bin".into(),
+            "checkpoint_file".into()
+        )) && first_attempt.contains(&(
+            "run/checkpoints/step-00000004/manifest.json".into(),
+            "checkpoint".into()
+        )),
+        "{first_attempt:?}"
+    );
+    rt.block_on(coordinator.stop());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -581,6 +887,7 @@ fn cancel_directive_stops_the_worker_with_a_checkpoint() {
         let r = admin
             .get_run(GetRunRequest {
                 run_id: run.run_id.clone(),
+                ..Default::default()
             })
             .await
             .expect("get")
@@ -612,6 +919,7 @@ fn cancel_directive_stops_the_worker_with_a_checkpoint() {
         admin
             .get_run(GetRunRequest {
                 run_id: run.run_id.clone(),
+                ..Default::default()
             })
             .await
             .expect("get")
@@ -622,9 +930,10 @@ fn cancel_directive_stops_the_worker_with_a_checkpoint() {
     assert_eq!(job.state, "cancelled", "{all}");
     // Two checkpoints, neither on the regular schedule (checkpoint_every is larger
     // than the run): one on CHECKPOINT_NOW, a later one on SIGTERM before exiting.
-    let mut ckpts: Vec<(String, u64)> = job
-        .artifacts
-        .iter()
+    let mut ckpts: Vec<(String, u64)> = rt
+        .block_on(list_artifacts(&mut admin, &run.run_id, &job_id))
+        .into_iter()
+        .filter_map(|i| i.artifact)
         .filter(|a| a.kind == "checkpoint")
         .map(|a| (a.name.clone(), a.step))
         .collect();
@@ -846,7 +1155,6 @@ fn token_refused_on_a_reopened_heartbeat_stream_stops_the_worker_and_exits_1() {
         .block_on(EmbeddedCoordinator::start_with_args(
             &py,
             &dir.join("coord"),
-            &work.join("jobs"),
             &["--listen", &address],
         ))
         .expect("coordinator restarted");
@@ -1261,6 +1569,7 @@ fn docker_mode_cancel_stops_and_removes_the_container() {
         admin
             .get_run(GetRunRequest {
                 run_id: run.run_id.clone(),
+                ..Default::default()
             })
             .await
             .expect("get")
@@ -1289,6 +1598,7 @@ fn docker_mode_cancel_stops_and_removes_the_container() {
         admin
             .get_run(GetRunRequest {
                 run_id: run.run_id.clone(),
+                ..Default::default()
             })
             .await
             .expect("get")

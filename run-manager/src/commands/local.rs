@@ -1,11 +1,13 @@
 //! `run-manager --local [--spec FILE]`: the embedded default.
 //!
 //! Starts the Python coordinator as a child process on 127.0.0.1 (port 0,
-//! SQLite and an artifact directory under `<work-dir>/coordinator/`), creates
+//! SQLite and its artifact store under `<work-dir>/coordinator/`), creates
 //! a provider token and one run through the admin API, runs that run's jobs
-//! on this machine, prints a summary (job states, artifacts with sha256) and
-//! stops the coordinator.
+//! on this machine, prints a summary (job states, artifacts with sha256 from
+//! ListArtifacts, and where each file is on this machine) and stops the
+//! coordinator.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -15,13 +17,15 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
+use crate::attempt::AttemptResult;
 use crate::cli::Cli;
-use crate::client::{admin_client, provider_client};
+use crate::client::{admin_client, provider_client, AdminClient};
 use crate::error::{Error, Result};
 use crate::proto::{
-    ApproveVersionRequest, CreateProviderRequest, CreateRunRequest, GetRunResponse, RunSpec,
+    ApproveVersionRequest, Artifact, ArtifactInfo, CreateProviderRequest, CreateRunRequest,
+    GetRunResponse, RunSpec,
 };
-use crate::provider::{get_run, run_loop, Until};
+use crate::provider::{get_run, list_artifacts, run_loop, Until};
 use crate::setup::{prepare_work_dir, provider_config};
 use crate::transport::Target;
 use crate::version::CLIENT_VERSION;
@@ -178,13 +182,7 @@ const SERVE_TLS_VARS: [&str; 3] = [
 /// state under `state_dir`, the admin token in its environment and the TLS
 /// variables out of it (the shell may have them set for another coordinator;
 /// `--local` dials plaintext).
-fn serve_command(
-    python: &Path,
-    state_dir: &Path,
-    artifact_root: &Path,
-    extra: &[&str],
-    admin_token: &str,
-) -> Command {
+fn serve_command(python: &Path, state_dir: &Path, extra: &[&str], admin_token: &str) -> Command {
     let mut cmd = Command::new(python);
     cmd.args([
         "-m",
@@ -195,10 +193,8 @@ fn serve_command(
         "--db",
     ])
     .arg(state_dir.join("coordinator.db"))
-    .arg("--artifacts")
+    .arg("--artifact-store")
     .arg(state_dir.join("artifacts"))
-    .arg("--allow-artifact-root")
-    .arg(artifact_root)
     .args(extra)
     // Through the environment: its command line is readable by other users.
     .env(crate::env_vars::ADMIN_TOKEN, admin_token);
@@ -216,23 +212,17 @@ fn serve_command(
 }
 
 impl EmbeddedCoordinator {
-    /// Start `python -m dflash_worker.coordinator serve` under `state_dir`,
-    /// accepting `file://` artifacts under `artifact_root`, and wait for its
-    /// "listening" line.
-    pub async fn start(python: &Path, state_dir: &Path, artifact_root: &Path) -> Result<Self> {
-        Self::start_with_args(python, state_dir, artifact_root, &[]).await
+    /// Start `python -m dflash_worker.coordinator serve` under `state_dir`
+    /// (its database and artifact store) and wait for its "listening" line.
+    pub async fn start(python: &Path, state_dir: &Path) -> Result<Self> {
+        Self::start_with_args(python, state_dir, &[]).await
     }
 
     /// [`EmbeddedCoordinator::start`] with extra `serve` flags (e.g. `--lease-ttl 1` in tests).
-    pub async fn start_with_args(
-        python: &Path,
-        state_dir: &Path,
-        artifact_root: &Path,
-        extra: &[&str],
-    ) -> Result<Self> {
+    pub async fn start_with_args(python: &Path, state_dir: &Path, extra: &[&str]) -> Result<Self> {
         std::fs::create_dir_all(state_dir).map_err(Error::io("cannot create", state_dir))?;
         let admin_token = random_token()?;
-        let mut child = serve_command(python, state_dir, artifact_root, extra, &admin_token)
+        let mut child = serve_command(python, state_dir, extra, &admin_token)
             .spawn()
             .map_err(|e| {
                 Error::Usage(format!(
@@ -316,47 +306,129 @@ pub struct JobSummary {
     pub job_id: String,
     pub state: String,
     pub attempts: u32,
+    /// The SUCCEEDED attempt's artifacts; every attempt's when the job did not succeed.
     pub artifacts: Vec<ArtifactSummary>,
+    /// The SUCCEEDED attempt's export model, when there is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub export: Option<ArtifactSummary>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct ArtifactSummary {
     pub name: String,
     pub kind: String,
     pub sha256: String,
     pub size_bytes: u64,
     pub step: u64,
+    /// Where the coordinator keeps it: `dflash-artifact://RUN/JOB/ATTEMPT/NAME`.
     pub uri: String,
+    /// The attempt that recorded it (0 when unknown).
+    pub attempt: u32,
+    /// The file the worker wrote, when it is on this machine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+}
+
+/// Where this machine's workers wrote each verified file: (job, name, sha256) -> path.
+pub type LocalFiles = HashMap<(String, String, String), PathBuf>;
+
+/// The files the attempts in `results` verified.
+pub fn local_files(results: &[AttemptResult]) -> LocalFiles {
+    let mut out = LocalFiles::new();
+    for r in results {
+        for a in &r.local_artifacts {
+            out.insert(
+                (r.job_id.clone(), a.name.clone(), a.sha256.clone()),
+                a.path.clone(),
+            );
+        }
+    }
+    out
+}
+
+impl ArtifactSummary {
+    fn new(job_id: &str, a: &Artifact, attempt: u32, local: &LocalFiles) -> Self {
+        let key = (job_id.to_string(), a.name.clone(), a.sha256.clone());
+        ArtifactSummary {
+            name: a.name.clone(),
+            kind: a.kind.clone(),
+            sha256: a.sha256.clone(),
+            size_bytes: a.size_bytes,
+            step: a.step,
+            uri: a.uri.clone(),
+            attempt,
+            path: local
+                .get(&key)
+                .filter(|p| p.is_file())
+                .map(|p| p.display().to_string()),
+        }
+    }
 }
 
 impl Summary {
-    pub fn from_response(resp: &GetRunResponse) -> Self {
+    /// The summary of `resp`'s jobs, with `artifacts` (job id -> ListArtifacts records)
+    /// and the paths of the files that are on this machine.
+    pub fn new(
+        resp: &GetRunResponse,
+        artifacts: &HashMap<String, Vec<ArtifactInfo>>,
+        local: &LocalFiles,
+    ) -> Self {
         let run = resp.run.clone().unwrap_or_default();
+        let job = |j: &crate::proto::JobInfo| JobSummary {
+            job_id: j.job_id.clone(),
+            state: j.state.clone(),
+            attempts: j.attempts,
+            artifacts: artifacts
+                .get(&j.job_id)
+                .into_iter()
+                .flatten()
+                .filter_map(|info| {
+                    let a = info.artifact.as_ref()?;
+                    Some(ArtifactSummary::new(&j.job_id, a, info.attempt, local))
+                })
+                .collect(),
+            export: j
+                .export
+                .as_ref()
+                .filter(|e| !e.name.is_empty())
+                .map(|e| ArtifactSummary::new(&j.job_id, e, 0, local)),
+        };
         Summary {
             run_id: run.run_id,
             name: run.spec.map(|s| s.name).unwrap_or_default(),
-            jobs: resp
-                .jobs
-                .iter()
-                .map(|j| JobSummary {
-                    job_id: j.job_id.clone(),
-                    state: j.state.clone(),
-                    attempts: j.attempts,
-                    artifacts: j
-                        .artifacts
-                        .iter()
-                        .map(|a| ArtifactSummary {
-                            name: a.name.clone(),
-                            kind: a.kind.clone(),
-                            sha256: a.sha256.clone(),
-                            size_bytes: a.size_bytes,
-                            step: a.step,
-                            uri: a.uri.clone(),
-                        })
-                        .collect(),
-                })
-                .collect(),
+            jobs: resp.jobs.iter().map(job).collect(),
         }
+    }
+
+    /// Fetch the run and each job's artifacts from the coordinator.
+    pub async fn fetch(admin: &mut AdminClient, run_id: &str, local: &LocalFiles) -> Result<Self> {
+        let resp = get_run(admin, run_id).await?;
+        let mut artifacts = HashMap::new();
+        for j in &resp.jobs {
+            // A job that did not succeed has no final artifacts: show what its attempts recorded.
+            let all_attempts = j.state != "succeeded";
+            let list = list_artifacts(admin, run_id, &j.job_id, all_attempts).await?;
+            artifacts.insert(j.job_id.clone(), list);
+        }
+        Ok(Summary::new(&resp, &artifacts, local))
+    }
+
+    /// Where each export is, and how to fetch it (for stderr).
+    pub fn export_hints(&self) -> Vec<String> {
+        self.jobs
+            .iter()
+            .filter_map(|j| {
+                let e = j.export.as_ref()?;
+                let here = match &e.path {
+                    Some(p) => format!(" (on this machine: `{p}`)"),
+                    None => String::new(),
+                };
+                Some(format!(
+                    "job `{}` exported `{}`, sha256 {}{here}\nhint: fetch it from the coordinator with `dflash-coordinator artifacts get {} {} -o PATH`",
+                    j.job_id, e.name, e.sha256, self.run_id, e.name
+                ))
+            })
+            .collect()
     }
 
     /// Human-readable form.
@@ -374,7 +446,7 @@ impl Summary {
             ));
             for a in &j.artifacts {
                 out.push_str(&format!(
-                    "    {:<10} {}  sha256 {}  {} bytes  step {}\n",
+                    "    {:<15} {}  sha256 {}  {} bytes  step {}\n",
                     a.kind, a.name, a.sha256, a.size_bytes, a.step
                 ));
             }
@@ -402,8 +474,7 @@ pub async fn run(cli: &Cli, shutdown: &mut watch::Receiver<Option<i32>>) -> Resu
     std::fs::create_dir_all(&jobs_dir).map_err(Error::io("cannot create", &jobs_dir))?;
 
     let python = find_python(cli.python.as_deref());
-    let coordinator =
-        EmbeddedCoordinator::start(&python, &work_dir.join("coordinator"), &jobs_dir).await?;
+    let coordinator = EmbeddedCoordinator::start(&python, &work_dir.join("coordinator")).await?;
     let outcome = drive(
         &coordinator,
         run_spec,
@@ -420,6 +491,9 @@ pub async fn run(cli: &Cli, shutdown: &mut watch::Receiver<Option<i32>>) -> Resu
         println!("{text}");
     } else {
         print!("{}", summary.to_text());
+    }
+    for hint in summary.export_hints() {
+        eprintln!("{hint}");
     }
     match summary.failed() {
         0 => Ok(()),
@@ -474,10 +548,8 @@ async fn drive(
         admin: Box::new(admin.clone()),
         run_id: run.run_id.clone(),
     };
-    run_loop(&provider, cfg, until, shutdown).await?;
-    Ok(Summary::from_response(
-        &get_run(&mut admin, &run.run_id).await?,
-    ))
+    let results = run_loop(&provider, cfg, until, shutdown).await?;
+    Summary::fetch(&mut admin, &run.run_id, &local_files(&results)).await
 }
 
 #[cfg(test)]
@@ -520,13 +592,7 @@ mod tests {
 
     #[test]
     fn embedded_coordinator_gets_no_tls_variables_but_the_admin_token() {
-        let cmd = serve_command(
-            Path::new("python3"),
-            Path::new("/state"),
-            Path::new("/jobs"),
-            &[],
-            "secret",
-        );
+        let cmd = serve_command(Path::new("python3"), Path::new("/state"), &[], "secret");
         let envs: std::collections::HashMap<_, _> = cmd
             .as_std()
             .get_envs()
