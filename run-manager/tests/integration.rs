@@ -776,6 +776,47 @@ fn checkpoint_files_are_uploaded_before_their_manifest_and_downloaded_with_it() 
 }
 
 #[test]
+fn an_upload_the_coordinator_refuses_fails_the_attempt() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("refused");
+    // 100 bytes per attempt: the first checkpoint manifest (133 bytes) is over the quota.
+    let (rt, coordinator, work) =
+        runtime_with_coordinator(&py, &dir, &["--quota-attempt-bytes", "100"]);
+    let _guard = rt.enter();
+    let target = Target::loopback(&coordinator.address).expect("target");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
+    let (token, run_id) = create_run(
+        &rt,
+        &mut admin,
+        "over-quota",
+        r#"{"stages":["noop"],"noop":{"steps":40,"step_seconds":0.05,"checkpoint_every":2}}"#,
+    );
+    let out = run_manager(&work)
+        .args(["--coordinator", &coordinator.address, "--token", &token])
+        .args(["--max-jobs", "1"])
+        .output()
+        .expect("run");
+    let all = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+    let finished = json_lines(&all)
+        .into_iter()
+        .find(|l| l["message"] == "attempt finished")
+        .unwrap_or_else(|| panic!("no `attempt finished` line:\n{all}"));
+    assert_eq!(finished["outcome"], "Failed", "{all}");
+    let reason = finished["reason"].as_str().expect("reason");
+    assert!(
+        reason.contains("the coordinator refused artifact `checkpoints/step-000002/manifest.json`")
+            && reason.contains("(ResourceExhausted)"),
+        "{reason}"
+    );
+    assert!(all.contains("killing the worker"), "{all}");
+    let job = job_of(&rt, &mut admin, &run_id);
+    assert_eq!(job.state, "failed", "{all}");
+    rt.block_on(coordinator.stop());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn version_mismatch_exits_10_and_approval_lets_it_run() {
     let Some(py) = python() else { return };
     let dir = temp_dir("version");

@@ -617,6 +617,79 @@ mod tests {
     }
 
     #[test]
+    fn summary_lists_records_with_local_paths_and_hints_at_the_export() {
+        use crate::proto::{JobInfo, Run};
+        let dir = std::env::temp_dir().join(format!("rm-summary-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let model = dir.join("model.safetensors");
+        std::fs::write(&model, b"m").expect("write");
+        let export = Artifact {
+            name: "run/export/model.safetensors".into(),
+            kind: "export".into(),
+            sha256: "ab".repeat(32),
+            size_bytes: 1,
+            step: 6,
+            uri: "dflash-artifact://r1/j1/2/run/export/model.safetensors".into(),
+        };
+        let gone = Artifact {
+            name: "report.json".into(),
+            kind: "report".into(),
+            sha256: "cd".repeat(32),
+            ..Default::default()
+        };
+        let resp = GetRunResponse {
+            run: Some(Run {
+                run_id: "r1".into(),
+                ..Default::default()
+            }),
+            jobs: vec![JobInfo {
+                job_id: "j1".into(),
+                state: "succeeded".into(),
+                attempts: 2,
+                artifact_count: 2,
+                export: Some(export.clone()),
+            }],
+            next_page_token: String::new(),
+        };
+        let info = |a: &Artifact| ArtifactInfo {
+            job_id: "j1".into(),
+            attempt: 2,
+            attempt_state: "succeeded".into(),
+            artifact: Some(a.clone()),
+            created_unix: 0,
+        };
+        let artifacts = HashMap::from([("j1".to_string(), vec![info(&export), info(&gone)])]);
+        let mut local = LocalFiles::new();
+        local.insert(
+            ("j1".into(), export.name.clone(), export.sha256.clone()),
+            model.clone(),
+        );
+        local.insert(
+            ("j1".into(), gone.name.clone(), gone.sha256.clone()),
+            dir.join("missing"),
+        );
+        let summary = Summary::new(&resp, &artifacts, &local);
+        let v = serde_json::to_value(&summary).expect("json");
+        let arts = &v["jobs"][0]["artifacts"];
+        assert_eq!(arts[0]["path"], model.display().to_string());
+        assert_eq!(arts[0]["attempt"], 2);
+        assert_eq!(arts[0]["uri"], export.uri);
+        // A file no longer on this machine has no `path`.
+        assert!(arts[1].get("path").is_none(), "{v:#}");
+        assert_eq!(v["jobs"][0]["export"]["name"], export.name);
+        let hints = summary.export_hints();
+        assert_eq!(hints.len(), 1);
+        assert!(
+            hints[0].contains(&model.display().to_string())
+                && hints[0].contains("hint: fetch it from the coordinator with `dflash-coordinator artifacts get r1 run/export/model.safetensors -o PATH`"),
+            "{}",
+            hints[0]
+        );
+        assert_eq!(summary.failed(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn tokens_are_random_hex() {
         let a = random_token().expect("token");
         let b = random_token().expect("token");
