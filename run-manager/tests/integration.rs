@@ -817,6 +817,86 @@ fn an_upload_the_coordinator_refuses_fails_the_attempt() {
 }
 
 #[test]
+fn uploads_wait_out_a_coordinator_restart_and_the_attempt_still_succeeds() {
+    let Some(py) = python() else { return };
+    let dir = temp_dir("restart");
+    let (rt, coordinator, work) = runtime_with_coordinator(&py, &dir, &[]);
+    let _guard = rt.enter();
+    let address = coordinator.address.clone();
+    let target = Target::loopback(&address).expect("target");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
+    let steps = 12;
+    let (token, run_id) = create_run(
+        &rt,
+        &mut admin,
+        "restart",
+        &format!(
+            r#"{{"stages":["noop"],"noop":{{"steps":{steps},"step_seconds":0.1,"checkpoint_every":2}}}}"#
+        ),
+    );
+    let mut cmd = run_manager(&work);
+    cmd.args([
+        "--coordinator",
+        &address,
+        "--token",
+        &token,
+        "--max-jobs",
+        "1",
+    ]);
+    let (child, rx) = spawn_watched(cmd);
+    let mut seen = Vec::new();
+    wait_for(&rx, &mut seen, "the first upload", |v| {
+        v["message"] == "artifact reported" && v["kind"] == "checkpoint"
+    });
+    // Down for longer than the rest of the job takes: its later checkpoints and
+    // its report are announced while nothing answers.
+    drop(admin);
+    rt.block_on(coordinator.stop());
+    std::thread::sleep(Duration::from_millis(2000));
+    let coordinator = rt
+        .block_on(EmbeddedCoordinator::start_with_args(
+            &py,
+            &dir.join("coord"),
+            &["--listen", &address],
+        ))
+        .expect("coordinator restarted");
+    let (code, _, seen) = finish(child, rx, seen);
+    let all = seen.join("\n");
+    assert_eq!(code, Some(0), "{all}");
+    assert!(
+        all.contains("artifact transfer failed") || all.contains("coordinator unavailable"),
+        "{all}"
+    );
+    let finished = json_lines(&all)
+        .into_iter()
+        .find(|l| l["message"] == "attempt finished")
+        .unwrap_or_else(|| panic!("no `attempt finished` line:\n{all}"));
+    assert_eq!(finished["outcome"], "Succeeded", "{all}");
+    let mut admin = admin_client(&target, &coordinator.admin_token).expect("admin");
+    let job = job_of(&rt, &mut admin, &run_id);
+    assert_eq!(
+        (job.state.as_str(), job.attempts),
+        ("succeeded", 1),
+        "{all}"
+    );
+    let names: Vec<String> = rt
+        .block_on(list_artifacts(&mut admin, &run_id, &job.job_id))
+        .into_iter()
+        .filter_map(|i| i.artifact.map(|a| a.name))
+        .collect();
+    assert!(
+        names.iter().any(|n| n.ends_with("noop-report.json")),
+        "{names:?}\n{all}"
+    );
+    assert!(
+        names.contains(&format!("checkpoints/step-{steps:06}/manifest.json")),
+        "{names:?}\n{all}"
+    );
+    rt.block_on(coordinator.stop());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn version_mismatch_exits_10_and_approval_lets_it_run() {
     let Some(py) = python() else { return };
     let dir = temp_dir("version");
