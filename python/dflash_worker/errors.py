@@ -76,3 +76,15 @@ class PermissionDeniedError(CoordinatorError):
 
 class RateLimitedError(CoordinatorError):
     """A peer failed authentication too often and is refused for a while; RESOURCE_EXHAUSTED."""
+
+
+class QuotaError(CoordinatorError):
+    """A run's or attempt's artifact quota (bytes or records) would be passed; RESOURCE_EXHAUSTED naming the limit."""
+
+
+class StorageError(CoordinatorError):
+    """The coordinator's own storage failed (disk full, object store unreachable); UNAVAILABLE: retry later."""
+
+
+class IdleError(CoordinatorError):
+    """A streamed call sent nothing for the server's idle limit and was cut; DEADLINE_EXCEEDED."""

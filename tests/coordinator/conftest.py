@@ -23,11 +23,11 @@ def start_coordinator(tmp_path):
     """Factory: start a coordinator process (killed at teardown)."""
     procs: list[CoordinatorProcess] = []
 
-    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, allowed_roots=(), tls=None) -> CoordinatorProcess:
+    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, tls=None) -> CoordinatorProcess:
         """`tls`: the admin client's `ClientTls` for a coordinator started with `--tls-cert`."""
         wd = workdir or tmp_path / f"coord{len(procs)}"
         wd.mkdir(parents=True, exist_ok=True)
-        p = CoordinatorProcess(wd, *args, lease_ttl=lease_ttl, allowed_roots=allowed_roots, tls=tls)
+        p = CoordinatorProcess(wd, *args, lease_ttl=lease_ttl, tls=tls)
         procs.append(p)
         return p
 

@@ -34,7 +34,7 @@ def subprocess_env() -> dict[str, str]:
 class CoordinatorProcess:
     """`python -m dflash_worker.coordinator serve` as a child process."""
 
-    def __init__(self, workdir: Path, *args: str, lease_ttl: float = 30.0, allowed_roots: tuple[Path, ...] = (), tls: ClientTls | None = None):
+    def __init__(self, workdir: Path, *args: str, lease_ttl: float = 30.0, tls: ClientTls | None = None):
         self.workdir = workdir
         self.tls = tls
         self.db = workdir / "coordinator.db"
@@ -43,7 +43,6 @@ class CoordinatorProcess:
             "--listen", "127.0.0.1:0",
             "--lease-ttl", str(lease_ttl),
             "--max-wait", "2",
-            *[x for r in allowed_roots for x in ("--allow-artifact-root", str(r))],
             *args,
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
@@ -156,21 +155,60 @@ class Provider:
         finally:
             s.close()
 
-    def report(self, lease_id: str, name: str, content: bytes, *, kind="checkpoint", step=0, sha256=None, size=None, uri=""):
+    def report(self, lease_id: str, name: str, content: bytes, *, kind="report", step=0, sha256=None, size=None, uri=""):
+        """A one-message upload (ReportArtifact with inline content)."""
+        art = artifact(name, content, kind=kind, step=step, sha256=sha256, size=size, uri=uri)
+        return self.stub.ReportArtifact(provider_pb2.ReportArtifactRequest(lease_id=lease_id, artifact=art, content=content), metadata=self.metadata, timeout=10).artifact
+
+    def upload(self, lease_id: str, name: str, content: bytes, *, kind="report", step=0, sha256=None, size=None, offset=0, chunk=1 << 20, messages=None, timeout=30):
+        """UploadArtifact: a header, then `content[offset:]` in chunks (or the given raw `messages` after the header)."""
+        art = artifact(name, content, kind=kind, step=step, sha256=sha256, size=size)
+
+        def requests():
+            yield provider_pb2.UploadArtifactRequest(header=provider_pb2.UploadHeader(lease_id=lease_id, artifact=art, offset=offset))
+            if messages is not None:
+                yield from messages
+                return
+            for i in range(offset, len(content), chunk):
+                yield provider_pb2.UploadArtifactRequest(chunk=content[i : i + chunk])
+
+        return self.stub.UploadArtifact(requests(), metadata=self.metadata, timeout=timeout).artifact
+
+    def upload_offset(self, lease_id: str, name: str, content: bytes, *, kind="report", step=0, sha256=None, size=None) -> provider_pb2.UploadOffsetResponse:
+        art = artifact(name, content, kind=kind, step=step, sha256=sha256, size=size)
+        return self.stub.UploadOffset(provider_pb2.UploadOffsetRequest(lease_id=lease_id, artifact=art), metadata=self.metadata, timeout=10)
+
+    def checkpoint(self, lease_id: str, directory: str, files: dict[str, bytes], *, step: int) -> provider_pb2.Artifact:
+        """Upload a checkpoint the way run-manager does: each listed file, then `DIR/manifest.json`."""
         import hashlib
 
-        art = provider_pb2.Artifact(
-            name=name, kind=kind, sha256=sha256 or hashlib.sha256(content).hexdigest(), size_bytes=len(content) if size is None else size, uri=uri, step=step
-        )
-        return self.stub.ReportArtifact(
-            provider_pb2.ReportArtifactRequest(lease_id=lease_id, artifact=art, content=b"" if uri else content), metadata=self.metadata, timeout=10
-        ).artifact
+        for fname, data in files.items():
+            self.upload(lease_id, f"{directory}/{fname}", data, kind="checkpoint_file", step=step)
+        manifest = json.dumps({"step": step, "files": {f: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)} for f, d in files.items()}}).encode()
+        return self.upload(lease_id, f"{directory}/manifest.json", manifest, kind="checkpoint", step=step)
+
+    def download(self, lease_id: str, name: str, sha256: str, *, offset: int = 0) -> tuple[provider_pb2.Artifact, bytes]:
+        header, body = None, []
+        for msg in self.stub.DownloadArtifact(provider_pb2.DownloadArtifactRequest(lease_id=lease_id, name=name, sha256=sha256, offset=offset), metadata=self.metadata, timeout=30):
+            if msg.WhichOneof("msg") == "artifact":
+                header = msg.artifact
+            else:
+                body.append(msg.chunk)
+        return header, b"".join(body)
 
     def finish(self, lease_id: str, outcome=provider_pb2.ATTEMPT_OUTCOME_SUCCEEDED, message="") -> str:
         return self.stub.FinishAttempt(provider_pb2.FinishAttemptRequest(lease_id=lease_id, outcome=outcome, message=message), metadata=self.metadata, timeout=10).job_state
 
     def close(self):
         self.channel.close()
+
+
+def artifact(name: str, content: bytes, *, kind="report", step=0, sha256=None, size=None, uri="") -> provider_pb2.Artifact:
+    import hashlib
+
+    return provider_pb2.Artifact(
+        name=name, kind=kind, sha256=sha256 or hashlib.sha256(content).hexdigest(), size_bytes=len(content) if size is None else size, uri=uri, step=step
+    )
 
 
 def run_spec(name: str, **kw) -> admin_pb2.RunSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import grpc
@@ -32,9 +33,9 @@ def test_expiry_requeues_with_resume_checkpoint_and_aborts_the_stale_holder(star
     assert lease1.attempt == 1
     hb = a.heartbeats()
     hb.send(lease1.lease_id, step=5)
-    ck5 = a.report(lease1.lease_id, "ckpt/5.pt", b"five" * 10, kind="checkpoint", step=5)
+    ck5 = a.checkpoint(lease1.lease_id, "ckpt/5", {"w.pt": b"five" * 10}, step=5)
     a.report(lease1.lease_id, "metrics.json", b"{}", kind="metrics", step=7)
-    ck10 = a.report(lease1.lease_id, "ckpt/10.pt", b"ten" * 10, kind="checkpoint", step=10)
+    ck10 = a.checkpoint(lease1.lease_id, "ckpt/10", {"w.pt": b"ten" * 10}, step=10)
     assert ck5.step == 5
 
     # Heartbeats keep it alive past several TTLs.
@@ -54,6 +55,11 @@ def test_expiry_requeues_with_resume_checkpoint_and_aborts_the_stale_holder(star
     # The stale holder is refused on every write.
     _expect_aborted(lambda: hb.send(lease1.lease_id))
     _expect_aborted(lambda: a.report(lease1.lease_id, "ckpt/11.pt", b"x", step=11))
+    _expect_aborted(lambda: a.upload(lease1.lease_id, "ckpt/12.pt", b"x", step=12))
+    # The new holder may fetch the checkpoint and the files it lists; the stale one may not.
+    header, body = b.download(lease2.lease_id, "ckpt/10/w.pt", hashlib.sha256(b"ten" * 10).hexdigest())
+    assert body == b"ten" * 10 and header.size_bytes == 30
+    _expect_aborted(lambda: a.download(lease1.lease_id, "ckpt/10/w.pt", hashlib.sha256(b"ten" * 10).hexdigest()))
     _expect_aborted(lambda: a.finish(lease1.lease_id))
     # ... and its refusals changed nothing for the live holder.
     b.heartbeat_once(lease2.lease_id)
@@ -61,7 +67,8 @@ def test_expiry_requeues_with_resume_checkpoint_and_aborts_the_stale_holder(star
     with coord.admin() as admin:
         (job,) = admin.get_run(run.run_id).jobs
         assert job.state == "succeeded" and job.attempts == 2
-        assert "ckpt/11.pt" not in [x.name for x in job.artifacts]
+        names = [x.artifact.name for x in admin.list_artifacts(run.run_id, all_attempts=True)]
+        assert "ckpt/11.pt" not in names and "ckpt/12.pt" not in names and "ckpt/10/manifest.json" in names
     a.close()
     b.close()
 
@@ -96,7 +103,7 @@ def test_restart_after_sigkill_keeps_state_and_requeues(start_coordinator, tmp_p
     a = Provider(coord.address, token_a)
     a.register()
     lease1 = a.acquire().lease
-    ck = a.report(lease1.lease_id, "ckpt/3.pt", b"three" * 100, kind="checkpoint", step=3)
+    ck = a.checkpoint(lease1.lease_id, "ckpt/3", {}, step=3)
     a.heartbeat_once(lease1.lease_id, step=3, committed_step=3)
     a.close()
     old_admin_token = coord.admin_token
@@ -112,7 +119,7 @@ def test_restart_after_sigkill_keeps_state_and_requeues(start_coordinator, tmp_p
         assert list(shown.run.approved_native_versions) == ["0.2.0"]
         assert sorted(j.state for j in shown.jobs) in (["leased", "queued"], ["queued", "queued"])
         job1 = next(j for j in shown.jobs if j.job_id == lease1.job_id)
-        assert [x.sha256 for x in job1.artifacts] == [ck.sha256]
+        assert [x.artifact.sha256 for x in admin.list_artifacts(run.run_id, job1.job_id, all_attempts=True)] == [ck.sha256]
 
     b = Provider(coord.address, token_b)
     b.register()

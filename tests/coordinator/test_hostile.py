@@ -81,6 +81,8 @@ def test_another_providers_lease_is_refused(leased, provider_factory):
     thief.register()
     assert _code(lambda: thief.heartbeat_once(lease.lease_id)) == C.PERMISSION_DENIED
     assert _code(lambda: thief.report(lease.lease_id, "x.bin", b"x")) == C.PERMISSION_DENIED
+    assert _code(lambda: thief.upload(lease.lease_id, "x.bin", b"x")) == C.PERMISSION_DENIED
+    assert _code(lambda: thief.download(lease.lease_id, "x.bin", "0" * 64)) == C.PERMISSION_DENIED
     assert _code(lambda: thief.finish(lease.lease_id)) == C.PERMISSION_DENIED
     # Unknown leases are stale by definition.
     assert _code(lambda: p.heartbeat_once("lease-0000")) == C.ABORTED
@@ -88,7 +90,7 @@ def test_another_providers_lease_is_refused(leased, provider_factory):
     assert p.finish(lease.lease_id) == "succeeded"
 
 
-BAD_NAMES = ["", "..", "../escape.bin", "a/../../b", "/etc/passwd", "a\\b", "..\\x", "a\x00b", "a//b", "./a", "a/.", "a/", "x\n"]
+BAD_NAMES = ["", "..", "../escape.bin", "a/../../b", "/etc/passwd", "a\\b", "..\\x", "a\x00b", "a//b", "./a", "a/.", "a/", "x\n", "a\x9bb", "x" * 256, "d/" + "é" * 128]
 
 
 def test_bad_artifact_names_are_refused(leased):
@@ -100,10 +102,16 @@ def test_bad_artifact_names_are_refused(leased):
     before = files()
     for name in BAD_NAMES:
         assert _code(lambda: p.report(lease.lease_id, name, b"payload")) == C.INVALID_ARGUMENT, repr(name)
+        assert _code(lambda: p.upload(lease.lease_id, name, b"payload")) == C.INVALID_ARGUMENT, repr(name)
     assert files() == before
     assert not (coordinator.workdir.parent / "escape.bin").exists()
+    # Valid strings that cannot both be paths: `a` then `a/b` (and the other way round).
+    p.upload(lease.lease_id, "a", b"file")
+    assert _code(lambda: p.upload(lease.lease_id, "a/b", b"under a file")) == C.INVALID_ARGUMENT
+    p.upload(lease.lease_id, "d/e", b"file")
+    assert _code(lambda: p.upload(lease.lease_id, "d", b"over a directory")) == C.INVALID_ARGUMENT
     with coordinator.admin() as admin:
-        assert list(admin.get_run(run.run_id).jobs[0].artifacts) == []
+        assert sorted(a.artifact.name for a in admin.list_artifacts(run.run_id, all_attempts=True)) == ["a", "d/e"]
 
 
 def test_bad_artifact_contents_are_refused(leased, tmp_path):
@@ -112,29 +120,31 @@ def test_bad_artifact_contents_are_refused(leased, tmp_path):
     good_sha = hashlib.sha256(data).hexdigest()
     assert _code(lambda: p.report(lease.lease_id, "a.bin", data, sha256=hashlib.sha256(b"other").hexdigest())) == C.INVALID_ARGUMENT
     assert _code(lambda: p.report(lease.lease_id, "a.bin", data, sha256="xyz")) == C.INVALID_ARGUMENT
-    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, size=len(data) + 1)) == C.INVALID_ARGUMENT
+    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, size=len(data) + 1)) == C.FAILED_PRECONDITION  # short: resumable
+    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, size=len(data) - 1)) == C.INVALID_ARGUMENT  # past the size
     assert _code(lambda: p.report(lease.lease_id, "a.bin", data, kind="weights")) == C.INVALID_ARGUMENT
+    # uint64 values SQLite cannot hold are refused before a byte is stored.
+    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, step=1 << 63)) == C.INVALID_ARGUMENT
+    assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, size=(1 << 64) - 1)) == C.INVALID_ARGUMENT
 
-    # file:// outside every allowed root, through a symlink, or not file:// at all.
-    outside = tmp_path / "outside.bin"
-    outside.write_bytes(data)
-    assert _code(lambda: p.report(lease.lease_id, "b.bin", data, uri=outside.as_uri())) == C.INVALID_ARGUMENT
-    link = coordinator.workdir / "artifacts" / "link.bin"
-    os.symlink(outside, link)
-    assert _code(lambda: p.report(lease.lease_id, "b.bin", data, uri=link.as_uri())) == C.INVALID_ARGUMENT
-    assert _code(lambda: p.report(lease.lease_id, "b.bin", data, uri="http://evil.example/x.bin")) == C.INVALID_ARGUMENT
-    assert _code(lambda: p.report(lease.lease_id, "b.bin", data, uri="file://evil.example/x.bin")) == C.INVALID_ARGUMENT
-    inside = coordinator.workdir / "artifacts" / "inside.bin"
-    inside.write_bytes(b"tampered!!")
-    assert _code(lambda: p.report(lease.lease_id, "b.bin", data, sha256=good_sha, uri=inside.as_uri())) == C.INVALID_ARGUMENT
-    # content and uri at once is ambiguous
-    art = provider_pb2.Artifact(name="c.bin", kind="report", sha256=good_sha, size_bytes=len(data), uri=inside.as_uri())
-    req = provider_pb2.ReportArtifactRequest(lease_id=lease.lease_id, artifact=art, content=data)
-    assert _code(lambda: p.stub.ReportArtifact(req, metadata=p.metadata, timeout=5)) == C.INVALID_ARGUMENT
+    # Any `uri` is refused: the coordinator never reads a file a provider names, and
+    # the refusal says nothing about that file (no sha256, no size, not whether it exists).
+    secret = coordinator.workdir / "coordinator.db"
+    for uri in (secret.as_uri(), (tmp_path / "missing.bin").as_uri(), "http://evil.example/x.bin", "file://evil.example/x.bin"):
+        for sha in (good_sha, hashlib.sha256(secret.read_bytes()).hexdigest()):
+            with pytest.raises(grpc.RpcError) as e:
+                p.report(lease.lease_id, "b.bin", b"", sha256=sha, size=secret.stat().st_size, uri=uri)
+            assert code_of(e) == C.INVALID_ARGUMENT
+            assert e.value.details() == _URI_REFUSED.format(name="b.bin"), e.value.details()
 
     with coordinator.admin() as admin:
-        (job,) = admin.get_run(run.run_id).jobs
-        assert list(job.artifacts) == []
+        assert admin.list_artifacts(run.run_id, all_attempts=True) == []
+
+
+_URI_REFUSED = (
+    "artifact `{name}`: `artifact.uri` must be empty; the coordinator records only bytes it received\n"
+    "hint: upload the file with UploadArtifact (run-manager does)"
+)
 
 
 def test_oversized_messages_are_refused(start_coordinator):

@@ -13,6 +13,7 @@ import pytest
 from coordinator_helpers import code_of, run_spec
 
 from dflash_worker.coordinator.cli import main as cli_main
+from dflash_worker.coordinator.blobs import blob_key
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
 
@@ -22,7 +23,7 @@ def cli(capsys, coord, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def test_full_lifecycle(coordinator, provider_factory, capsys):
+def test_full_lifecycle(coordinator, provider_factory, capsys, tmp_path):
     # Admin: create a run through the CLI, a provider token through the API.
     rc, out, err = cli(capsys, coordinator, "runs", "create", "--name", "adapt-1", "--spec-json", run_spec("x").spec_json, "--client-version", "0.1.0", "--feature", "cuda", "--jobs", "1", "--json")
     assert rc == 0, err
@@ -58,30 +59,31 @@ def test_full_lifecycle(coordinator, provider_factory, capsys):
     assert hb.send(lease.lease_id, step=2).directive == provider_pb2.DIRECTIVE_CHECKPOINT_NOW
     assert hb.send(lease.lease_id, step=3).directive == provider_pb2.DIRECTIVE_CONTINUE
 
-    # Report a checkpoint inline: verified, stored atomically, idempotent.
+    # A checkpoint: its file, then its manifest; stored content-addressed, idempotent.
     content = b"checkpoint-bytes-" * 1000
-    art = prov.report(lease.lease_id, "ckpt/step-3/model.safetensors", content, kind="checkpoint", step=3)
-    assert art.uri.startswith("file://") and art.sha256 == hashlib.sha256(content).hexdigest()
-    stored = Path(art.uri[len("file://"):])
-    assert stored.read_bytes() == content
-    assert stored.is_relative_to(coordinator.workdir / "artifacts")
-    assert not [p for p in stored.parent.iterdir() if ".tmp-" in p.name]
-    again = prov.report(lease.lease_id, "ckpt/step-3/model.safetensors", content, kind="checkpoint", step=3)
-    assert again == art
+    ck = prov.checkpoint(lease.lease_id, "ckpt/step-3", {"model.safetensors": content}, step=3)
+    assert ck.uri == f"dflash-artifact://{run_id}/{lease.job_id}/1/ckpt/step-3/manifest.json"
+    blob = coordinator.workdir / "artifacts" / blob_key(hashlib.sha256(content).hexdigest())
+    assert blob.read_bytes() == content
+    assert not [p for p in (coordinator.workdir / "staging").rglob("*") if p.is_file()], "the staged copy is gone after commit"
+    again = prov.upload(lease.lease_id, "ckpt/step-3/model.safetensors", content, kind="checkpoint_file", step=3)
+    assert again.sha256 == hashlib.sha256(content).hexdigest()
     with pytest.raises(grpc.RpcError) as e:
-        prov.report(lease.lease_id, "ckpt/step-3/model.safetensors", content + b"x", kind="checkpoint", step=3)
+        prov.upload(lease.lease_id, "ckpt/step-3/model.safetensors", content + b"x", kind="checkpoint_file", step=3)
     assert code_of(e) == grpc.StatusCode.ALREADY_EXISTS
-    # Same name and hash but other bytes: the bytes are checked, not just the claim.
+    # A name not yet recorded, with a hash its bytes do not have: the bytes are checked, not the claim.
     with pytest.raises(grpc.RpcError) as e:
-        prov.report(lease.lease_id, "ckpt/step-3/model.safetensors", content[::-1], kind="checkpoint", step=3, sha256=art.sha256)
+        prov.upload(lease.lease_id, "ckpt/step-3/other.bin", content[::-1], kind="checkpoint_file", step=3, sha256=hashlib.sha256(content).hexdigest())
     assert code_of(e) == grpc.StatusCode.INVALID_ARGUMENT
-    assert stored.read_bytes() == content  # the conflicting report changed nothing
+    assert blob.read_bytes() == content  # the refused uploads changed nothing
 
-    # A file:// artifact inside an allowed root (the artifact dir itself) is read and verified.
-    export = coordinator.workdir / "artifacts" / "staged-export.bin"
-    export.write_bytes(b"export" * 100)
-    art2 = prov.report(lease.lease_id, "export/draft.safetensors", export.read_bytes(), kind="export", uri=export.as_uri())
-    assert art2.uri == export.as_uri()
+    # The export, streamed in small chunks; a `file://` URI is refused (providers do not vouch for bytes).
+    export = b"export" * 1000
+    art2 = prov.upload(lease.lease_id, "export/draft.safetensors", export, kind="export", chunk=1000)
+    assert art2.sha256 == hashlib.sha256(export).hexdigest()
+    with pytest.raises(grpc.RpcError) as e:
+        prov.report(lease.lease_id, "export/other.bin", b"", kind="export", uri=(coordinator.workdir / "coordinator.db").as_uri())
+    assert code_of(e) == grpc.StatusCode.INVALID_ARGUMENT
 
     hb.send(lease.lease_id, phase=provider_pb2.PHASE_FINISHING, step=10, committed_step=3)
     hb.close()
@@ -94,8 +96,15 @@ def test_full_lifecycle(coordinator, provider_factory, capsys):
     assert shown["run"]["job_states"] == {"succeeded": 1}
     (job,) = shown["jobs"]
     assert job["state"] == "succeeded" and job["attempts"] == 1
-    assert [a["name"] for a in job["artifacts"]] == ["ckpt/step-3/model.safetensors", "export/draft.safetensors"]
+    assert [a["name"] for a in job["artifacts"]] == ["ckpt/step-3/model.safetensors", "ckpt/step-3/manifest.json", "export/draft.safetensors"]
     assert job["artifacts"][0]["sha256"] == hashlib.sha256(content).hexdigest()
+    assert job["export"]["name"] == "export/draft.safetensors" and job["artifact_count"] == 3
+
+    # The admin fetches the export: verified, written whole.
+    out_path = tmp_path / "got" / "draft.safetensors"
+    rc, out, err = cli(capsys, coordinator, "artifacts", "get", run_id, "export/draft.safetensors", "-o", str(out_path))
+    assert rc == 0, err
+    assert out_path.read_bytes() == export and not out_path.with_name("draft.safetensors.part").exists()
     rc, out, _ = cli(capsys, coordinator, "runs", "show", run_id)
     assert "succeeded" in out and "ckpt/step-3/model.safetensors" in out
 

@@ -126,6 +126,9 @@ def test_a_version_1_database_opens_and_is_migrated(tmp_path):
     store = Store(path)
     try:
         assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+        # Version 3: the old per-job `file://` artifact table is kept as `artifacts_v2`; records start empty.
+        tables = {r[0] for r in store.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert {"artifacts_v2", "records"} <= tables and "artifacts" not in tables
         # Old tokens keep working; the identity is the best guess, the current name.
         assert store.authenticate(TOKEN).provider_id == "prov-old" and store.authenticate(TOKEN).name == "rig-a"
         assert store.authenticate(ADMIN).admin

@@ -34,7 +34,7 @@ def test_stubs_import_as_package_modules():
 
     # admin.proto imports provider.proto: the cross-import must resolve to our package
     assert admin_pb2.DESCRIPTOR.dependencies[0].name == "dflash/v1/provider.proto"
-    assert admin_pb2.JobInfo().artifacts.add().__class__ is provider_pb2.Artifact
+    assert admin_pb2.JobInfo().export.__class__ is provider_pb2.Artifact
     assert hasattr(provider_pb2_grpc, "ProviderServiceStub") and hasattr(admin_pb2_grpc, "AdminServiceStub")
     for f in STUBS.glob("*.py"):
         assert "from dflash.v1 import" not in f.read_text(), f.name

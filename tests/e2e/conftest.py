@@ -15,8 +15,8 @@ from e2e_helpers import (
     RunManager,
     cmdline,
     export_model,
+    local_path,
     missing_binaries,
-    path_from_uri,
     pid_alive,
     pipeline_spec,
     sha256_file,
@@ -105,4 +105,5 @@ def baseline(tmp_path_factory, spec) -> Baseline:
     summary = json.loads(rm.stdout)
     job = summary["jobs"][0]
     model = export_model(job)
-    return Baseline(root / "work", summary, rm.text(), sha256_file(path_from_uri(model["uri"])))
+    job_dir = (root / "work" / "jobs" / job["job_id"]).resolve()
+    return Baseline(root / "work", summary, rm.text(), sha256_file(local_path(job_dir, model)))

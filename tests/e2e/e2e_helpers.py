@@ -20,7 +20,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv"
@@ -65,10 +64,10 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def path_from_uri(uri: str) -> Path:
-    u = urlparse(uri)
-    assert u.scheme == "file", uri
-    return Path(unquote(u.path))
+def local_path(job_dir: Path, artifact: dict) -> Path:
+    """Where the worker wrote an artifact: its name is its path relative to the job directory."""
+    assert artifact["uri"].startswith("dflash-artifact://"), artifact
+    return job_dir / artifact["name"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -114,7 +113,6 @@ class Coordinator:
         workdir: Path,
         *,
         lease_ttl: float,
-        allow_roots: tuple[Path, ...] = (),
         admin_token: str | None = None,
         serve_args: tuple[str, ...] = (),
     ):
@@ -122,7 +120,6 @@ class Coordinator:
         workdir.mkdir(parents=True, exist_ok=True)
         self.db = workdir / "coordinator.db"
         self.lease_ttl = lease_ttl
-        self.allow_roots = allow_roots
         self.admin_token = admin_token or secrets.token_hex(16)
         self.serve_args = tuple(serve_args)
         self.proc: subprocess.Popen | None = None
@@ -137,7 +134,7 @@ class Coordinator:
         args = [
             str(COORDINATOR), "serve", "--db", str(self.db), "--listen", f"127.0.0.1:{port}",
             "--lease-ttl", str(self.lease_ttl), "--max-wait", "2",
-            *[x for r in self.allow_roots for x in ("--allow-artifact-root", str(r))], *self.serve_args,
+            *self.serve_args,
         ]  # fmt: skip
         # The admin token travels in the environment, not on the command line.
         self.proc = subprocess.Popen(
@@ -193,6 +190,17 @@ class Coordinator:
     def create_run(self, name: str, spec: dict, *extra: str, client_version: str) -> str:
         out = self.cli_json("runs", "create", "--name", name, "--spec-json", json.dumps(spec), "--client-version", client_version, *extra)
         return out["run_id"]
+
+    def fetch(self, run_id: str, name: str, dest: Path) -> Path:
+        """`artifacts get` as an admin would run it; returns `dest` (sha256-verified by the CLI)."""
+        self.cli("artifacts", "get", run_id, name, "-o", str(dest))
+        return dest
+
+    def blob_path(self, sha256: str) -> Path:
+        """Where the local blob store keeps a blob (`artifacts/sha256/ab/ab12...` next to the database)."""
+        from dflash_worker.coordinator.blobs import blob_key
+
+        return self.workdir / "artifacts" / blob_key(sha256)
 
     def provider_token(self, name: str) -> str:
         return self.cli_json("providers", "create", name)["token"]

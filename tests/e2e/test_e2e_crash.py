@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -16,8 +17,8 @@ from e2e_helpers import (
     export_model,
     is_checkpoint_report,
     kill_worker,
+    local_path,
     metrics_steps,
-    path_from_uri,
     sha256_file,
     wait_until,
 )
@@ -51,7 +52,7 @@ def _check_same_as_baseline(job_dir: Path, registered: dict, baseline, first_ste
     `metrics.jsonl` holds each step exactly once (a resume truncates lines past its
     checkpoint); a run seeded from another directory's checkpoint starts after it.
     """
-    model = path_from_uri(registered["uri"])
+    model = local_path(job_dir, registered)
     assert model == job_dir / "run" / "export" / "model.safetensors"
     assert registered["sha256"] == sha256_file(model)
     assert registered["sha256"] == baseline.export_sha256, "the resumed run's export differs from the uninterrupted run's"
@@ -93,7 +94,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_to_an_identical_export(tmp_pa
 
 
 def _provider(procs, tmp_path: Path, *, lease_ttl: float, spec: dict):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=lease_ttl, allow_roots=(tmp_path,))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=lease_ttl)
     run_id = coord.create_run("crash-run", spec, client_version=client_version())
     token = coord.provider_token("box")
     return coord, run_id, token
@@ -102,12 +103,18 @@ def _provider(procs, tmp_path: Path, *, lease_ttl: float, spec: dict):
 # new-work-dir: the checkpoint's data fingerprint must not depend on where the job ran
 # (it once hashed capture/manifest.json, which records absolute paths and timings, so a
 # takeover in another directory refused to resume).
-@pytest.mark.parametrize("takeover", ["same-work-dir", "new-work-dir"])
+# other-machine: run-manager A's work directory is deleted after the crash and B runs with
+# another HOME and work directory, sharing no path with A: the checkpoint can only come
+# from the coordinator, downloaded by B and verified before the worker starts.
+@pytest.mark.parametrize("takeover", ["same-work-dir", "new-work-dir", "other-machine"])
 def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_path, procs, spec, baseline, takeover):
     coord, run_id, token = _provider(procs, tmp_path, lease_ttl=3, spec=spec)
-    work = tmp_path / "work"
+    work = tmp_path / "a" / "work"
     join = ("--coordinator", coord.address, "--token", token, "--max-jobs", "1")
-    rm1 = procs.run_manager(work, *join)
+    home_a, home_b = tmp_path / "a" / "home", tmp_path / "b" / "home"
+    home_a.mkdir(parents=True)
+    home_b.mkdir(parents=True)
+    rm1 = procs.run_manager(work, *join, extra_env={"HOME": str(home_a)})
     started = rm1.wait_for("the worker to start", _started)
     job_id = started["job_id"]
     job_dir = (work / "jobs" / job_id).resolve()
@@ -118,6 +125,8 @@ def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_pat
     kill_worker(int(started["pid"]), job_dir)
     rm1.kill()
     assert not (job_dir / "run" / "selection.json").exists(), "training ended before the crash"
+    if takeover == "other-machine":
+        shutil.rmtree(tmp_path / "a")
 
     # The lease expires and the job is requeued with its last checkpoint.
     wait_until(lambda: coord.job_state(job_id) == "queued", timeout=60, interval=0.2, what="the lease to expire")
@@ -125,28 +134,33 @@ def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_pat
     assert (number, state) == (1, "expired") and "lease expired" in message
 
     # The provider restarts on the same work directory and takes the job over, or
-    # (new-work-dir) a fresh install does, from the lease's `resume_checkpoint` path.
-    work2 = work if takeover == "same-work-dir" else tmp_path / "work2"
+    # (new-work-dir) a fresh install does, or (other-machine) one on another machine.
+    work2 = work if takeover == "same-work-dir" else tmp_path / "b" / "work"
     job_dir2 = (work2 / "jobs" / job_id).resolve()
-    rm2 = procs.run_manager(work2, *join)
+    rm2 = procs.run_manager(work2, *join, extra_env={"HOME": str(home_a if takeover == "same-work-dir" else home_b)})
     rc = rm2.wait()
     assert rc == 0, f"stdout:\n{rm2.stdout}\nstderr:\n{rm2.text()}"
     lease = rm2.wait_for("the lease", lambda v: v.get("message") == "lease acquired")
     assert lease["job_id"] == job_id and lease["attempt"] == 2, lease
     resuming = rm2.wait_for("the lease's resume checkpoint", lambda v: str(v.get("message", "")).startswith("resuming from"))
-    assert resuming["step"] >= 2 and str(job_dir / "run" / "checkpoints") in resuming["message"], resuming
+    assert resuming["step"] >= 2 and str(job_dir2) in resuming["message"], resuming
     refused = [v["message"] for v in rm2.messages() if "cannot resume" in str(v.get("message", ""))]
     assert not refused, refused
     resumed = [(v.get("attempt"), s) for v in rm2.messages() if (s := _resumed_step(v)) is not None]
     assert len(resumed) == 1 and resumed[0][0] == 2 and resuming["step"] <= resumed[0][1] < STEPS, (resumed, rm2.text())
-    if takeover == "new-work-dir":
+    if takeover != "same-work-dir":
         # The checkpoint was copied in (hash-verified) and training went on from it.
         assert any(str(v.get("message", "")).startswith("seeded run from resume checkpoint") for v in rm2.messages()), rm2.text()
+    if takeover == "other-machine":
+        assert not (tmp_path / "a").exists()
 
     shown = coord.show(run_id)
     (job,) = shown["jobs"]
     assert job["state"] == "succeeded" and job["attempts"] == 2, json.dumps(shown, indent=1)
     _check_same_as_baseline(job_dir2, export_model(job), baseline, first_step=1 if takeover == "same-work-dir" else resumed[0][1] + 1)
+    # The run admin fetches the export from the coordinator: the same bytes as the undisturbed run's.
+    got = coord.fetch(run_id, "run/export/model.safetensors", tmp_path / "admin" / "model.safetensors")
+    assert sha256_file(got) == baseline.export_sha256
 
 
 def test_coordinator_killed_and_restarted_mid_training_the_job_completes(tmp_path, procs, spec, baseline):

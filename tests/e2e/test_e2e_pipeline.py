@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from e2e_helpers import STEPS, export_model, path_from_uri, sha256_file
+from e2e_helpers import STEPS, export_model, local_path, sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -24,19 +24,34 @@ def test_real_pipeline_job_registers_its_export_with_a_matching_sha256(procs, ba
     assert rjob["job_id"] == job["job_id"] and rjob["state"] == "succeeded", json.dumps(shown, indent=1)
 
     model = export_model(rjob)
-    path = path_from_uri(model["uri"])
+    path = local_path(job_dir, model)
     assert path == job_dir / "run" / "export" / "model.safetensors"
     assert model["sha256"] == sha256_file(path) == baseline.export_sha256
     assert int(model["size_bytes"]) == path.stat().st_size
-    # Every registered artifact is the file on disk, and the pipeline produced what it should.
-    # (Older checkpoints are pruned from disk after they were reported; the newest stay.)
+    assert rjob["export"]["sha256"] == model["sha256"]
+    # The run admin fetches the export from the coordinator: the same bytes.
+    got = coord.fetch(baseline.summary["run_id"], model["name"], baseline.work.parent / "fetched" / "model.safetensors")
+    assert sha256_file(got) == baseline.export_sha256
+    # Every record's bytes are in the coordinator's blob store (uploaded, not a path on the
+    # provider's disk), and no record points at deleted bytes: checkpoint rotation drops
+    # the records of old checkpoints before their blobs.
     kinds: dict[str, set[str]] = {}
+    everything = coord.cli_json("artifacts", "list", baseline.summary["run_id"], "--all-attempts")
+    for row in everything:
+        a = row["artifact"]
+        blob = coord.blob_path(a["sha256"])
+        assert blob.is_file() and blob.stat().st_size == int(a["size_bytes"]), a
+        assert sha256_file(blob) == a["sha256"], a
     for a in rjob["artifacts"]:
-        p = path_from_uri(a["uri"])
-        assert p.is_relative_to(job_dir), a
-        if a["kind"] != "checkpoint" or p.exists():
+        p = local_path(job_dir, a)
+        if a["kind"] not in ("checkpoint", "checkpoint_file") or p.exists():
             assert sha256_file(p) == a["sha256"], a
         kinds.setdefault(a["kind"], set()).add(a["name"])
+    # Only the newest checkpoints are kept (serve --keep-checkpoints, default 2), each with its files.
+    assert len(kinds["checkpoint"]) <= 2, sorted(kinds["checkpoint"])
+    for m in kinds["checkpoint"]:
+        files = json.loads(coord.blob_path(next(a["sha256"] for a in rjob["artifacts"] if a["name"] == m)).read_text())["files"]
+        assert {f"{m.rpartition('/')[0]}/{f}" for f in files} <= kinds["checkpoint_file"], (m, sorted(kinds["checkpoint_file"]))
     assert {"run/export/config.json", "run/export/manifest.json", "run/export/model.safetensors"} <= kinds["export"]
     assert {"eval/report.json"} <= kinds["report"]
     assert "data/manifest.json" in kinds["manifest"] and "capture/manifest.json" in kinds["capture"]

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from e2e_helpers import client_version, path_from_uri, pipeline_spec, sha256_file
+from e2e_helpers import client_version, local_path, pipeline_spec, sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _jobs_started(work: Path) -> list[str]:
 
 
 def test_other_client_version_exits_10_and_the_job_never_starts(tmp_path, procs, world):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, allow_roots=(tmp_path,))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
     run_id = coord.create_run("needs-9.9.9", _cheap_spec(world), client_version="9.9.9")
     rm = procs.run_manager(tmp_path / "work", *_join(coord, coord.provider_token("box")))
     rc = rm.wait()
@@ -47,7 +47,7 @@ def test_other_client_version_exits_10_and_the_job_never_starts(tmp_path, procs,
 
 
 def test_native_client_version_runs_only_where_the_admin_approved_it(tmp_path, procs, world):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, allow_roots=(tmp_path,))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
     version = client_version()
     # B is older, so the coordinator looks at it first: its refusal must not hide A.
     run_b = coord.create_run("run-b-not-approved", _cheap_spec(world), client_version="9.9.9")
@@ -84,7 +84,7 @@ def test_multi_rank_run_is_not_started_on_a_cpu_provider(tmp_path, procs, world)
 
 
 def test_ephemeral_checkpoint_run_is_not_leased_to_a_native_provider(tmp_path, procs, world):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, allow_roots=(tmp_path,))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
     run_id = coord.create_run("ephemeral", _cheap_spec(world), "--checkpoint-policy", "ephemeral", client_version=client_version())
     work = tmp_path / "work"
     rm = procs.run_manager(work, *_join(coord, coord.provider_token("box"), "--idle-timeout", "3"))
@@ -99,7 +99,7 @@ def test_ephemeral_checkpoint_run_is_not_leased_to_a_native_provider(tmp_path, p
 
 
 def test_malformed_specs_fail_their_attempt_and_another_run_still_completes(tmp_path, procs, world):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, allow_roots=(tmp_path,))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
     version = client_version()
     bad_stage = _cheap_spec(world) | {"stages": ["prepare", "trian"]}
     no_recipe = {k: v for k, v in pipeline_spec(world, stages=["prepare", "check"]).items() if k != "recipe"}
@@ -131,6 +131,6 @@ def test_malformed_specs_fail_their_attempt_and_another_run_still_completes(tmp_
     good_job = jobs["good"]
     assert (good_job["state"], good_job["attempts"]) == ("succeeded", 1), good_job
     (manifest,) = [a for a in good_job["artifacts"] if a["name"] == "data/manifest.json"]
-    path = path_from_uri(manifest["uri"])
+    path = local_path((work / "jobs" / good_job["job_id"]).resolve(), manifest)
     assert path == (work / "jobs" / good_job["job_id"] / "data" / "manifest.json").resolve()
     assert sha256_file(path) == manifest["sha256"]

@@ -20,7 +20,7 @@ def _started(v: dict) -> bool:
 
 
 def test_revoked_provider_is_stopped_and_its_job_completes_elsewhere(tmp_path, procs, binaries):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, allow_roots=(tmp_path,))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
     a = coord.cli_json("providers", "create", "box-a")
     b = coord.cli_json("providers", "create", "box-b")
     run_id = coord.create_run("revocation", NOOP_SPEC, client_version=client_version())

@@ -70,12 +70,12 @@ def _serve(coord: Coordinator):
 
 @pytest.fixture(scope="module")
 def tls_coord(root, certs, binaries):
-    yield from _serve(TlsCoordinator(root / "coord-tls", certs=certs, mtls=False, lease_ttl=10, allow_roots=(root,)))
+    yield from _serve(TlsCoordinator(root / "coord-tls", certs=certs, mtls=False, lease_ttl=10))
 
 
 @pytest.fixture(scope="module")
 def mtls_coord(root, certs, binaries):
-    yield from _serve(TlsCoordinator(root / "coord-mtls", certs=certs, mtls=True, lease_ttl=10, allow_roots=(root,)))
+    yield from _serve(TlsCoordinator(root / "coord-mtls", certs=certs, mtls=True, lease_ttl=10))
 
 
 def token_file(path: Path, token: str, mode: int = 0o600) -> Path:

@@ -46,7 +46,7 @@ def process_group(pgid: int) -> list[int]:
 
 
 def test_native_worker_environment_holds_no_secret(tmp_path, procs, binaries):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, allow_roots=(tmp_path,))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
     token = coord.provider_token("box-env")
     run_id = coord.create_run("worker-env", NOOP_SPEC, client_version=client_version())
     token_file = tmp_path / "token"

@@ -1,35 +1,55 @@
-"""The coordinator's local artifact store and artifact-name checks.
+"""Artifact names, checks, the upload staging area and checkpoint manifests.
 
-Artifacts arrive two ways:
+A provider's report is its upload: the coordinator keeps only bytes it
+received itself. An upload (`UploadArtifact`, or `ReportArtifact` with inline
+``content``) goes through three places:
 
-- inline ``content``: the bytes are hashed, compared with the claimed sha256
-  and size, then written atomically (temporary file, fsync, rename, fsync of
-  the directory) to ``<root>/<run_id>/<job_id>/<name>``;
-- a ``file://`` URI: the file must resolve (symlinks followed) inside one of
-  the allowed roots; it is read in full and must match the claimed sha256 and
-  size. The coordinator records the URI; it does not copy the bytes.
+1. **staging**, ``<root>/staging/<attempt_id>/<key>.part`` (``key`` is the
+   sha256 of ``name`` NUL ``sha256``): bytes land here as they arrive, never
+   past the declared size. Nothing here is visible to anyone; an interrupted
+   upload resumes from the staged length. Staging is local to the
+   coordinator whatever the blob backend is, so it survives a coordinator
+   restart; an attempt's staging is dropped when the attempt ends, and a
+   file no one has written to for the idle limit is swept.
+2. **verification**: when the staged length reaches the declared size, the
+   whole file's sha256 must be the declared one (it is hashed as it arrives;
+   a resumed upload is rehashed from the start, off the event loop).
+3. **commit**: the verified file becomes blob ``sha256`` in the blob store
+   (`blobs.BlobStore`: content-addressed, each blob stored once), then one
+   record row (attempt, name -> sha256) is written. A reader sees the record
+   only after the blob is complete.
 
 Names are relative paths inside a job's namespace; anything that could step
-outside it (``..``, absolute paths, backslashes, NUL, empty segments) is
-refused before any file is touched.
+outside it once written to a disk (``..``, absolute paths, backslashes, NUL,
+control characters, empty segments, a segment over 255 bytes) is refused
+before any byte is stored.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
-import secrets
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, PolicyError, StorageError
+from ..strict_json import no_duplicate_keys
 from .policy import ARTIFACT_KINDS
 
 MAX_NAME_CHARS = 512
+MAX_SEGMENT_BYTES = 255
+# Checkpoint manifests are small JSON files; the coordinator parses them, so it bounds them.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_MANIFEST_FILES = 256
+CHUNK_BYTES = 1 << 20
+# Protobuf uint64 fields go into SQLite INTEGER columns (signed 64-bit).
+MAX_UINT = (1 << 63) - 1
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 1 << 20
+URI_SCHEME = "dflash-artifact"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +64,11 @@ class ArtifactRecord:
     step: int
 
 
+def artifact_uri(run_id: str, job_id: str, attempt: int, name: str) -> str:
+    """The display URI of a record: where it is in the coordinator's namespace."""
+    return f"{URI_SCHEME}://{run_id}/{job_id}/{attempt}/{name}"
+
+
 def check_name(name: str) -> str:
     """Return `name` if it is a safe relative path, else raise INVALID_ARGUMENT."""
     if not name:
@@ -56,22 +81,25 @@ def check_name(name: str) -> str:
         raise InvalidRequestError(f"`artifact.name` `{name}` contains a backslash\nhint: separate directories with `/`")
     if name.startswith("/"):
         raise InvalidRequestError(f"`artifact.name` `{name}` is absolute; names are relative to the job's namespace")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
         raise InvalidRequestError("`artifact.name` contains a control character")
     for part in name.split("/"):
         if part in ("", ".", ".."):
             raise InvalidRequestError(
-                f"`artifact.name` `{name}` has a `{part or '(empty)'}` path segment; "
-                "names may not contain `..`, `.` or empty segments"
+                f"`artifact.name` `{name}` has a `{part or '(empty)'}` path segment; names may not contain `..`, `.` or empty segments"
+            )
+        if len(part.encode("utf-8", "surrogatepass")) > MAX_SEGMENT_BYTES:
+            raise InvalidRequestError(
+                f"`artifact.name` has a path segment of {len(part.encode('utf-8', 'surrogatepass'))} bytes; at most {MAX_SEGMENT_BYTES} are allowed"
             )
     return name
 
 
-def check_sha256(value: str) -> str:
+def check_sha256(value: str, field: str = "artifact.sha256") -> str:
     """Return the lowercase hex digest, or raise naming the field."""
     v = (value or "").lower()
     if not _SHA256.match(v):
-        raise InvalidRequestError(f"`artifact.sha256` must be 64 hex digits, got `{(value or '')[:80]}`")
+        raise InvalidRequestError(f"`{field}` must be 64 hex digits, got `{(value or '')[:80]}`")
     return v
 
 
@@ -81,98 +109,182 @@ def check_kind(kind: str) -> str:
     return kind
 
 
-def _inside(path: str, root: str) -> bool:
+def check_uint(value: int, field: str) -> int:
+    """Refuse a uint64 that SQLite cannot hold (>= 2**63) before anything is stored."""
+    if value > MAX_UINT:
+        raise InvalidRequestError(f"`{field}` is {value}; at most 2**63-1 is allowed")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claim:
+    """What an upload says it is: checked before a byte is stored."""
+
+    name: str
+    kind: str
+    sha256: str
+    size_bytes: int
+    step: int
+
+    @classmethod
+    def of(cls, a) -> Claim:
+        """Check a `dflash.v1.Artifact` from a provider (its `uri` must be empty)."""
+        name = check_name(a.name)
+        if a.uri:
+            raise InvalidRequestError(
+                f"artifact `{name}`: `artifact.uri` must be empty; the coordinator records only bytes it received\n"
+                "hint: upload the file with UploadArtifact (run-manager does)"
+            )
+        return cls(
+            name=name,
+            kind=check_kind(a.kind),
+            sha256=check_sha256(a.sha256),
+            size_bytes=check_uint(a.size_bytes, "artifact.size_bytes"),
+            step=check_uint(a.step, "artifact.step"),
+        )
+
+
+def name_conflict(name: str, existing: str) -> bool:
+    """Whether `name` and `existing` cannot both be paths on a disk (one is a directory of the other)."""
+    return name.startswith(existing + "/") or existing.startswith(name + "/")
+
+
+def checkpoint_dir(name: str) -> str:
+    """The directory of a checkpoint manifest artifact `DIR/manifest.json` ("" at the top)."""
+    return name.rpartition("/")[0]
+
+
+def parse_checkpoint_manifest(name: str, data: bytes) -> dict[str, tuple[str, int]]:
+    """The files a checkpoint manifest lists, `{FILE: (sha256, size)}`; INVALID_ARGUMENT when malformed.
+
+    A manifest is a JSON object; its optional ``files`` maps a file name (one
+    path segment) to ``{"sha256": HEX, "size": N}``.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InvalidRequestError(f"checkpoint `{name}` is {len(data)} bytes; a checkpoint manifest is at most {MAX_MANIFEST_BYTES}")
     try:
-        return os.path.commonpath([path, root]) == root
-    except ValueError:
-        return False
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InvalidRequestError(f"checkpoint `{name}` is not a JSON manifest: {str(exc)[:200]}") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequestError(f"checkpoint `{name}` must be a JSON object")
+    files = doc.get("files", {})
+    if not isinstance(files, dict) or len(files) > MAX_MANIFEST_FILES:
+        raise InvalidRequestError(f"checkpoint `{name}`: `files` must be an object of at most {MAX_MANIFEST_FILES} entries")
+    out: dict[str, tuple[str, int]] = {}
+    for fname, entry in files.items():
+        if "/" in fname or fname == "manifest.json":
+            raise InvalidRequestError(f"checkpoint `{name}`: file `{fname[:80]}` must be one path segment other than `manifest.json`")
+        check_name(fname)
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or isinstance(entry.get("size"), bool) or entry["size"] < 0:
+            raise InvalidRequestError(f"checkpoint `{name}`: file `{fname}` needs `sha256` and a non-negative integer `size`")
+        out[fname] = (check_sha256(str(entry.get("sha256", "")), f"files.{fname}.sha256"), check_uint(entry["size"], f"files.{fname}.size"))
+    return out
 
 
-class ArtifactStore:
-    """Writes inline artifacts under `root`; verifies `file://` artifacts under allowed roots."""
+def _storage(what: str, exc: OSError) -> StorageError:
+    return StorageError(f"coordinator storage: cannot {what}: {exc.strerror or exc}\nhint: retry later; the coordinator's disk may be full")
 
-    def __init__(self, root: Path, *, allowed_roots: tuple[Path, ...] = ()):
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = Path(os.path.realpath(root))
-        self.allowed_roots = tuple(dict.fromkeys([str(self.root)] + [os.path.realpath(r) for r in allowed_roots]))
 
-    def job_dir(self, run_id: str, job_id: str) -> Path:
-        return self.root / run_id / job_id
+class Staging:
+    """Partial uploads on the coordinator's local disk, one file per (attempt, name, sha256). Blocking; call off the loop."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _storage(f"create the staging directory `{self.root}`", exc) from None
+
+    def path(self, attempt_id: str, claim: Claim) -> Path:
+        key = hashlib.sha256(f"{claim.name}\x00{claim.sha256}\x00{claim.size_bytes}".encode()).hexdigest()
+        return self.root / attempt_id / f"{key}.part"
+
+    def offset(self, attempt_id: str, claim: Claim) -> int:
+        try:
+            return self.path(attempt_id, claim).stat().st_size
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise _storage("read the staging area", exc) from None
+
+    def open(self, attempt_id: str, claim: Claim, offset: int):
+        """Open the staged file for appending at `offset` (which must be its length): `(file, hasher or None)`.
+
+        The hasher covers the bytes from 0 when `offset` is 0; a resumed upload
+        gets None and is rehashed at commit.
+        """
+        p = self.path(attempt_id, claim)
+        have = self.offset(attempt_id, claim)
+        if offset != have:
+            raise PolicyError(
+                f"artifact `{claim.name}`: the upload starts at offset {offset}, the coordinator holds {have} bytes of it\n"
+                f"hint: call UploadOffset and resume from offset {have}"
+            )
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            f = open(p, "ab")
+        except OSError as exc:
+            raise _storage(f"stage artifact `{claim.name}`", exc) from None
+        return f, (hashlib.sha256() if offset == 0 else None)
 
     @staticmethod
-    def check_content(name: str, content: bytes, sha256: str, size_bytes: int) -> None:
-        """Raise INVALID_ARGUMENT unless `content` has exactly the claimed sha256 and size."""
-        found = hashlib.sha256(content).hexdigest()
-        if found != sha256:
-            raise InvalidRequestError(
-                f"artifact `{name}`: content sha256 is `{found}`, the report claims `{sha256}`\n"
-                "hint: the upload was corrupted or the hash was computed over other bytes"
-            )
-        if size_bytes != len(content):
-            raise InvalidRequestError(f"artifact `{name}`: `size_bytes` is {size_bytes}, content has {len(content)} bytes")
+    def write(f, hasher, chunk: bytes) -> None:
+        try:
+            f.write(chunk)
+        except OSError as exc:
+            raise _storage("stage the upload", exc) from None
+        if hasher is not None:
+            hasher.update(chunk)
 
-    def store_inline(self, run_id: str, job_id: str, name: str, content: bytes, sha256: str, size_bytes: int) -> str:
-        """Verify `content` against `sha256` and `size_bytes`, write it atomically, return its file:// URI."""
-        check_name(name)
-        self.check_content(name, content, sha256, size_bytes)
-        base = self.job_dir(run_id, job_id)
-        target = base / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # check_name already rules out escapes by name; this guards against a
-        # symlink planted inside the store itself.
-        if not _inside(os.path.realpath(target.parent), str(self.root)) or os.path.islink(target):
-            raise InvalidRequestError(f"artifact `{name}` resolves outside the artifact store")
-        tmp = target.parent / f".{target.name}.tmp-{secrets.token_hex(6)}"
+    @staticmethod
+    def close(f, *, sync: bool) -> None:
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(content)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        dfd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise _storage("stage the upload", exc) from None
         finally:
-            os.close(dfd)
-        return target.as_uri()
+            try:
+                f.close()
+            except OSError:
+                pass
 
-    def verify_uri(self, name: str, uri: str, sha256: str, size_bytes: int) -> str:
-        """Check that a `file://` artifact lies inside an allowed root and matches; return its canonical URI."""
-        parsed = urlparse(uri)
-        if parsed.scheme != "file":
-            raise InvalidRequestError(
-                f"artifact `{name}`: `artifact.uri` scheme `{parsed.scheme}` is not supported\n"
-                "hint: send small files inline as `content`, or a `file://` URI inside the coordinator's artifact roots"
-            )
-        if parsed.netloc not in ("", "localhost"):
-            raise InvalidRequestError(f"artifact `{name}`: `artifact.uri` names host `{parsed.netloc}`; only local files are read")
-        raw = unquote(parsed.path)
-        if "\x00" in raw or not raw.startswith("/"):
-            raise InvalidRequestError(f"artifact `{name}`: `artifact.uri` `{uri[:200]}` is not an absolute file path")
-        real = os.path.realpath(raw)
-        if not any(_inside(real, r) for r in self.allowed_roots):
-            raise InvalidRequestError(
-                f"artifact `{name}`: `{raw}` is outside the allowed artifact roots\n"
-                "hint: start the coordinator with `--allow-artifact-root DIR` for that directory"
-            )
-        if not os.path.isfile(real):
-            raise InvalidRequestError(f"artifact `{name}`: `{raw}` is not a regular file")
+    def digest(self, attempt_id: str, claim: Claim) -> str:
         h = hashlib.sha256()
-        n = 0
-        with open(real, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-                n += len(chunk)
-        if h.hexdigest() != sha256:
-            raise InvalidRequestError(f"artifact `{name}`: `{raw}` has sha256 `{h.hexdigest()}`, the report claims `{sha256}`")
-        if n != size_bytes:
-            raise InvalidRequestError(f"artifact `{name}`: `{raw}` has {n} bytes, the report claims {size_bytes}")
-        return Path(real).as_uri()
+        try:
+            with open(self.path(attempt_id, claim), "rb") as f:
+                while chunk := f.read(CHUNK_BYTES):
+                    h.update(chunk)
+        except OSError as exc:
+            raise _storage("read the staged upload", exc) from None
+        return h.hexdigest()
+
+    def discard(self, attempt_id: str, claim: Claim) -> None:
+        self.path(attempt_id, claim).unlink(missing_ok=True)
+
+    def drop_attempt(self, attempt_id: str) -> None:
+        shutil.rmtree(self.root / attempt_id, ignore_errors=True)
+
+    def sweep(self, idle_seconds: float, live: set[str], busy: set[Path]) -> int:
+        """Remove staged files of ended attempts, and files idle longer than `idle_seconds`; returns how many."""
+        now = time.time()
+        removed = 0
+        try:
+            attempts = list(self.root.iterdir())
+        except OSError:
+            return 0
+        for d in attempts:
+            if d.name not in live:
+                shutil.rmtree(d, ignore_errors=True)
+                removed += 1
+                continue
+            for p in d.glob("*.part"):
+                try:
+                    if p not in busy and now - p.stat().st_mtime > idle_seconds:
+                        p.unlink()
+                        removed += 1
+                except OSError:
+                    pass
+        return removed

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import grpc
 
 from ..errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, RateLimitedError
-from .status import status_for
+from .status import status_for, storage_failure
 from .store import Principal
 
 log = logging.getLogger("dflash_worker.coordinator")
@@ -206,6 +206,9 @@ async def _abort(context, exc: BaseException, method: str):
     if code is grpc.StatusCode.INTERNAL:
         log.error("internal error in %s", method, exc_info=exc)
         await context.abort(code, "internal error; see the coordinator log")
+    if storage_failure(exc):
+        log.error("storage failure in %s: %s", method, exc)
+        await context.abort(code, f"coordinator storage failed: {exc}\nhint: retry later; the coordinator's disk may be full")
     await context.abort(code, str(exc))
 
 
@@ -278,8 +281,23 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, admit: Admit):
                 return await inner_unary(_check(request, method), context)
 
         behaviour, make_handler = unary_unary, grpc.unary_unary_rpc_method_handler
+    elif handler.request_streaming:
+        inner_stream_unary = handler.stream_unary
+
+        async def stream_unary(request_iterator, context):
+            async with _serving(context, method, admit):
+                return await inner_stream_unary(_checked(request_iterator, method), context)
+
+        behaviour, make_handler = stream_unary, grpc.stream_unary_rpc_method_handler
     else:
-        raise AssertionError(f"{method}: dflash.v1 has no unary-stream or stream-unary methods")
+        inner_unary_stream = handler.unary_stream
+
+        async def unary_stream(request, context):
+            async with _serving(context, method, admit):
+                async for response in inner_unary_stream(_check(request, method), context):
+                    yield response
+
+        behaviour, make_handler = unary_stream, grpc.unary_stream_rpc_method_handler
     return make_handler(
         behaviour, request_deserializer=_tolerant(handler.request_deserializer), response_serializer=handler.response_serializer
     )

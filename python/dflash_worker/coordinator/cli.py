@@ -23,7 +23,8 @@ from .. import __version__
 from ..cli import run_guarded
 from ..errors import ConfigError
 from ..proto.dflash.v1 import admin_pb2, provider_pb2
-from .store import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS
+from .service import DEFAULT_UPLOAD_IDLE_SECONDS
+from .store import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS, Quotas
 
 # Environment variables (flags take precedence over them).
 ENV_ADDRESS = "DFLASH_COORDINATOR"  # coordinator address, HOST:PORT or http://HOST:PORT (shared with run-manager)
@@ -44,14 +45,25 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", type=Path, default=DEFAULT_DB, help=f"SQLite database (created if missing; default `{DEFAULT_DB}`)")
     p.add_argument("--listen", default=DEFAULT_ADDRESS, help=f"HOST:PORT to serve on; port 0 picks a free port (default `{DEFAULT_ADDRESS}`)")
-    p.add_argument("--artifacts", type=Path, default=None, help="directory for artifacts uploaded inline (default: `artifacts/` next to --db)")
     p.add_argument(
-        "--allow-artifact-root",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="also accept `file://` artifacts under DIR (repeatable; the --artifacts directory is always allowed)",
+        "--artifact-store",
+        default=None,
+        metavar="DIR|s3://BUCKET[/PREFIX]",
+        help="where artifact bytes are kept, content-addressed: a directory (default: `artifacts/` next to --db) or an S3-compatible bucket "
+        "(credentials from the usual AWS_* variables or ~/.aws/config); uploads are staged in `staging/` next to --db either way",
+    )
+    p.add_argument("--s3-endpoint-url", default=None, metavar="URL", help="S3-compatible endpoint (default: AWS, or `AWS_ENDPOINT_URL`)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="checkpoints kept per job; older ones and their bytes are deleted (default 2)")
+    p.add_argument("--quota-attempt-records", type=int, default=Quotas.attempt_records, metavar="N", help=f"artifact records per attempt (default {Quotas.attempt_records})")
+    p.add_argument("--quota-attempt-bytes", type=int, default=Quotas.attempt_bytes, metavar="BYTES", help=f"artifact bytes per attempt (default {Quotas.attempt_bytes})")
+    p.add_argument("--quota-run-records", type=int, default=Quotas.run_records, metavar="N", help=f"artifact records per run, all attempts (default {Quotas.run_records})")
+    p.add_argument("--quota-run-bytes", type=int, default=Quotas.run_bytes, metavar="BYTES", help=f"artifact bytes per run, all attempts (default {Quotas.run_bytes})")
+    p.add_argument(
+        "--upload-idle-timeout",
+        type=float,
+        default=DEFAULT_UPLOAD_IDLE_SECONDS,
+        metavar="SECONDS",
+        help=f"an upload stream that sends nothing this long is cut; its staged bytes are swept later (default {DEFAULT_UPLOAD_IDLE_SECONDS:g})",
     )
     p.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a lease stays valid without a heartbeat (default 30)")
     p.add_argument(
@@ -176,6 +188,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _client_args(pr)
 
+    arts = sub.add_parser("artifacts", help="list and fetch a run's artifacts").add_subparsers(dest="action", metavar="ACTION")
+    al = arts.add_parser(
+        "list",
+        help="list a job's artifacts (its succeeded attempt's, or --all-attempts)",
+        description="List a job's final artifacts: those of its SUCCEEDED attempt. `--all-attempts` shows every attempt's records, newest first.",
+    )
+    al.add_argument("run_id", help="run id (from `runs list`)")
+    al.add_argument("--job", default="", help="job id (needed when the run has several jobs)")
+    al.add_argument("--all-attempts", action="store_true", help="every attempt's records, not only the succeeded attempt's")
+    _client_args(al)
+    ag = arts.add_parser(
+        "get",
+        help="download an artifact (resumable, sha256-verified)",
+        description="Download a job's artifact to a file. Without --sha256 it is the SUCCEEDED attempt's; bytes go to PATH.part first "
+        "(running the command again resumes), and PATH appears only once the sha256 matches the record. "
+        "`artifacts get RUN --export -o DIR` fetches the whole export (every `export` artifact) into DIR.",
+    )
+    ag.add_argument("run_id", help="run id (from `runs list`)")
+    ag.add_argument("name", nargs="?", default=None, help="artifact name (from `artifacts list`), e.g. `run/export/model.safetensors`")
+    ag.add_argument("--export", action="store_true", help="fetch every export artifact of the succeeded attempt into the directory -o names")
+    ag.add_argument("--job", default="", help="job id (needed when the run has several jobs)")
+    ag.add_argument("--sha256", default="", help="fetch the record with this digest (any attempt's) instead of the succeeded attempt's")
+    ag.add_argument("-o", "--output", type=Path, required=True, metavar="PATH", help="file to write (with --export: a directory)")
+    ag.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _client_args(ag)
+
     jobs = sub.add_parser("jobs", help="steer jobs").add_subparsers(dest="action", metavar="ACTION")
     jc = jobs.add_parser("cancel", help="cancel a job (a running attempt gets a CANCEL directive)")
     jc.add_argument("job_id", help="job id (from `runs show`)")
@@ -253,8 +291,16 @@ def _cmd_serve(args) -> int:
     config = ServeConfig(
         db=args.db,
         listen=args.listen,
-        artifacts=args.artifacts,
-        allowed_roots=tuple(args.allow_artifact_root),
+        artifact_store=args.artifact_store,
+        s3_endpoint_url=args.s3_endpoint_url,
+        keep_checkpoints=args.keep_checkpoints,
+        quotas=Quotas(
+            attempt_records=args.quota_attempt_records,
+            attempt_bytes=args.quota_attempt_bytes,
+            run_records=args.quota_run_records,
+            run_bytes=args.quota_run_bytes,
+        ),
+        upload_idle_seconds=args.upload_idle_timeout,
         lease_ttl=args.lease_ttl,
         max_message_bytes=args.max_message_bytes,
         max_wait=args.max_wait,
@@ -326,6 +372,32 @@ def _cmd_providers(c, args) -> None:
         raise AssertionError(args.action)
 
 
+def _print_artifact(a) -> None:
+    print(f"    {a.kind:<15} {a.name}  step {a.step}  {a.size_bytes} B  sha256 {a.sha256[:16]}...")
+
+
+def _cmd_get(c, args) -> None:
+    if args.export == (args.name is not None):
+        raise ConfigError("`artifacts get` takes an artifact NAME or `--export`, not both\nhint: `dflash-coordinator artifacts list RUN` shows the names")
+    if args.name is not None:
+        got = [(args.name, args.output, args.sha256)]
+    else:
+        exports = [r.artifact for r in c.list_artifacts(args.run_id, args.job) if r.artifact.kind == "export"]
+        if not exports:
+            raise ConfigError(f"run `{args.run_id}` has no export from a succeeded attempt\nhint: `dflash-coordinator artifacts list {args.run_id} --all-attempts`")
+        common = os.path.commonpath([a.name for a in exports]) if len(exports) > 1 else exports[0].name.rpartition("/")[0]
+        got = [(a.name, args.output / os.path.relpath(a.name, common or "."), a.sha256) for a in exports]
+    done = []
+    for name, dest, sha in got:
+        record = c.download(args.run_id, name, dest, job_id=args.job, sha256=sha, progress=not args.no_progress and sys.stderr.isatty())
+        done.append({"name": name, "path": str(dest), "sha256": record.sha256, "size_bytes": record.size_bytes})
+    if args.json:
+        _emit_json(done)
+    else:
+        for d in done:
+            print(f"{d['path']}  {d['size_bytes']} B  sha256 {d['sha256']}  (verified)")
+
+
 def _cmd_admin(args) -> int:
     key = (args.command, args.action)
     with _client(args) as c:
@@ -351,16 +423,33 @@ def _cmd_admin(args) -> int:
                     _print_run(r)
         elif key == ("runs", "show"):
             resp = c.get_run(args.run_id)
+            # Each job with its final artifacts (the succeeded attempt's), fetched page by page.
+            finals = {j.job_id: [a.artifact for a in c.list_artifacts(args.run_id, j.job_id)] if j.artifact_count else [] for j in resp.jobs}
             if args.json:
-                _emit_json(_msg_dict(resp))
+                doc = _msg_dict(resp)
+                for j in doc["jobs"]:
+                    j["artifacts"] = [_msg_dict(a) for a in finals[j["job_id"]]]
+                _emit_json(doc)
             else:
                 _print_run(resp.run)
                 if resp.run.approved_native_versions:
                     print(f"  approved native versions: {', '.join(resp.run.approved_native_versions)}")
                 for j in resp.jobs:
                     print(f"  {j.job_id}  {j.state}  attempts {j.attempts}")
-                    for a in j.artifacts:
-                        print(f"    {a.kind:<10} {a.name}  step {a.step}  {a.size_bytes} B  sha256 {a.sha256[:16]}...  {a.uri}")
+                    for a in finals[j.job_id]:
+                        _print_artifact(a)
+        elif key == ("artifacts", "list"):
+            rows = c.list_artifacts(args.run_id, args.job, all_attempts=args.all_attempts)
+            if args.json:
+                _emit_json([_msg_dict(r) for r in rows])
+            else:
+                if not rows:
+                    print("no artifacts" + ("" if args.all_attempts else " from a succeeded attempt (try --all-attempts)"), file=sys.stderr)
+                for r in rows:
+                    print(f"  attempt {r.attempt} ({r.attempt_state})", end="")
+                    _print_artifact(r.artifact)
+        elif key == ("artifacts", "get"):
+            _cmd_get(c, args)
         elif key == ("versions", "approve"):
             run = c.approve_version(args.run_id, args.version)
             _emit_json(_msg_dict(run)) if args.json else _print_run(run)

@@ -7,10 +7,14 @@ roots, and a client certificate for mutual TLS); `HOST:PORT` and
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import grpc
 
 from ..errors import ConfigError
-from ..proto.dflash.v1 import admin_pb2, admin_pb2_grpc
+from ..proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2
 from .status import error_for
 from .tls import ClientTls
 
@@ -80,10 +84,82 @@ class AdminClient:
         return self._call("CreateRun", admin_pb2.CreateRunRequest(spec=spec)).run
 
     def list_runs(self) -> list[admin_pb2.Run]:
-        return list(self._call("ListRuns", admin_pb2.ListRunsRequest()).runs)
+        """Every run, page by page."""
+        out, token = [], ""
+        while True:
+            resp = self._call("ListRuns", admin_pb2.ListRunsRequest(page_token=token))
+            out.extend(resp.runs)
+            if not (token := resp.next_page_token):
+                return out
 
     def get_run(self, run_id: str) -> admin_pb2.GetRunResponse:
-        return self._call("GetRun", admin_pb2.GetRunRequest(run_id=run_id))
+        """The run with all its jobs (the pages joined into one response)."""
+        first = self._call("GetRun", admin_pb2.GetRunRequest(run_id=run_id))
+        token = first.next_page_token
+        while token:
+            resp = self._call("GetRun", admin_pb2.GetRunRequest(run_id=run_id, page_token=token))
+            first.jobs.extend(resp.jobs)
+            token = resp.next_page_token
+        first.next_page_token = ""
+        return first
+
+    def list_artifacts(self, run_id: str, job_id: str = "", *, all_attempts: bool = False) -> list[admin_pb2.ArtifactInfo]:
+        """A job's final artifacts (or every attempt's), page by page."""
+        out, token = [], ""
+        while True:
+            resp = self._call("ListArtifacts", admin_pb2.ListArtifactsRequest(run_id=run_id, job_id=job_id, all_attempts=all_attempts, page_token=token))
+            out.extend(resp.artifacts)
+            if not (token := resp.next_page_token):
+                return out
+
+    def download(self, run_id: str, name: str, dest: Path, *, job_id: str = "", sha256: str = "", progress: bool = False) -> provider_pb2.Artifact:
+        """Fetch an artifact to `dest`: resumable (`dest` + `.part` holds what arrived), sha256-verified, renamed into place."""
+        import hashlib
+
+        dest = Path(dest)
+        part = dest.with_name(dest.name + ".part")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        offset = part.stat().st_size if part.exists() else 0
+        request = admin_pb2.AdminDownloadRequest(run_id=run_id, job_id=job_id, name=name, sha256=sha256, offset=offset)
+        record = None
+        bar = None
+        try:
+            stream = self._stub.DownloadArtifact(request, metadata=self._metadata, timeout=None)
+            with open(part, "ab") as f:
+                for msg in stream:
+                    if msg.WhichOneof("msg") == "artifact":
+                        record = msg.artifact
+                        if offset > record.size_bytes:
+                            raise ConfigError(f"`{part}` holds {offset} bytes, more than `{name}` has ({record.size_bytes}); delete it and retry")
+                        if progress:
+                            from tqdm import tqdm
+
+                            bar = tqdm(total=record.size_bytes, initial=offset, unit="B", unit_scale=True, desc=name.rsplit("/", 1)[-1], file=sys.stderr)
+                        continue
+                    f.write(msg.chunk)
+                    if bar is not None:
+                        bar.update(len(msg.chunk))
+                f.flush()
+                os.fsync(f.fileno())
+        except grpc.RpcError as exc:
+            raise error_for(exc.code(), f"coordinator refused `DownloadArtifact` ({exc.code().name}): {exc.details()}\nhint: run the same command again to resume from {part}") from None
+        finally:
+            if bar is not None:
+                bar.close()
+        if record is None:
+            raise ConfigError(f"the coordinator sent no artifact header for `{name}`")
+        h = hashlib.sha256()
+        with open(part, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        size = part.stat().st_size
+        if size != record.size_bytes or h.hexdigest() != record.sha256:
+            part.unlink()
+            raise ConfigError(
+                f"`{name}`: received {size} bytes with sha256 `{h.hexdigest()}`, the coordinator recorded {record.size_bytes} bytes with `{record.sha256}`; nothing was kept"
+            )
+        os.replace(part, dest)
+        return record
 
     def approve_version(self, run_id: str, version: str) -> admin_pb2.Run:
         return self._call("ApproveVersion", admin_pb2.ApproveVersionRequest(run_id=run_id, version=version)).run

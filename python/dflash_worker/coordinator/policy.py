@@ -25,7 +25,9 @@ from ..errors import InvalidRequestError
 PROTOCOL_VERSION = "dflash.v1"
 CHECKPOINT_POLICIES = ("durable", "ephemeral")
 BACKENDS = ("cuda", "mps", "cpu")
-ARTIFACT_KINDS = ("checkpoint", "export", "manifest", "report", "metrics", "capture")
+# What workers announce, plus `checkpoint_file`: a file a checkpoint manifest lists, which the
+# run-manager uploads before the manifest itself.
+ARTIFACT_KINDS = ("checkpoint", "export", "manifest", "report", "metrics", "capture", "checkpoint_file")
 
 # Semantic version, as the run-manager prints it (pre-release and build allowed).
 _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import grpc
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DflashError
 from ..proto.dflash.v1 import admin_pb2_grpc, provider_pb2_grpc
-from .artifacts import ArtifactStore
+from .artifacts import Staging
 from .auth import DEFAULT_FAILURE_LIMIT, DEFAULT_FAILURE_WINDOW, AuthInterceptor, FailureLimiter, Gate
-from .service import AdminService, ProviderService, WorkSignal
-from .store import Store, new_token
+from .blobs import open_blob_store
+from .service import DEFAULT_UPLOAD_IDLE_SECONDS, AdminService, Artifacts, ProviderService, WorkSignal
+from .store import Quotas, Store, new_token
 from .tls import ServerTls, is_loopback, load_server_tls
 
 log = logging.getLogger("dflash_worker.coordinator")
@@ -40,8 +41,13 @@ class ServeConfig:
 
     db: Path
     listen: str = "127.0.0.1:50051"
-    artifacts: Path | None = None
-    allowed_roots: tuple[Path, ...] = ()
+    # Where blobs live: a directory (default `artifacts/` next to the database) or
+    # `s3://BUCKET[/PREFIX]`; staging is always `staging/` next to the database.
+    artifact_store: str | None = None
+    s3_endpoint_url: str | None = None
+    quotas: Quotas = field(default_factory=Quotas)
+    keep_checkpoints: int = 2
+    upload_idle_seconds: float = DEFAULT_UPLOAD_IDLE_SECONDS
     lease_ttl: float = 30.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_wait: float = 30.0
@@ -85,12 +91,18 @@ class ServeConfig:
                 f"refusing to serve plaintext on `{self.listen}`, which is not a loopback address: bearer tokens would cross the network in the clear\n"
                 "hint: pass `--tls-cert` and `--tls-key` (see docs/run-admin.md), or `--insecure` on a network you trust"
             )
+        if self.upload_idle_seconds <= 0:
+            raise ConfigError(f"`--upload-idle-timeout` must be positive, got {self.upload_idle_seconds}")
         if self.auth_failure_limit < 0 or self.auth_failure_window <= 0:
             raise ConfigError("`--auth-failure-limit` must be >= 0 and `--auth-failure-window` positive")
 
     @property
-    def artifact_dir(self) -> Path:
-        return self.artifacts or self.db.parent / "artifacts"
+    def blob_url(self) -> str:
+        return self.artifact_store or str(self.db.parent / "artifacts")
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.db.parent / "staging"
 
     @property
     def token_file(self) -> Path:
@@ -149,10 +161,22 @@ async def serve(
     """Run the coordinator until SIGINT/SIGTERM (or `stop` is set)."""
     tls = config.load_tls()
     work = WorkSignal()
-    store = Store(config.db, lease_ttl=config.lease_ttl, max_attempts=config.max_attempts, on_work=work.notify)
+    store = Store(
+        config.db,
+        lease_ttl=config.lease_ttl,
+        max_attempts=config.max_attempts,
+        on_work=work.notify,
+        quotas=config.quotas,
+        keep_checkpoints=config.keep_checkpoints,
+    )
     try:
         how = ensure_admin_token(store, config.admin_token, config.token_file)
-        artifacts = ArtifactStore(config.artifact_dir, allowed_roots=config.allowed_roots)
+        blobs = open_blob_store(config.blob_url, s3_endpoint_url=config.s3_endpoint_url)
+        try:
+            await asyncio.to_thread(blobs.check)
+        except DflashError as exc:
+            raise ConfigError(f"artifact store {blobs.describe} is not usable: {exc}") from None
+        artifacts = Artifacts(store, blobs, Staging(config.staging_dir), idle_seconds=config.upload_idle_seconds)
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -167,7 +191,7 @@ async def serve(
         provider_pb2_grpc.add_ProviderServiceServicer_to_server(
             ProviderService(store, artifacts, work, max_wait=config.max_wait, retry_after=config.retry_after), server
         )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store), server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store, artifacts), server)
         try:
             port = server.add_secure_port(config.listen, tls.credentials()) if tls else server.add_insecure_port(config.listen)
         except RuntimeError as exc:
@@ -184,7 +208,7 @@ async def serve(
                 "address": f"{host}:{port}",
                 "pid": os.getpid(),
                 "db": str(config.db),
-                "artifacts": str(artifacts.root),
+                "artifacts": blobs.describe,
                 "admin_token": how,
                 "admin_token_file": None if how == "given" else str(config.token_file),
                 "tls": tls is not None,
@@ -208,11 +232,22 @@ async def serve(
                 except Exception:  # noqa: BLE001 - keep serving; the next tick retries
                     log.exception("lease expiry failed")
 
+        async def janitor_loop():
+            # Blobs of rotated checkpoints, staged uploads of ended or idle attempts.
+            while True:
+                await asyncio.sleep(min(5.0, config.upload_idle_seconds))
+                try:
+                    await artifacts.collect_garbage()
+                except Exception:  # noqa: BLE001 - keep serving; the next tick retries
+                    log.exception("artifact garbage collection failed")
+
         ticker = asyncio.create_task(expire_loop())
+        janitor = asyncio.create_task(janitor_loop())
         try:
             await stop.wait()
         finally:
             ticker.cancel()
+            janitor.cancel()
             await server.stop(grace=1.0)
     finally:
         store.close()

@@ -9,14 +9,29 @@ for `AcquireLease`. Authentication happened in `auth.AuthInterceptor`;
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import math
+from collections.abc import AsyncIterator
+from pathlib import Path
 
-from ..errors import InvalidRequestError, PermissionDeniedError, PolicyError
+from ..errors import IdleError, InvalidRequestError, PermissionDeniedError, PolicyError, QuotaError
 from ..proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2, provider_pb2_grpc
-from .artifacts import ArtifactRecord, ArtifactStore, check_kind, check_name, check_sha256
+from .artifacts import (
+    CHUNK_BYTES,
+    MAX_MANIFEST_BYTES,
+    ArtifactRecord,
+    Claim,
+    Staging,
+    check_name,
+    check_sha256,
+    check_uint,
+    parse_checkpoint_manifest,
+)
 from .auth import current_principal
+from .blobs import BlobStore
 from .policy import BACKENDS, PROTOCOL_VERSION, check_features, check_version
-from .store import Grant, Progress, ProviderRow, Registration, RunRow, RunSpecData, Store, Upgrade
+from .store import Grant, LiveLease, Progress, ProviderRow, Registration, RunRow, RunSpecData, Store, Upgrade
 
 _LAUNCH_MODES = {provider_pb2.LAUNCH_MODE_DOCKER, provider_pb2.LAUNCH_MODE_NATIVE}
 _PHASES = set(provider_pb2.Phase.values())
@@ -32,6 +47,10 @@ _DIRECTIVES = {
     "checkpoint": provider_pb2.DIRECTIVE_CHECKPOINT_NOW,
 }
 MAX_METRICS = 64
+DEFAULT_UPLOAD_IDLE_SECONDS = 60.0
+MAX_UPLOADS_PER_ATTEMPT = 4
+
+log = logging.getLogger("dflash_worker.coordinator")
 
 
 def artifact_pb(a: ArtifactRecord | None) -> provider_pb2.Artifact | None:
@@ -90,14 +109,166 @@ class WorkSignal:
         self._event = asyncio.Event()
 
 
+class Artifacts:
+    """Uploads, downloads and blob garbage collection, shared by both services.
+
+    Blocking work (staging writes, hashing, blob-store calls) runs in worker
+    threads; the event loop only moves chunks and touches SQLite briefly.
+    """
+
+    def __init__(self, store: Store, blobs: BlobStore, staging: Staging, *, idle_seconds: float = DEFAULT_UPLOAD_IDLE_SECONDS):
+        self.store = store
+        self.blobs = blobs
+        self.staging = staging
+        self.idle_seconds = idle_seconds
+        # Staged files being written now, by attempt: path -> declared size.
+        self._inflight: dict[str, dict[Path, int]] = {}
+        # One commit or deletion of a blob at a time, per sha256.
+        self._blob_locks: dict[str, asyncio.Lock] = {}
+
+    @contextlib.asynccontextmanager
+    async def _blob_lock(self, sha256: str):
+        lock = self._blob_locks.setdefault(sha256, asyncio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not getattr(lock, "_waiters", None):
+                self._blob_locks.pop(sha256, None)
+
+    async def _next(self, it: AsyncIterator, what: str):
+        """The stream's next message, None at its end; DEADLINE_EXCEEDED after the idle limit."""
+        try:
+            return await asyncio.wait_for(anext(it, None), timeout=self.idle_seconds)
+        except TimeoutError:
+            raise IdleError(f"{what}: nothing arrived for {self.idle_seconds:g} s; the upload was cut (what arrived is kept for a resume)") from None
+
+    def offset(self, lease: LiveLease, claim: Claim) -> tuple[int, bool]:
+        if self.store.recorded(lease.attempt_id, claim) is not None:
+            return claim.size_bytes, True
+        return self.staging.offset(lease.attempt_id, claim), False
+
+    def admit(self, lease: LiveLease, claim: Claim, offset: int) -> Path:
+        """Check an upload before a byte is stored; returns its staging path (now busy)."""
+        if offset > claim.size_bytes:
+            raise InvalidRequestError(f"artifact `{claim.name}`: `offset` {offset} is past `size_bytes` {claim.size_bytes}")
+        if claim.kind == "checkpoint" and claim.size_bytes > MAX_MANIFEST_BYTES:
+            raise InvalidRequestError(f"checkpoint `{claim.name}` is {claim.size_bytes} bytes; a checkpoint manifest is at most {MAX_MANIFEST_BYTES}")
+        self.store.check_name_free(lease.attempt_id, claim.name)
+        path = self.staging.path(lease.attempt_id, claim)
+        inflight = self._inflight.setdefault(lease.attempt_id, {})
+        if path in inflight:
+            raise PolicyError(f"artifact `{claim.name}`: another upload of it is in progress\nhint: wait for it to end, then resume from UploadOffset")
+        if len(inflight) >= MAX_UPLOADS_PER_ATTEMPT:
+            raise QuotaError(f"artifact `{claim.name}`: this attempt already has {len(inflight)} uploads in progress; at most {MAX_UPLOADS_PER_ATTEMPT} at once")
+        self.store.check_quota(lease, claim, pending_bytes=sum(inflight.values()), pending_records=len(inflight))
+        inflight[path] = claim.size_bytes
+        return path
+
+    def release(self, lease: LiveLease, path: Path) -> None:
+        inflight = self._inflight.get(lease.attempt_id, {})
+        inflight.pop(path, None)
+        if not inflight:
+            self._inflight.pop(lease.attempt_id, None)
+
+    async def receive(self, lease: LiveLease, claim: Claim, offset: int, chunks: AsyncIterator[bytes]) -> None:
+        """Stage `chunks` from `offset`; refuse a byte past the declared size; verify sha256 when complete."""
+        f, hasher = await asyncio.to_thread(self.staging.open, lease.attempt_id, claim, offset)
+        received = offset
+        try:
+            async for chunk in chunks:
+                if len(chunk) > CHUNK_BYTES:
+                    raise InvalidRequestError(f"artifact `{claim.name}`: a chunk of {len(chunk)} bytes; at most {CHUNK_BYTES} per message")
+                if received + len(chunk) > claim.size_bytes:
+                    await asyncio.to_thread(Staging.close, f, sync=False)
+                    f = None
+                    await asyncio.to_thread(self.staging.discard, lease.attempt_id, claim)
+                    raise InvalidRequestError(
+                        f"artifact `{claim.name}`: more bytes arrived than the declared `size_bytes` {claim.size_bytes}; the upload was discarded"
+                    )
+                if chunk:
+                    await asyncio.to_thread(Staging.write, f, hasher, chunk)
+                    received += len(chunk)
+        finally:
+            if f is not None:
+                await asyncio.to_thread(Staging.close, f, sync=received == claim.size_bytes)
+        if received < claim.size_bytes:
+            raise PolicyError(
+                f"artifact `{claim.name}`: the stream ended after {received} of {claim.size_bytes} bytes\nhint: resume from offset {received}"
+            )
+        digest = hasher.hexdigest() if hasher is not None else await asyncio.to_thread(self.staging.digest, lease.attempt_id, claim)
+        if digest != claim.sha256:
+            await asyncio.to_thread(self.staging.discard, lease.attempt_id, claim)
+            raise InvalidRequestError(
+                f"artifact `{claim.name}`: the uploaded bytes have sha256 `{digest}`, the header claims `{claim.sha256}`; the upload was discarded"
+            )
+
+    async def commit(self, pid: str, lease_id: str, lease: LiveLease, claim: Claim) -> ArtifactRecord:
+        """Store a verified staged upload as a blob and record it; the staged copy goes."""
+        path = self.staging.path(lease.attempt_id, claim)
+        if claim.kind == "checkpoint":
+            files = parse_checkpoint_manifest(claim.name, await asyncio.to_thread(path.read_bytes))
+            missing = self.store.missing_checkpoint_file(lease.attempt_id, claim.name, files)
+            if missing is not None:
+                raise PolicyError(
+                    f"checkpoint `{claim.name}` lists `{missing}`, which this attempt has not uploaded with that sha256 and size\n"
+                    "hint: upload every file a checkpoint manifest lists (kind `checkpoint_file`) before the manifest"
+                )
+        async with self._blob_lock(claim.sha256):
+            await asyncio.to_thread(self.blobs.put, path, claim.sha256, claim.size_bytes)
+            # The lease may have ended while the bytes were stored: check again.
+            lease = self.store.live_lease(pid, lease_id)
+            record = self.store.record(lease, claim)
+        await asyncio.to_thread(self.staging.discard, lease.attempt_id, claim)
+        return record
+
+    async def upload(self, pid: str, lease_id: str, claim: Claim, offset: int, chunks: AsyncIterator[bytes]) -> ArtifactRecord:
+        lease = self.store.live_lease(pid, lease_id)
+        existing = self.store.recorded(lease.attempt_id, claim)
+        if existing is not None:
+            return existing
+        path = self.admit(lease, claim, offset)
+        try:
+            await self.receive(lease, claim, offset, chunks)
+            return await self.commit(pid, lease_id, lease, claim)
+        finally:
+            self.release(lease, path)
+
+    async def stream(self, record: ArtifactRecord, offset: int):
+        """DownloadArtifact's messages: the record, then its blob from `offset` in chunks."""
+        check_uint(offset, "offset")
+        if offset > record.size_bytes:
+            raise InvalidRequestError(f"`offset` {offset} is past the end of `{record.name}` ({record.size_bytes} bytes)")
+        yield provider_pb2.DownloadArtifactResponse(artifact=artifact_pb(record))
+        chunks = self.blobs.read(record.sha256, offset, CHUNK_BYTES)
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield provider_pb2.DownloadArtifactResponse(chunk=chunk)
+
+    async def collect_garbage(self) -> int:
+        """Delete blobs no record refers to, and staged uploads of ended or idle attempts; returns blobs deleted."""
+        deleted = 0
+        for sha in self.store.take_garbage():
+            async with self._blob_lock(sha):
+                if self.store.referenced(sha):
+                    continue
+                await asyncio.to_thread(self.blobs.delete, sha)
+                deleted += 1
+        ended, self.store.ended_attempts = self.store.ended_attempts, set()
+        for attempt_id in ended:
+            if attempt_id not in self._inflight:
+                await asyncio.to_thread(self.staging.drop_attempt, attempt_id)
+        busy = {p for paths in self._inflight.values() for p in paths}
+        await asyncio.to_thread(self.staging.sweep, max(self.idle_seconds * 2, 60.0), self.store.live_attempt_ids(), busy)
+        return deleted
+
+
 class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
-    def __init__(self, store: Store, artifacts: ArtifactStore, work: WorkSignal, *, max_wait: float, retry_after: int):
+    def __init__(self, store: Store, artifacts: Artifacts, work: WorkSignal, *, max_wait: float, retry_after: int):
         self.store = store
         self.artifacts = artifacts
         self.work = work
         self.max_wait = max_wait
         self.retry_after = retry_after
-        self._artifact_lock = asyncio.Lock()
 
     @staticmethod
     def _provider_id() -> str:
@@ -125,6 +296,9 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
         features = check_features(caps.features, "capabilities.features")
         if len(request.name) > 200:
             raise InvalidRequestError("`name` is longer than 200 characters")
+        if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in request.name):
+            # It would reach the admin's terminal raw through `providers list`.
+            raise InvalidRequestError("`name` contains a control character")
         self.store.register(
             pid,
             Registration(
@@ -208,35 +382,52 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
             yield provider_pb2.HeartbeatResponse(directive=_DIRECTIVES[directive], lease_expires_unix=int(expires))
 
     async def ReportArtifact(self, request, context):
+        # A one-message upload: the same checks, staging and commit as UploadArtifact.
+        pid = self._provider_id()
+        claim = Claim.of(request.artifact)
+
+        async def one():
+            view = memoryview(request.content)
+            for i in range(0, len(view), CHUNK_BYTES):
+                yield bytes(view[i : i + CHUNK_BYTES])
+
+        record = await self.artifacts.upload(pid, request.lease_id, claim, 0, one())
+        return provider_pb2.ReportArtifactResponse(artifact=artifact_pb(record))
+
+    async def UploadArtifact(self, request_iterator, context):
+        pid = self._provider_id()
+        it = aiter(request_iterator)
+        first = await self.artifacts._next(it, "UploadArtifact")
+        if first is None or first.WhichOneof("msg") != "header":
+            raise InvalidRequestError("UploadArtifact: the first message must be a `header`")
+        h = first.header
+        claim = Claim.of(h.artifact)
+        offset = check_uint(h.offset, "header.offset")
+
+        async def chunks():
+            while (msg := await self.artifacts._next(it, f"UploadArtifact `{claim.name}`")) is not None:
+                if msg.WhichOneof("msg") != "chunk":
+                    raise InvalidRequestError(f"UploadArtifact `{claim.name}`: after the header only `chunk` messages may follow")
+                yield msg.chunk
+
+        record = await self.artifacts.upload(pid, h.lease_id, claim, offset, chunks())
+        return provider_pb2.UploadArtifactResponse(artifact=artifact_pb(record))
+
+    async def UploadOffset(self, request, context):
         pid = self._provider_id()
         lease = self.store.live_lease(pid, request.lease_id)
-        a = request.artifact
-        name = check_name(a.name)
-        kind = check_kind(a.kind)
-        sha = check_sha256(a.sha256)
-        if request.content and a.uri:
-            raise InvalidRequestError(f"artifact `{name}`: send either `content` or `artifact.uri`, not both")
-        if not a.uri:
-            # Verified before the idempotency check too: a repeat report with
-            # the right hash but other bytes is refused, not silently accepted.
-            await asyncio.to_thread(self.artifacts.check_content, name, request.content, sha, a.size_bytes)
-        # One artifact write at a time: the check-then-write-then-record
-        # sequence must not interleave for the same name.
-        async with self._artifact_lock:
-            existing = self.store.existing_artifact(lease.job_id, name, sha)
-            if existing is not None:
-                self.store.live_lease(pid, request.lease_id)
-                return provider_pb2.ReportArtifactResponse(artifact=artifact_pb(existing))
-            if a.uri:
-                uri = await asyncio.to_thread(self.artifacts.verify_uri, name, a.uri, sha, a.size_bytes)
-            else:
-                uri = await asyncio.to_thread(
-                    self.artifacts.store_inline, lease.run_id, lease.job_id, name, request.content, sha, a.size_bytes
-                )
-            record = ArtifactRecord(name=name, kind=kind, sha256=sha, size_bytes=a.size_bytes, uri=uri, step=a.step)
-            # Re-checks the lease: it may have expired while the bytes were written.
-            record = self.store.record_artifact(pid, request.lease_id, record)
-        return provider_pb2.ReportArtifactResponse(artifact=artifact_pb(record))
+        claim = Claim.of(request.artifact)
+        offset, committed = self.artifacts.offset(lease, claim)
+        return provider_pb2.UploadOffsetResponse(offset=offset, committed=committed)
+
+    async def DownloadArtifact(self, request, context):
+        pid = self._provider_id()
+        lease = self.store.live_lease(pid, request.lease_id)
+        name = check_name(request.name)
+        sha = check_sha256(request.sha256, "sha256")
+        record = self.store.find_record(lease.job_id, name, sha)
+        async for msg in self.artifacts.stream(record, request.offset):
+            yield msg
 
     async def FinishAttempt(self, request, context):
         pid = self._provider_id()
@@ -248,8 +439,9 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
 
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, artifacts: Artifacts):
         self.store = store
+        self.artifacts = artifacts
 
     async def CreateRun(self, request, context):
         s = request.spec
@@ -266,15 +458,41 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.CreateRunResponse(run=run_pb(self.store.create_run(spec)))
 
     async def ListRuns(self, request, context):
-        return admin_pb2.ListRunsResponse(runs=[run_pb(r) for r in self.store.list_runs()])
+        runs, token = self.store.list_runs(request.page_size, request.page_token)
+        return admin_pb2.ListRunsResponse(runs=[run_pb(r) for r in runs], next_page_token=token)
 
     async def GetRun(self, request, context):
         run = self.store.get_run(request.run_id)
-        jobs = [
-            admin_pb2.JobInfo(job_id=j.job_id, state=j.state, attempts=j.attempts, artifacts=[artifact_pb(a) for a in j.artifacts])
-            for j in self.store.run_jobs(request.run_id)
-        ]
-        return admin_pb2.GetRunResponse(run=run_pb(run), jobs=jobs)
+        jobs, token = self.store.run_jobs(request.run_id, request.page_size, request.page_token)
+        return admin_pb2.GetRunResponse(
+            run=run_pb(run),
+            jobs=[
+                admin_pb2.JobInfo(job_id=j.job_id, state=j.state, attempts=j.attempts, artifact_count=j.artifact_count, export=artifact_pb(j.export))
+                for j in jobs
+            ],
+            next_page_token=token,
+        )
+
+    async def ListArtifacts(self, request, context):
+        job_id = self.store.job_of(request.run_id, request.job_id)
+        rows, token = self.store.list_artifacts(job_id, all_attempts=request.all_attempts, page_size=request.page_size, page_token=request.page_token)
+        return admin_pb2.ListArtifactsResponse(
+            artifacts=[
+                admin_pb2.ArtifactInfo(
+                    job_id=r.job_id, attempt=r.attempt, attempt_state=r.attempt_state, artifact=artifact_pb(r.record), created_unix=int(r.created_unix)
+                )
+                for r in rows
+            ],
+            next_page_token=token,
+        )
+
+    async def DownloadArtifact(self, request, context):
+        job_id = self.store.job_of(request.run_id, request.job_id)
+        name = check_name(request.name)
+        sha = check_sha256(request.sha256, "sha256") if request.sha256 else ""
+        record = self.store.find_record(job_id, name, sha)
+        async for msg in self.artifacts.stream(record, request.offset):
+            yield msg
 
     async def ApproveVersion(self, request, context):
         return admin_pb2.ApproveVersionResponse(run=run_pb(self.store.approve_version(request.run_id, request.version)))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import sqlite3
+
 import grpc
 
 from ..errors import (
@@ -10,12 +13,15 @@ from ..errors import (
     ConflictError,
     DataError,
     DflashError,
+    IdleError,
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
     PolicyError,
+    QuotaError,
     RateLimitedError,
     StaleLeaseError,
+    StorageError,
 )
 
 # First match wins; order subclasses before their bases.
@@ -23,6 +29,9 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (RateLimitedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (QuotaError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StorageError, grpc.StatusCode.UNAVAILABLE),
+    (IdleError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (DataError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -35,8 +44,19 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
+def storage_failure(exc: BaseException) -> bool:
+    """Whether `exc` is the coordinator's own storage failing (a full disk, an I/O error), not a bug."""
+    if isinstance(exc, sqlite3.OperationalError):
+        text = str(exc).lower()
+        return "full" in text or "disk i/o" in text or "readonly" in text or "unable to open" in text
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """gRPC status code for an exception (INTERNAL for anything unexpected)."""
+    if storage_failure(exc):
+        # Retryable: the caller keeps its work and tries again once space is freed.
+        return grpc.StatusCode.UNAVAILABLE
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return code

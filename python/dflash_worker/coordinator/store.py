@@ -34,8 +34,19 @@ with its token is refused before it gets that far). A provider's
 ``identity`` is the name it was created with (an mTLS client certificate's CN
 must equal it); ``name`` is what it last registered as.
 
+Artifacts: ``records`` maps (attempt, name) to a blob's sha256; the bytes
+live in the blob store (`blobs`), each blob once. Records belong to the
+attempt that uploaded them, so a failed or retried attempt's records never
+shadow another's: a job's final artifacts are its SUCCEEDED attempt's, and
+its resume checkpoint is the newest checkpoint any attempt committed. Quotas
+(`Quotas`) bound each attempt's and each run's records and bytes. Only the
+newest `keep_checkpoints` checkpoints of a job are kept; older ones lose
+their records first and their blobs after (`take_garbage`), so no record
+points at deleted bytes.
+
 Schema migrations: ``meta.schema_version`` names the layout; an older database
 is upgraded in place, in one transaction, when it is opened (`_MIGRATIONS`).
+At open the database also passes SQLite's ``quick_check`` or is refused.
 """
 
 from __future__ import annotations
@@ -59,10 +70,11 @@ from ..errors import (
     NotFoundError,
     PermissionDeniedError,
     PolicyError,
+    QuotaError,
     StaleLeaseError,
 )
 from ..strict_json import no_duplicate_keys
-from .artifacts import ArtifactRecord
+from .artifacts import ArtifactRecord, Claim, artifact_uri, checkpoint_dir, name_conflict
 from .policy import (
     CHECKPOINT_POLICIES,
     ProviderProfile,
@@ -74,7 +86,7 @@ from .policy import (
     local_ranks,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_JOBS_PER_RUN = 10_000
 MAX_SPEC_JSON_BYTES = 1 << 20
 FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
@@ -159,19 +171,23 @@ CREATE TABLE IF NOT EXISTS attempts (
   last_heartbeat_unix REAL
 );
 CREATE INDEX IF NOT EXISTS attempts_live ON attempts(state, lease_expires_unix);
-CREATE TABLE IF NOT EXISTS artifacts (
+CREATE TABLE IF NOT EXISTS records (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
   job_id TEXT NOT NULL REFERENCES jobs(job_id),
+  attempt_id TEXT NOT NULL REFERENCES attempts(attempt_id),
+  attempt INTEGER NOT NULL,
   name TEXT NOT NULL,
   kind TEXT NOT NULL,
   sha256 TEXT NOT NULL,
   size_bytes INTEGER NOT NULL,
-  uri TEXT NOT NULL,
   step INTEGER NOT NULL,
-  attempt_id TEXT NOT NULL,
   created_unix REAL NOT NULL,
-  seq INTEGER NOT NULL,
-  PRIMARY KEY (job_id, name)
+  UNIQUE (attempt_id, name)
 );
+CREATE INDEX IF NOT EXISTS records_by_job ON records(job_id, kind, step);
+CREATE INDEX IF NOT EXISTS records_by_sha ON records(sha256);
+CREATE INDEX IF NOT EXISTS records_by_run ON records(run_id);
 """
 
 
@@ -185,12 +201,41 @@ def _migrate_1_to_2(db: sqlite3.Connection) -> None:
     db.execute("UPDATE providers SET identity=name")
 
 
+def _migrate_2_to_3(db: sqlite3.Connection) -> None:
+    # Version 2 recorded artifacts per (job, name) as `file://` URIs (inline uploads
+    # under the coordinator's artifact directory, other files wherever a provider
+    # said). Those bytes were never in a blob store, so they are not served: the
+    # table is kept, renamed, for the record. `records` is created by _SCHEMA.
+    if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='artifacts'").fetchone():
+        db.execute("ALTER TABLE artifacts RENAME TO artifacts_v2")
+
+
 # version -> the step that upgrades a database of that version to the next one.
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2}
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
 
 UNKNOWN_TOKEN = "unknown bearer token\nhint: ask the coordinator's admin for a provider token"
 REVOKED_TOKEN = "this provider's token was revoked\nhint: ask the coordinator's admin for a new provider token"
 GRACE_ENDED = "this token was replaced by `providers rotate` and its grace period has ended\nhint: use the provider's new token"
+
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1_000
+_REC_COLS = "name, kind, sha256, size_bytes, step, run_id, job_id, attempt"
+
+
+def page(page_size: int, page_token: str) -> tuple[int, int]:
+    """`(size, after_seq)` of a page request; INVALID_ARGUMENT on a token this server did not hand out."""
+    size = DEFAULT_PAGE_SIZE if page_size == 0 else min(page_size, MAX_PAGE_SIZE)
+    if not page_token:
+        return size, 0
+    if len(page_token) > 24 or not page_token.startswith("s") or not page_token[1:].isdigit():
+        raise InvalidRequestError(f"`page_token` `{page_token[:40]}` is not one this coordinator handed out")
+    return size, int(page_token[1:])
+
+
+def next_token(rows: list, size: int) -> str:
+    """The next page's token when `rows` (fetched with LIMIT size+1, `seq` first) has more."""
+    return f"s{rows[size - 1][0]}" if len(rows) > size else ""
 
 
 def hash_token(token: str) -> str:
@@ -258,6 +303,15 @@ class RunSpecData:
         if not 1 <= self.num_jobs <= MAX_JOBS_PER_RUN:
             raise InvalidRequestError(f"`spec.num_jobs` must be 1-{MAX_JOBS_PER_RUN}, got {self.num_jobs}")
 
+    @classmethod
+    def stored(cls, **fields) -> RunSpecData:
+        """A spec read back from the database: checked when it was created, not parsed again
+        (re-parsing a 1 MiB `spec_json` per queued run on every AcquireLease stalled the loop)."""
+        self = object.__new__(cls)
+        for k, v in fields.items():
+            object.__setattr__(self, k, v)
+        return self
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunRow:
@@ -283,7 +337,35 @@ class JobRow:
     run_id: str
     state: str
     attempts: int
-    artifacts: tuple[ArtifactRecord, ...]
+    # The SUCCEEDED attempt's records: how many, and its export model (if any).
+    artifact_count: int = 0
+    export: ArtifactRecord | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quotas:
+    """Artifact limits: records and bytes per attempt and per run (all attempts of all its jobs)."""
+
+    attempt_records: int = 2_000
+    attempt_bytes: int = 64 << 30
+    run_records: int = 20_000
+    run_bytes: int = 512 << 30
+
+    def __post_init__(self):
+        for k in ("attempt_records", "attempt_bytes", "run_records", "run_bytes"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"artifact quota `{k}` must be at least 1, got {getattr(self, k)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredArtifact:
+    """A record with where it came from (for listings and downloads)."""
+
+    job_id: str
+    attempt: int
+    attempt_state: str
+    record: ArtifactRecord
+    created_unix: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,6 +465,8 @@ class Store:
         max_attempts: int = 5,
         clock: Callable[[], float] = time.time,
         on_work: Callable[[], None] | None = None,
+        quotas: Quotas | None = None,
+        keep_checkpoints: int = 2,
     ):
         if lease_ttl <= 0:
             raise ConfigError(f"`--lease-ttl` must be positive, got {lease_ttl}")
@@ -393,6 +477,15 @@ class Store:
         self.max_attempts = int(max_attempts)
         self.clock = clock
         self.on_work = on_work or (lambda: None)
+        self.quotas = quotas or Quotas()
+        if keep_checkpoints < 1:
+            raise ConfigError(f"`--keep-checkpoints` must be at least 1, got {keep_checkpoints}")
+        self.keep_checkpoints = int(keep_checkpoints)
+        # Blobs whose last record went away (checkpoint rotation, ended attempts): the
+        # server deletes them from the blob store unless a record refers to them again.
+        self.garbage: set[str] = set()
+        # Attempts that ended since the server last looked (their staged uploads go).
+        self.ended_attempts: set[str] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(str(self.path), isolation_level=None)
@@ -400,12 +493,25 @@ class Store:
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.execute("PRAGMA foreign_keys=ON")
             self.db.execute("PRAGMA busy_timeout=5000")
+            problems = [r[0] for r in self.db.execute("PRAGMA quick_check(5)")]
+            if problems != ["ok"]:
+                raise ConfigError(
+                    f"coordinator database `{self.path}` is damaged (SQLite quick_check: {'; '.join(problems)[:400]})\n"
+                    "hint: restore it from a backup; the coordinator will not run on a damaged database"
+                )
             self.db.executescript(_SCHEMA)
             row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 self.db.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             else:
-                self._migrate(int(row[0]))
+                try:
+                    version = int(str(row[0]).strip())
+                except ValueError:
+                    raise ConfigError(
+                        f"coordinator database `{self.path}` has a malformed schema version `{str(row[0])[:40]}`\n"
+                        "hint: this is not a database this coordinator wrote, or it was edited by hand"
+                    ) from None
+                self._migrate(version)
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"cannot open coordinator database `{self.path}`: {exc}") from None
         self._tokens: dict[str, _Token] = {}
@@ -533,7 +639,7 @@ class Store:
         run_id = r[0]
         approved = tuple(v for (v,) in self.db.execute("SELECT version FROM approved_versions WHERE run_id=? ORDER BY approved_unix, version", (run_id,)))
         states = dict(self.db.execute("SELECT state, COUNT(*) FROM jobs WHERE run_id=? GROUP BY state", (run_id,)).fetchall()) if count_states else {}
-        spec = RunSpecData(
+        spec = RunSpecData.stored(
             name=r[1],
             spec_json=r[2],
             required_client_version=r[3],
@@ -548,9 +654,13 @@ class Store:
     _RUN_COLS = "run_id, name, spec_json, required_client_version, checkpoint_policy, max_local_ranks, required_features, image, num_jobs, created_unix"
 
     def _run_for_lease(self, run_id: str) -> RunRow:
-        # Like get_run without counting job states (O(jobs) per AcquireLease otherwise).
-        r = self.db.execute(f"SELECT {self._RUN_COLS} FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        # Like get_run without counting job states (O(jobs) per AcquireLease otherwise) and
+        # without `spec_json` (up to 1 MiB per run; read only for the run a lease is granted in).
+        r = self.db.execute(f"SELECT {self._RUN_COLS.replace('spec_json', chr(39) * 2)} FROM runs WHERE run_id=?", (run_id,)).fetchone()
         return self._run_from_row(r, count_states=False)
+
+    def _spec_json(self, run_id: str) -> str:
+        return self.db.execute("SELECT spec_json FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
 
     def get_run(self, run_id: str) -> RunRow:
         r = self.db.execute(f"SELECT {self._RUN_COLS} FROM runs WHERE run_id=?", (run_id,)).fetchone()
@@ -558,15 +668,32 @@ class Store:
             raise NotFoundError(f"no run `{run_id}`\nhint: `dflash-coordinator runs list` shows the runs")
         return self._run_from_row(r)
 
-    def list_runs(self) -> list[RunRow]:
-        return [self._run_from_row(r) for r in self.db.execute(f"SELECT {self._RUN_COLS} FROM runs ORDER BY seq").fetchall()]
+    def list_runs(self, page_size: int = 0, page_token: str = "") -> tuple[list[RunRow], str]:
+        """One page of runs (oldest first) and the token of the next page ("" on the last)."""
+        size, after = page(page_size, page_token)
+        rows = self.db.execute(f"SELECT seq, {self._RUN_COLS} FROM runs WHERE seq > ? ORDER BY seq LIMIT ?", (after, size + 1)).fetchall()
+        return [self._run_from_row(r[1:]) for r in rows[:size]], next_token(rows, size)
 
-    def run_jobs(self, run_id: str) -> list[JobRow]:
+    def run_jobs(self, run_id: str, page_size: int = 0, page_token: str = "") -> tuple[list[JobRow], str]:
+        """One page of a run's jobs, each with its final artifacts' count and export, and the next page's token."""
         self.get_run(run_id)
+        size, after = page(page_size, page_token)
+        rows = self.db.execute(
+            "SELECT seq, job_id, state, attempts FROM jobs WHERE run_id=? AND seq > ? ORDER BY seq LIMIT ?", (run_id, after, size + 1)
+        ).fetchall()
         out = []
-        for job_id, state, attempts in self.db.execute("SELECT job_id, state, attempts FROM jobs WHERE run_id=? ORDER BY seq", (run_id,)).fetchall():
-            out.append(JobRow(job_id=job_id, run_id=run_id, state=state, attempts=attempts, artifacts=tuple(self.job_artifacts(job_id))))
-        return out
+        for _, job_id, state, attempts in rows[:size]:
+            final = self._succeeded_attempt(job_id)
+            count, export = 0, None
+            if final is not None:
+                count = self.db.execute("SELECT COUNT(*) FROM records WHERE attempt_id=?", (final[0],)).fetchone()[0]
+                r = self.db.execute(
+                    f"SELECT {_REC_COLS} FROM records WHERE attempt_id=? AND kind='export' ORDER BY (name LIKE '%model.safetensors') DESC, seq LIMIT 1",
+                    (final[0],),
+                ).fetchone()
+                export = None if r is None else self._record(r)
+            out.append(JobRow(job_id=job_id, run_id=run_id, state=state, attempts=attempts, artifact_count=count, export=export))
+        return out, next_token(rows, size)
 
     def approve_version(self, run_id: str, version: str) -> RunRow:
         check_version(version, "version")
@@ -760,7 +887,7 @@ class Store:
                 run_id=run_id,
                 job_id=job_id,
                 attempt=attempts + 1,
-                spec_json=run.spec.spec_json,
+                spec_json=self._spec_json(run_id),
                 ttl_seconds=self.lease_ttl,
                 resume_checkpoint=self.last_checkpoint(job_id),
                 checkpoint_policy=run.spec.checkpoint_policy,
@@ -772,12 +899,11 @@ class Store:
         return upgrade
 
     def last_checkpoint(self, job_id: str) -> ArtifactRecord | None:
-        """The job's newest committed checkpoint (highest step, then latest reported)."""
+        """The job's newest committed checkpoint, by any attempt (highest step, then latest recorded)."""
         r = self.db.execute(
-            "SELECT name, kind, sha256, size_bytes, uri, step FROM artifacts WHERE job_id=? AND kind='checkpoint' ORDER BY step DESC, seq DESC LIMIT 1",
-            (job_id,),
+            f"SELECT {_REC_COLS} FROM records WHERE job_id=? AND kind='checkpoint' ORDER BY step DESC, seq DESC LIMIT 1", (job_id,)
         ).fetchone()
-        return None if r is None else ArtifactRecord(name=r[0], kind=r[1], sha256=r[2], size_bytes=r[3], uri=r[4], step=r[5])
+        return None if r is None else self._record(r)
 
     def _end_attempt(self, db, attempt_id: str, job_id: str, attempt_state: str, message: str, now: float) -> str:
         """Close an attempt and move its job on; returns the job's new state."""
@@ -793,6 +919,8 @@ class Store:
         else:
             job_state = "queued"
         db.execute("UPDATE attempts SET state=?, ended_unix=?, message=? WHERE attempt_id=?", (attempt_state, now, message[:4000], attempt_id))
+        self._drop_loose_checkpoint_files(db, attempt_id)
+        self.ended_attempts.add(attempt_id)
         db.execute(
             "UPDATE jobs SET state=?, current_attempt_id=NULL, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
             (job_state, now, job_id),
@@ -881,37 +1009,191 @@ class Store:
 
     # --- artifacts ------------------------------------------------------
 
-    def job_artifacts(self, job_id: str) -> list[ArtifactRecord]:
-        return [
-            ArtifactRecord(name=r[0], kind=r[1], sha256=r[2], size_bytes=r[3], uri=r[4], step=r[5])
-            for r in self.db.execute("SELECT name, kind, sha256, size_bytes, uri, step FROM artifacts WHERE job_id=? ORDER BY seq", (job_id,))
-        ]
+    @staticmethod
+    def _record(r) -> ArtifactRecord:
+        name, kind, sha, size, step, run_id, job_id, attempt = r
+        return ArtifactRecord(name=name, kind=kind, sha256=sha, size_bytes=size, uri=artifact_uri(run_id, job_id, attempt, name), step=step)
 
-    def existing_artifact(self, job_id: str, name: str, sha256: str) -> ArtifactRecord | None:
-        """The recorded artifact `name` if its sha256 matches; ALREADY_EXISTS if it differs; None if absent."""
-        r = self.db.execute("SELECT name, kind, sha256, size_bytes, uri, step FROM artifacts WHERE job_id=? AND name=?", (job_id, name)).fetchone()
+    def recorded(self, attempt_id: str, claim: Claim) -> ArtifactRecord | None:
+        """This attempt's record of `claim.name` if it has the same sha256; ALREADY_EXISTS if it differs; None if absent."""
+        r = self.db.execute(f"SELECT {_REC_COLS} FROM records WHERE attempt_id=? AND name=?", (attempt_id, claim.name)).fetchone()
         if r is None:
             return None
-        if r[2] != sha256:
+        if r[2] != claim.sha256:
             raise ConflictError(
-                f"artifact `{name}` was already reported with sha256 `{r[2]}`; this report has `{sha256}`\n"
-                "hint: artifacts are immutable; report new bytes under a new name"
+                f"artifact `{claim.name}` was already uploaded by this attempt with sha256 `{r[2]}`; this upload has `{claim.sha256}`\n"
+                "hint: artifacts are immutable; upload new bytes under a new name"
             )
-        return ArtifactRecord(name=r[0], kind=r[1], sha256=r[2], size_bytes=r[3], uri=r[4], step=r[5])
+        return self._record(r)
 
-    def record_artifact(self, provider_id: str, lease_id: str, art: ArtifactRecord) -> ArtifactRecord:
-        """Record a verified artifact for the live lease's job (idempotent on name + sha256)."""
-        attempt_id, job_id, _, _, _ = self._live(provider_id, lease_id)
-        existing = self.existing_artifact(job_id, art.name, art.sha256)
+    def check_quota(self, lease: LiveLease, claim: Claim, *, pending_bytes: int = 0, pending_records: int = 0) -> None:
+        """RESOURCE_EXHAUSTED, naming the limit, if recording `claim` (plus uploads in flight) would pass a quota."""
+        q = self.quotas
+        for scope, column, key, max_records, max_bytes in (
+            ("attempt", "attempt_id", lease.attempt_id, q.attempt_records, q.attempt_bytes),
+            ("run", "run_id", lease.run_id, q.run_records, q.run_bytes),
+        ):
+            n, b = self.db.execute(f"SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM records WHERE {column}=?", (key,)).fetchone()
+            if n + pending_records + 1 > max_records:
+                raise QuotaError(
+                    f"artifact `{claim.name}`: this {scope} already has {n} artifact records (+{pending_records} uploading); "
+                    f"the {scope} quota is {max_records} records\nhint: the run admin sets it with `serve --quota-{scope}-records`"
+                )
+            if b + pending_bytes + claim.size_bytes > max_bytes:
+                raise QuotaError(
+                    f"artifact `{claim.name}` ({claim.size_bytes} bytes): this {scope} already stores {b} bytes (+{pending_bytes} uploading); "
+                    f"the {scope} quota is {max_bytes} bytes\nhint: the run admin sets it with `serve --quota-{scope}-bytes`"
+                )
+
+    def check_name_free(self, attempt_id: str, name: str) -> None:
+        """INVALID_ARGUMENT if `name` and one of this attempt's names cannot both be paths (`a` and `a/b`)."""
+        parts = name.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        r = self.db.execute(
+            f"SELECT name FROM records WHERE attempt_id=? AND (substr(name, 1, ?) = ? OR name IN ({','.join('?' * len(prefixes)) or 'NULL'})) LIMIT 1",
+            (attempt_id, len(name) + 1, name + "/", *prefixes),
+        ).fetchone()
+        if r is not None and name_conflict(name, r[0]):
+            raise InvalidRequestError(
+                f"artifact `{name}` and this attempt's artifact `{r[0]}` cannot both be files: one names the other's directory"
+            )
+
+    def missing_checkpoint_file(self, attempt_id: str, manifest_name: str, files: dict[str, tuple[str, int]]) -> str | None:
+        """The first file a checkpoint manifest lists that this attempt has not uploaded with that sha256 and size."""
+        base = checkpoint_dir(manifest_name)
+        for fname, (sha, size) in sorted(files.items()):
+            name = f"{base}/{fname}" if base else fname
+            r = self.db.execute("SELECT sha256, size_bytes FROM records WHERE attempt_id=? AND name=?", (attempt_id, name)).fetchone()
+            if r is None or tuple(r) != (sha, size):
+                return name
+        return None
+
+    def record(self, lease: LiveLease, claim: Claim) -> ArtifactRecord:
+        """Record an uploaded (verified, stored) blob for the lease's attempt; idempotent on name + sha256."""
+        existing = self.recorded(lease.attempt_id, claim)
         if existing is not None:
             return existing
+        self.check_name_free(lease.attempt_id, claim.name)
+        self.check_quota(lease, claim)
+        now = self.clock()
         with self._tx() as db:
-            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM artifacts").fetchone()[0]
+            number = db.execute("SELECT number FROM attempts WHERE attempt_id=?", (lease.attempt_id,)).fetchone()[0]
             db.execute(
-                "INSERT INTO artifacts(job_id, name, kind, sha256, size_bytes, uri, step, attempt_id, created_unix, seq) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (job_id, art.name, art.kind, art.sha256, art.size_bytes, art.uri, art.step, attempt_id, self.clock(), seq),
+                "INSERT INTO records(run_id, job_id, attempt_id, attempt, name, kind, sha256, size_bytes, step, created_unix)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (lease.run_id, lease.job_id, lease.attempt_id, number, claim.name, claim.kind, claim.sha256, claim.size_bytes, claim.step, now),
             )
-        return art
+            self.garbage.discard(claim.sha256)
+            if claim.kind == "checkpoint":
+                self._rotate_checkpoints(db, lease.job_id)
+        return ArtifactRecord(
+            name=claim.name,
+            kind=claim.kind,
+            sha256=claim.sha256,
+            size_bytes=claim.size_bytes,
+            uri=artifact_uri(lease.run_id, lease.job_id, number, claim.name),
+            step=claim.step,
+        )
+
+    def _forget(self, db, rows: list[tuple[int, str]]) -> None:
+        """Delete records by seq; their blobs become garbage unless another record keeps them."""
+        for seq, _ in rows:
+            db.execute("DELETE FROM records WHERE seq=?", (seq,))
+        for _, sha in rows:
+            if db.execute("SELECT 1 FROM records WHERE sha256=? LIMIT 1", (sha,)).fetchone() is None:
+                self.garbage.add(sha)
+
+    def _rotate_checkpoints(self, db, job_id: str) -> None:
+        """Keep the job's newest `keep_checkpoints` checkpoints; drop older manifests and the files they list."""
+        old = db.execute(
+            "SELECT seq, attempt_id, name FROM records WHERE job_id=? AND kind='checkpoint' ORDER BY step DESC, seq DESC LIMIT -1 OFFSET ?",
+            (job_id, self.keep_checkpoints),
+        ).fetchall()
+        for seq, attempt_id, name in old:
+            base = checkpoint_dir(name)
+            rows = db.execute(
+                "SELECT seq, sha256 FROM records WHERE attempt_id=? AND (seq=? OR (kind='checkpoint_file' AND substr(name, 1, ?) = ?))",
+                (attempt_id, seq, len(base) + 1, base + "/"),
+            ).fetchall()
+            self._forget(db, rows)
+
+    def _drop_loose_checkpoint_files(self, db, attempt_id: str) -> None:
+        """At an attempt's end: its checkpoint files that no committed manifest of it lists go."""
+        rows = db.execute(
+            "SELECT f.seq, f.sha256 FROM records f WHERE f.attempt_id=? AND f.kind='checkpoint_file' AND NOT EXISTS ("
+            " SELECT 1 FROM records m WHERE m.attempt_id=f.attempt_id AND m.kind='checkpoint'"
+            " AND substr(f.name, 1, length(m.name) - length('manifest.json')) = substr(m.name, 1, length(m.name) - length('manifest.json')))",
+            (attempt_id,),
+        ).fetchall()
+        self._forget(db, rows)
+
+    def referenced(self, sha256: str) -> bool:
+        return self.db.execute("SELECT 1 FROM records WHERE sha256=? LIMIT 1", (sha256,)).fetchone() is not None
+
+    def take_garbage(self) -> list[str]:
+        """Blobs no record refers to now (the caller deletes them); the set is emptied."""
+        out = [sha for sha in self.garbage if not self.referenced(sha)]
+        self.garbage.clear()
+        return out
+
+    def live_attempt_ids(self) -> set[str]:
+        return {a for (a,) in self.db.execute("SELECT attempt_id FROM attempts WHERE state='live'")}
+
+    def _succeeded_attempt(self, job_id: str) -> tuple[str, int] | None:
+        r = self.db.execute("SELECT attempt_id, number FROM attempts WHERE job_id=? AND state='succeeded' ORDER BY number DESC LIMIT 1", (job_id,)).fetchone()
+        return None if r is None else (r[0], r[1])
+
+    def job_of(self, run_id: str, job_id: str) -> str:
+        """The job an admin names: `job_id` in `run_id`, or the run's only job when `job_id` is empty."""
+        self.get_run(run_id)
+        if job_id:
+            if self.db.execute("SELECT 1 FROM jobs WHERE job_id=? AND run_id=?", (job_id, run_id)).fetchone() is None:
+                raise NotFoundError(f"run `{run_id}` has no job `{job_id[:80]}`\nhint: `dflash-coordinator runs show {run_id}` lists its jobs")
+            return job_id
+        jobs = [j for (j,) in self.db.execute("SELECT job_id FROM jobs WHERE run_id=? ORDER BY seq LIMIT 2", (run_id,))]
+        if len(jobs) != 1:
+            raise InvalidRequestError(f"run `{run_id}` has several jobs; name one with `--job`\nhint: `dflash-coordinator runs show {run_id}` lists them")
+        return jobs[0]
+
+    def list_artifacts(self, job_id: str, *, all_attempts: bool, page_size: int = 0, page_token: str = "") -> tuple[list[StoredArtifact], str]:
+        """A job's final artifacts (its SUCCEEDED attempt's) or every attempt's (newest attempt first); one page."""
+        size, after = page(page_size, page_token)
+        where, params = "r.job_id=?", [job_id]
+        if not all_attempts:
+            final = self._succeeded_attempt(job_id)
+            if final is None:
+                return [], ""
+            where, params = "r.attempt_id=?", [final[0]]
+        # Paged by seq; newest attempt first means ordering by (attempt DESC, seq), so the token holds a rank.
+        rows = self.db.execute(
+            f"SELECT r.seq, {', '.join('r.' + c.strip() for c in _REC_COLS.split(','))}, a.state, r.created_unix FROM records r"
+            f" JOIN attempts a ON a.attempt_id=r.attempt_id WHERE {where} ORDER BY r.attempt DESC, r.seq LIMIT ? OFFSET ?",
+            (*params, size + 1, after),
+        ).fetchall()
+        out = [StoredArtifact(job_id=job_id, attempt=r[8], attempt_state=r[9], record=self._record(r[1:9]), created_unix=r[10]) for r in rows[:size]]
+        return out, (f"s{after + size}" if len(rows) > size else "")
+
+    def find_record(self, job_id: str, name: str, sha256: str = "", *, final_only: bool = False) -> ArtifactRecord:
+        """A job's record of `name` (with `sha256`, any attempt's; else the SUCCEEDED attempt's); NOT_FOUND otherwise.
+
+        The message is the same whether the name, the digest or the attempt is
+        what is missing, so a caller learns nothing about records it cannot fetch.
+        """
+        if sha256 and not final_only:
+            r = self.db.execute(
+                f"SELECT {_REC_COLS} FROM records WHERE job_id=? AND name=? AND sha256=? ORDER BY seq DESC LIMIT 1", (job_id, name, sha256)
+            ).fetchone()
+        else:
+            final = self._succeeded_attempt(job_id)
+            r = None
+            if final is not None:
+                r = self.db.execute(
+                    f"SELECT {_REC_COLS} FROM records WHERE attempt_id=? AND name=?" + (" AND sha256=?" if sha256 else ""),
+                    (final[0], name, *((sha256,) if sha256 else ())),
+                ).fetchone()
+        if r is None:
+            raise NotFoundError(f"job `{job_id}` has no artifact `{name[:200]}`" + (f" with sha256 `{sha256}`" if sha256 else " from a succeeded attempt"))
+        return self._record(r)
 
     # --- admin directives -----------------------------------------------
 

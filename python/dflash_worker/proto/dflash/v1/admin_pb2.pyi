@@ -61,40 +61,104 @@ class CreateRunResponse(_message.Message):
     def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
-    __slots__ = ("runs",)
+    __slots__ = ("runs", "next_page_token")
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     runs: _containers.RepeatedCompositeFieldContainer[Run]
-    def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetRunRequest(_message.Message):
-    __slots__ = ("run_id",)
+    __slots__ = ("run_id", "page_size", "page_token")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, run_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "state", "attempts", "artifacts")
+    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
-    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     attempts: int
-    artifacts: _containers.RepeatedCompositeFieldContainer[_provider_pb2.Artifact]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifacts: _Optional[_Iterable[_Union[_provider_pb2.Artifact, _Mapping]]] = ...) -> None: ...
+    artifact_count: int
+    export: _provider_pb2.Artifact
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ...) -> None: ...
 
 class GetRunResponse(_message.Message):
-    __slots__ = ("run", "jobs")
+    __slots__ = ("run", "jobs", "next_page_token")
     RUN_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     run: Run
     jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
-    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ListArtifactsRequest(_message.Message):
+    __slots__ = ("run_id", "job_id", "all_attempts", "page_size", "page_token")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ALL_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    job_id: str
+    all_attempts: bool
+    page_size: int
+    page_token: str
+    def __init__(self, run_id: _Optional[str] = ..., job_id: _Optional[str] = ..., all_attempts: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ArtifactInfo(_message.Message):
+    __slots__ = ("job_id", "attempt", "attempt_state", "artifact", "created_unix")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_STATE_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    attempt_state: str
+    artifact: _provider_pb2.Artifact
+    created_unix: int
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., attempt_state: _Optional[str] = ..., artifact: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ..., created_unix: _Optional[int] = ...) -> None: ...
+
+class ListArtifactsResponse(_message.Message):
+    __slots__ = ("artifacts", "next_page_token")
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    artifacts: _containers.RepeatedCompositeFieldContainer[ArtifactInfo]
+    next_page_token: str
+    def __init__(self, artifacts: _Optional[_Iterable[_Union[ArtifactInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class AdminDownloadRequest(_message.Message):
+    __slots__ = ("run_id", "job_id", "name", "sha256", "offset")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    job_id: str
+    name: str
+    sha256: str
+    offset: int
+    def __init__(self, run_id: _Optional[str] = ..., job_id: _Optional[str] = ..., name: _Optional[str] = ..., sha256: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ApproveVersionRequest(_message.Message):
     __slots__ = ("run_id", "version")

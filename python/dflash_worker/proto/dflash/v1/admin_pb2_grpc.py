@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from dflash_worker.proto.dflash.v1 import admin_pb2 as dflash_dot_v1_dot_admin__pb2
+from dflash_worker.proto.dflash.v1 import provider_pb2 as dflash_dot_v1_dot_provider__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -48,6 +49,16 @@ class AdminServiceStub:
                 '/dflash.v1.AdminService/GetRun',
                 request_serializer=dflash_dot_v1_dot_admin__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=dflash_dot_v1_dot_admin__pb2.GetRunResponse.FromString,
+                _registered_method=True)
+        self.ListArtifacts = channel.unary_unary(
+                '/dflash.v1.AdminService/ListArtifacts',
+                request_serializer=dflash_dot_v1_dot_admin__pb2.ListArtifactsRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_admin__pb2.ListArtifactsResponse.FromString,
+                _registered_method=True)
+        self.DownloadArtifact = channel.unary_stream(
+                '/dflash.v1.AdminService/DownloadArtifact',
+                request_serializer=dflash_dot_v1_dot_admin__pb2.AdminDownloadRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_provider__pb2.DownloadArtifactResponse.FromString,
                 _registered_method=True)
         self.ApproveVersion = channel.unary_unary(
                 '/dflash.v1.AdminService/ApproveVersion',
@@ -102,6 +113,18 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetRun(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListArtifacts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadArtifact(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -172,6 +195,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetRun,
                     request_deserializer=dflash_dot_v1_dot_admin__pb2.GetRunRequest.FromString,
                     response_serializer=dflash_dot_v1_dot_admin__pb2.GetRunResponse.SerializeToString,
+            ),
+            'ListArtifacts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListArtifacts,
+                    request_deserializer=dflash_dot_v1_dot_admin__pb2.ListArtifactsRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_admin__pb2.ListArtifactsResponse.SerializeToString,
+            ),
+            'DownloadArtifact': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadArtifact,
+                    request_deserializer=dflash_dot_v1_dot_admin__pb2.AdminDownloadRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_provider__pb2.DownloadArtifactResponse.SerializeToString,
             ),
             'ApproveVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.ApproveVersion,
@@ -290,6 +323,60 @@ class AdminService:
             '/dflash.v1.AdminService/GetRun',
             dflash_dot_v1_dot_admin__pb2.GetRunRequest.SerializeToString,
             dflash_dot_v1_dot_admin__pb2.GetRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListArtifacts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.AdminService/ListArtifacts',
+            dflash_dot_v1_dot_admin__pb2.ListArtifactsRequest.SerializeToString,
+            dflash_dot_v1_dot_admin__pb2.ListArtifactsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dflash.v1.AdminService/DownloadArtifact',
+            dflash_dot_v1_dot_admin__pb2.AdminDownloadRequest.SerializeToString,
+            dflash_dot_v1_dot_provider__pb2.DownloadArtifactResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -226,6 +226,66 @@ class ReportArtifactResponse(_message.Message):
     artifact: Artifact
     def __init__(self, artifact: _Optional[_Union[Artifact, _Mapping]] = ...) -> None: ...
 
+class UploadHeader(_message.Message):
+    __slots__ = ("lease_id", "artifact", "offset")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    artifact: Artifact
+    offset: int
+    def __init__(self, lease_id: _Optional[str] = ..., artifact: _Optional[_Union[Artifact, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class UploadArtifactRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UploadArtifactResponse(_message.Message):
+    __slots__ = ("artifact",)
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    artifact: Artifact
+    def __init__(self, artifact: _Optional[_Union[Artifact, _Mapping]] = ...) -> None: ...
+
+class UploadOffsetRequest(_message.Message):
+    __slots__ = ("lease_id", "artifact")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    artifact: Artifact
+    def __init__(self, lease_id: _Optional[str] = ..., artifact: _Optional[_Union[Artifact, _Mapping]] = ...) -> None: ...
+
+class UploadOffsetResponse(_message.Message):
+    __slots__ = ("offset", "committed")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    committed: bool
+    def __init__(self, offset: _Optional[int] = ..., committed: _Optional[bool] = ...) -> None: ...
+
+class DownloadArtifactRequest(_message.Message):
+    __slots__ = ("lease_id", "name", "sha256", "offset")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    name: str
+    sha256: str
+    offset: int
+    def __init__(self, lease_id: _Optional[str] = ..., name: _Optional[str] = ..., sha256: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class DownloadArtifactResponse(_message.Message):
+    __slots__ = ("artifact", "chunk")
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    artifact: Artifact
+    chunk: bytes
+    def __init__(self, artifact: _Optional[_Union[Artifact, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
 class FinishAttemptRequest(_message.Message):
     __slots__ = ("lease_id", "outcome", "message")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,21 @@ class ProviderServiceStub:
                 request_serializer=dflash_dot_v1_dot_provider__pb2.ReportArtifactRequest.SerializeToString,
                 response_deserializer=dflash_dot_v1_dot_provider__pb2.ReportArtifactResponse.FromString,
                 _registered_method=True)
+        self.UploadArtifact = channel.stream_unary(
+                '/dflash.v1.ProviderService/UploadArtifact',
+                request_serializer=dflash_dot_v1_dot_provider__pb2.UploadArtifactRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_provider__pb2.UploadArtifactResponse.FromString,
+                _registered_method=True)
+        self.UploadOffset = channel.unary_unary(
+                '/dflash.v1.ProviderService/UploadOffset',
+                request_serializer=dflash_dot_v1_dot_provider__pb2.UploadOffsetRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_provider__pb2.UploadOffsetResponse.FromString,
+                _registered_method=True)
+        self.DownloadArtifact = channel.unary_stream(
+                '/dflash.v1.ProviderService/DownloadArtifact',
+                request_serializer=dflash_dot_v1_dot_provider__pb2.DownloadArtifactRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_provider__pb2.DownloadArtifactResponse.FromString,
+                _registered_method=True)
         self.FinishAttempt = channel.unary_unary(
                 '/dflash.v1.ProviderService/FinishAttempt',
                 request_serializer=dflash_dot_v1_dot_provider__pb2.FinishAttemptRequest.SerializeToString,
@@ -89,6 +104,24 @@ class ProviderServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadArtifact(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadOffset(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadArtifact(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FinishAttempt(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -117,6 +150,21 @@ def add_ProviderServiceServicer_to_server(servicer, server):
                     servicer.ReportArtifact,
                     request_deserializer=dflash_dot_v1_dot_provider__pb2.ReportArtifactRequest.FromString,
                     response_serializer=dflash_dot_v1_dot_provider__pb2.ReportArtifactResponse.SerializeToString,
+            ),
+            'UploadArtifact': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadArtifact,
+                    request_deserializer=dflash_dot_v1_dot_provider__pb2.UploadArtifactRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_provider__pb2.UploadArtifactResponse.SerializeToString,
+            ),
+            'UploadOffset': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadOffset,
+                    request_deserializer=dflash_dot_v1_dot_provider__pb2.UploadOffsetRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_provider__pb2.UploadOffsetResponse.SerializeToString,
+            ),
+            'DownloadArtifact': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadArtifact,
+                    request_deserializer=dflash_dot_v1_dot_provider__pb2.DownloadArtifactRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_provider__pb2.DownloadArtifactResponse.SerializeToString,
             ),
             'FinishAttempt': grpc.unary_unary_rpc_method_handler(
                     servicer.FinishAttempt,
@@ -232,6 +280,87 @@ class ProviderService:
             '/dflash.v1.ProviderService/ReportArtifact',
             dflash_dot_v1_dot_provider__pb2.ReportArtifactRequest.SerializeToString,
             dflash_dot_v1_dot_provider__pb2.ReportArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadArtifact(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/dflash.v1.ProviderService/UploadArtifact',
+            dflash_dot_v1_dot_provider__pb2.UploadArtifactRequest.SerializeToString,
+            dflash_dot_v1_dot_provider__pb2.UploadArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadOffset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.ProviderService/UploadOffset',
+            dflash_dot_v1_dot_provider__pb2.UploadOffsetRequest.SerializeToString,
+            dflash_dot_v1_dot_provider__pb2.UploadOffsetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dflash.v1.ProviderService/DownloadArtifact',
+            dflash_dot_v1_dot_provider__pb2.DownloadArtifactRequest.SerializeToString,
+            dflash_dot_v1_dot_provider__pb2.DownloadArtifactResponse.FromString,
             options,
             channel_credentials,
             insecure,

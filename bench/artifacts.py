@@ -1,0 +1,265 @@
+"""Artifact store benchmark: stream a large file up to the coordinator and back, against `cp`.
+
+Starts `dflash-coordinator serve` on loopback (local blob store in a temporary
+directory), leases a job to one provider and, for each size in `--sizes`
+(default 64 MiB and 1 GiB of incompressible bytes):
+
+- **baseline**, measured in the same run: `cp` of the same file into the same
+  filesystem, then an fsync of the copy (the coordinator fsyncs what it stages);
+- **upload**: UploadArtifact in 1 MiB chunks from a client process (Python
+  grpc; the run-manager's Rust client streams the same messages), through
+  staging, sha256 verification and the commit into the blob store;
+- **download**: DownloadArtifact back to a file, sha256 checked.
+
+Printed: seconds and MiB/s of each, the ratio of upload and download
+throughput to `cp`'s (goal >= 0.5), and the peak RSS (VmHWM) of the
+coordinator and of the client process, each over its own baseline before the
+transfer (goal: the same for every size, under 64 MiB).
+
+With `--heartbeats N` (default 1000) it then measures heartbeat latency with
+`bench/coordinator.py`'s harness, N providers at 1/s each, first on an idle
+coordinator and then while a `--hb-size` upload runs (goal: p99 < 50 ms).
+
+    .venv/bin/python bench/artifacts.py [--sizes 64M,1G] [--heartbeats 1000] [--hb-size 1G]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "tests"))
+
+MiB = 1 << 20
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def make_file(path: Path, size: int) -> str:
+    """`size` incompressible bytes (a 16 MiB random block repeated); returns their sha256."""
+    block = os.urandom(16 * MiB)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            b = block[: min(left, len(block))]
+            f.write(b)
+            h.update(b)
+            left -= len(b)
+    return h.hexdigest()
+
+
+def hwm_kib(pid: int) -> int:
+    """Peak resident set (VmHWM) of a process, KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_hwm(pid: int) -> None:
+    """Reset a process's VmHWM to its current RSS (Linux: write 5 to clear_refs)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def timed_cp(src: Path, dst: Path) -> float:
+    t = time.perf_counter()
+    subprocess.run(["cp", str(src), str(dst)], check=True)
+    fd = os.open(dst, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - t
+
+
+# --- client process ---------------------------------------------------------
+
+
+def transfer(address: str, token: str, lease_id: str, src: str, sha256: str, size: int, name: str, dst: str, conn) -> None:
+    """Upload `src` as `name`, then download it to `dst`; sends (upload s, download s, download sha ok, peak KiB after each)."""
+    import grpc
+
+    from dflash_worker.proto.dflash.v1 import provider_pb2, provider_pb2_grpc
+
+    opts = [("grpc.max_receive_message_length", 4 * MiB), ("grpc.max_send_message_length", 4 * MiB)]
+    with grpc.insecure_channel(address, options=opts) as ch:
+        stub = provider_pb2_grpc.ProviderServiceStub(ch)
+        md = (("authorization", f"Bearer {token}"),)
+        art = provider_pb2.Artifact(name=name, kind="export", sha256=sha256, size_bytes=size)
+        conn.recv()
+        reset_hwm(os.getpid())
+        base = hwm_kib(os.getpid())
+
+        def requests():
+            yield provider_pb2.UploadArtifactRequest(header=provider_pb2.UploadHeader(lease_id=lease_id, artifact=art))
+            with open(src, "rb") as f:
+                while chunk := f.read(MiB):
+                    yield provider_pb2.UploadArtifactRequest(chunk=chunk)
+
+        t = time.perf_counter()
+        stub.UploadArtifact(requests(), metadata=md, timeout=3600)
+        up = time.perf_counter() - t
+        peak_up = hwm_kib(os.getpid()) - base
+        t = time.perf_counter()
+        h = hashlib.sha256()
+        with open(dst, "wb") as f:
+            for msg in stub.DownloadArtifact(provider_pb2.DownloadArtifactRequest(lease_id=lease_id, name=name, sha256=sha256), metadata=md, timeout=3600):
+                if msg.WhichOneof("msg") == "chunk":
+                    f.write(msg.chunk)
+                    h.update(msg.chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        down = time.perf_counter() - t
+        conn.send((up, down, h.hexdigest() == sha256, peak_up, hwm_kib(os.getpid()) - base))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64M,1G", help="file sizes to move, comma-separated (default 64M,1G)")
+    ap.add_argument("--heartbeats", type=int, default=1000, help="providers heartbeating at 1/s during the upload phase (0: skip; default 1000)")
+    ap.add_argument("--hb-size", default="1G", help="size of the upload that runs during the heartbeat phase (default 1G)")
+    ap.add_argument("--hb-seconds", type=float, default=10.0, help="length of each heartbeat phase (default 10)")
+    ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one; needs room for 4x the largest size)")
+    args = ap.parse_args()
+
+    from coordinator import baseline, client_process, pct, start_server, summary
+
+    from dflash_worker.coordinator.client import AdminClient
+    from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2, provider_pb2_grpc
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-art-", dir=args.dir) as tmp:
+        work = Path(tmp)
+        proc, info = start_server(work, [])
+        address = info["address"]
+        admin_token = Path(info["admin_token_file"]).read_text().strip()
+        try:
+            n_hb = args.heartbeats
+            with AdminClient(address, admin_token) as admin:
+                tokens = [admin.create_provider(f"bench-{i}") for i in range(n_hb + 2)]
+                admin.create_run(admin_pb2.RunSpec(name="bench", spec_json='{"stages": ["noop"]}', required_client_version="0.1.0", num_jobs=n_hb + 2))
+            import grpc
+
+            def lease_for(token: str) -> str:
+                with grpc.insecure_channel(address) as ch:
+                    stub = provider_pb2_grpc.ProviderServiceStub(ch)
+                    md = (("authorization", f"Bearer {token}"),)
+                    caps = provider_pb2.DeviceCapabilities(backend="cuda", device_count=1)
+                    r = stub.Register(provider_pb2.RegisterRequest(client_version="0.1.0", protocol_version="dflash.v1", launch_mode=1, capabilities=caps), metadata=md)
+                    return stub.AcquireLease(provider_pb2.AcquireLeaseRequest(provider_id=r.provider_id), metadata=md).lease.lease_id
+
+            up_token = tokens[0]
+            up_lease = lease_for(up_token)
+            print(f"coordinator pid {info['pid']} on {address}; blob store {info['artifacts']}; {os.cpu_count()} CPUs")
+            ctx = mp.get_context("spawn")
+            rows = []
+            for i, size in enumerate(sizes):
+                src = work / f"src-{i}.bin"
+                sha = make_file(src, size)
+                cp_s = timed_cp(src, work / f"cp-{i}.bin")
+                (work / f"cp-{i}.bin").unlink()
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=transfer, args=(address, up_token, up_lease, str(src), sha, size, f"bench/{i}.bin", str(work / f"down-{i}.bin"), child))
+                p.start()
+                time.sleep(1.0)
+                reset_hwm(proc.pid)
+                server_base = hwm_kib(proc.pid)
+                parent.send("go")
+                up, down, ok, client_up, client_down = parent.recv()
+                p.join(60)
+                server_peak = hwm_kib(proc.pid) - server_base
+                mib = size / MiB
+                print(f"\n== {mib:.0f} MiB ({'sha256 verified' if ok else 'SHA256 MISMATCH'})")
+                print(f"cp + fsync (baseline)     {cp_s:7.2f} s  {mib / cp_s:8.1f} MiB/s")
+                print(f"upload                    {up:7.2f} s  {mib / up:8.1f} MiB/s   x{cp_s / up:.2f} of cp")
+                print(f"download                  {down:7.2f} s  {mib / down:8.1f} MiB/s   x{cp_s / down:.2f} of cp")
+                print(f"peak RSS over baseline    coordinator {server_peak / 1024:6.1f} MiB   client {max(client_up, client_down) / 1024:6.1f} MiB")
+                rows.append((size, cp_s / up, cp_s / down, server_peak / 1024, max(client_up, client_down) / 1024, ok))
+                for f in (src, work / f"down-{i}.bin"):
+                    f.unlink()
+            print("\nsize        upload/cp  download/cp  coord peak MiB  client peak MiB")
+            for size, ru, rd, sp, cpk, ok in rows:
+                print(f"{size / MiB:>7.0f} MiB  x{ru:8.2f}  x{rd:10.2f}  {sp:14.1f}  {cpk:15.1f}" + ("" if ok else "  SHA MISMATCH"))
+            met = all(ru >= 0.5 and rd >= 0.5 and sp < 64 and cpk < 64 and ok for _, ru, rd, sp, cpk, ok in rows)
+            print(f"goal (>= 0.5 of cp each way, peak RSS < 64 MiB over baseline at every size): {'met' if met else 'NOT met'}")
+
+            if n_hb:
+                heartbeat_phases(address, tokens[1 : n_hb + 1], tokens[n_hb + 1], up_token, up_lease, parse_size(args.hb_size), args.hb_seconds, work, proc, ctx, baseline, client_process, pct, summary)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+def heartbeat_phases(address, tokens, base_token, up_token, up_lease, size, seconds, work, proc, ctx, baseline, client_process, pct, summary) -> None:
+    """Heartbeats from `tokens` at 1/s each: once idle, once while a `size` upload runs."""
+    base = baseline(address, base_token, None)
+    base_p = (pct([x * 1000 for x in base], 50), pct([x * 1000 for x in base], 99))
+    print(f"\n== heartbeats: {len(tokens)} providers at 1/s, with bench/coordinator.py's client")
+    print(summary("baseline: 1 provider hb", base, sum(base) + 0.002 * len(base)))
+    shares = [tokens[i::2] for i in range(2)]
+    pipes, procs = [], []
+    for share in shares:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=client_process, args=(address, share, child, len(share), None), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    for phase in ("register", "lease"):
+        for c in pipes:
+            c.send((phase,))
+        [c.recv() for c in pipes]
+    src = work / "hb-src.bin"
+    sha = make_file(src, size)
+    p99s = {}
+    for label in ("idle", "during upload"):
+        up = None
+        if label == "during upload":
+            parent, child = ctx.Pipe()
+            up = ctx.Process(target=transfer, args=(address, up_token, up_lease, str(src), sha, size, "bench/hb.bin", str(work / "hb-down.bin"), child))
+            up.start()
+            time.sleep(1.0)
+            parent.send("go")
+        start_at = time.time() + 1.0
+        for c in pipes:
+            c.send(("heartbeat", start_at, seconds, 1.0))
+        results = [c.recv() for c in pipes]
+        lat = [x for _, l, _ in results for x in l]
+        errors = sum(e for _, _, (e, _) in results)
+        elapsed = max(seconds, max(d for _, _, (_, d) in results) - start_at)
+        print(summary(f"heartbeat, {label}", lat, elapsed, base_p) + f"   errors {errors}")
+        p99s[label] = pct([x * 1000 for x in lat], 99)
+        if up is not None:
+            u, d, ok, _, _ = parent.recv()
+            up.join(60)
+            print(f"{'':<28} the {size / MiB:.0f} MiB upload took {u:.2f} s ({size / MiB / u:.0f} MiB/s; download {d:.2f} s; sha256 {'ok' if ok else 'MISMATCH'})")
+    for c in pipes:
+        c.send(("stop",))
+    for p in procs:
+        p.join(30)
+    during = p99s["during upload"]
+    print(f"heartbeat p99 during the upload {during:.1f} ms vs idle {p99s['idle']:.1f} ms: goal (< 50 ms) {'met' if during < 50 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

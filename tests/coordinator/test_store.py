@@ -1,0 +1,59 @@
+"""The coordinator's Store in-process: leasing reads no job spec it does not hand out, records per attempt."""
+
+from __future__ import annotations
+
+import json
+
+from dflash_worker.coordinator import store as store_mod
+from dflash_worker.coordinator.store import Grant, Registration, RunSpecData, Store, Upgrade
+
+
+def _register(store: Store, name: str, version: str = "0.1.0") -> str:
+    pid, _ = store.create_provider(name)
+    store.register(
+        pid,
+        Registration(client_version=version, native_client_version="", launch_mode=1, native=False, backend="cpu", device_count=1, features=(), capabilities=b"", name=name),
+    )
+    return pid
+
+
+def test_acquire_parses_no_queued_runs_spec_json(tmp_path, monkeypatch):
+    # 40 queued runs with 1 MiB specs that this provider cannot take (another client version):
+    # AcquireLease once parsed every one of them per call, stalling the event loop for ~30 s.
+    store = Store(tmp_path / "c.db")
+    big = json.dumps({"stages": ["noop"], "pad": "x" * ((1 << 20) - 100)})
+    for i in range(40):
+        store.create_run(RunSpecData(name=f"big-{i}", spec_json=big, required_client_version="9.9.9"))
+    store.create_run(RunSpecData(name="small", spec_json='{"stages": ["noop"]}', required_client_version="0.1.0"))
+    pid = _register(store, "p")
+    calls = []
+    real = store_mod.parse_spec_json
+    monkeypatch.setattr(store_mod, "parse_spec_json", lambda text: calls.append(len(text)) or real(text))
+    reads = []
+    store.db.set_trace_callback(lambda sql: reads.append(sql) if "spec_json" in sql and sql.lstrip().upper().startswith("SELECT") else None)
+    grant = store.acquire(pid)
+    assert isinstance(grant, Grant) and json.loads(grant.spec_json) == {"stages": ["noop"]}
+    assert calls == [], "leasing re-parsed stored job specs"
+    # Only the granted run's spec_json was read.
+    assert len(reads) == 1, reads
+    reads.clear()
+    assert isinstance(store.acquire(pid), Upgrade)  # the rest need 9.9.9
+    assert reads == [] and calls == []
+    store.close()
+
+
+def test_list_runs_and_run_jobs_page(tmp_path):
+    store = Store(tmp_path / "c.db")
+    for i in range(5):
+        store.create_run(RunSpecData(name=f"r{i}", spec_json="{}", required_client_version="0.1.0", num_jobs=3))
+    runs, token = store.list_runs(page_size=2)
+    assert [r.spec.name for r in runs] == ["r0", "r1"] and token
+    runs2, token2 = store.list_runs(page_size=2, page_token=token)
+    assert [r.spec.name for r in runs2] == ["r2", "r3"]
+    runs3, token3 = store.list_runs(page_size=2, page_token=token2)
+    assert [r.spec.name for r in runs3] == ["r4"] and token3 == ""
+    jobs, tok = store.run_jobs(runs[0].run_id, page_size=2)
+    rest, end = store.run_jobs(runs[0].run_id, page_size=2, page_token=tok)
+    assert len(jobs) == 2 and len(rest) == 1 and end == ""
+    assert len({j.job_id for j in jobs + rest}) == 3
+    store.close()
