@@ -233,7 +233,7 @@ mod tests {
         );
         // grpc's own RESOURCE_EXHAUSTED (an oversized message) stays unexpected.
         let oversized = Error::Rpc {
-            call: "ReportArtifact",
+            call: "UploadArtifact",
             status: tonic::Status::resource_exhausted("message larger than max"),
         };
         assert_eq!(oversized.exit_code(), EXIT_UNEXPECTED);

@@ -1,5 +1,6 @@
 //! Why an attempt's lease is lost to this provider, decided once from a
-//! coordinator status, for the Heartbeat stream, ReportArtifact and FinishAttempt alike.
+//! coordinator status, for the Heartbeat stream, artifact uploads and downloads, and
+//! FinishAttempt alike.
 //!
 //! - ABORTED: the lease is stale (it expired, or its provider was revoked while
 //!   a Heartbeat stream authenticated before the revocation was open).
@@ -65,11 +66,11 @@ mod tests {
             tonic::Status::unauthenticated("this provider's token was revoked"),
             tonic::Status::permission_denied("no"),
         ] {
-            let lost = LeaseLost::of("ReportArtifact", &status).expect("lost");
+            let lost = LeaseLost::of("UploadArtifact", &status).expect("lost");
             let err = lost.stop_error("job-1").expect("stops");
             assert_eq!(err.exit_code(), crate::error::EXIT_USER);
             assert!(err.to_string().contains("`job-1`"), "{err}");
-            assert!(err.to_string().contains("`ReportArtifact`"), "{err}");
+            assert!(err.to_string().contains("`UploadArtifact`"), "{err}");
         }
         for status in [
             tonic::Status::unavailable("down"),
