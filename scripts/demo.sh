@@ -34,6 +34,24 @@ PY
 echo "demo: run-manager --local (coordinator, provider and worker on this machine)" >&2
 .venv/bin/run-manager --local --spec "$work/run.json" --work-dir "$work/provider"
 
+# The export travels: fetch it back from the coordinator's artifact store, as the person
+# who ordered the run would from another machine (sha256-verified by the CLI).
+echo "demo: fetching the export from the coordinator's artifact store (dflash-coordinator artifacts get)" >&2
+coord_dir="$work/provider/coordinator"
+token=$("$py" -c 'import secrets; print(secrets.token_hex(16))')
+DFLASH_ADMIN_TOKEN="$token" .venv/bin/dflash-coordinator serve --db "$coord_dir/coordinator.db" --listen 127.0.0.1:0 \
+  >"$work/serve.json" 2>"$work/serve.log" &
+serve_pid=$!
+trap 'kill "$serve_pid" 2>/dev/null || true' EXIT
+for _ in $(seq 300); do [ -s "$work/serve.json" ] && break; sleep 0.1; done
+addr=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["address"])' "$work/serve.json")
+run_id=$(DFLASH_ADMIN_TOKEN="$token" .venv/bin/dflash-coordinator runs list --json --server "$addr" | "$py" -c 'import json, sys; print(json.load(sys.stdin)[0]["run_id"])')
+DFLASH_ADMIN_TOKEN="$token" .venv/bin/dflash-coordinator artifacts get "$run_id" --export -o "$work/fetched-export" --server "$addr"
+kill "$serve_pid"
+wait "$serve_pid" 2>/dev/null || true
+trap - EXIT
+echo "demo: the export, fetched and verified, is in $work/fetched-export" >&2
+
 report=$(find "$work/provider/jobs" -path '*/eval/report.md' | head -n 1)
 if [ -n "$report" ]; then
   echo
