@@ -25,3 +25,17 @@ def test_coordinator_bench_runs_plaintext_and_tls():
     assert "== plaintext:" in text and "(tls False)" in text and "== tls:" in text and "(tls True)" in text, text
     assert len(re.findall(r"^heartbeat @ 40/s offered .* errors 0$", text, re.M)) == 2, text
     assert re.search(r"^@ +40/s offered +plaintext: .* tls: .* \(rate x\d+\.\d\d, p99 x\d+\.\d\d\)$", text, re.M), text
+
+
+@pytest.mark.slow
+def test_artifacts_bench_moves_bytes_both_ways_and_prints_every_figure():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "artifacts.py"), "--sizes", "3M", "--heartbeats", "10", "--hb-size", "4M", "--hb-seconds", "1"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "== 3 MiB (sha256 verified)" in text, text
+    assert re.search(r"^upload +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M) and re.search(r"^download +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M), text
+    assert re.search(r"^peak RSS over baseline +coordinator +\d+\.\d MiB +client +\d+\.\d MiB$", text, re.M), text
+    assert re.search(r"^heartbeat, during upload .* errors 0$", text, re.M) and "sha256 ok" in text, text

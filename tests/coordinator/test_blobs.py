@@ -338,9 +338,29 @@ def test_missing_source_leaves_no_blob(store, tmp_path):
     assert leftovers(store) == []
 
 
-def test_local_write_failing_midway_leaves_no_blob(tmp_path):
+def _no_links(*args, **kwargs):
+    raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+
+def test_local_put_links_on_one_file_system_and_copies_across(tmp_path, monkeypatch):
+    store = LocalBlobStore(tmp_path / "blobs")
+    path, sha, size = blob_file(tmp_path, random_bytes(300_000))
+    store.put(path, sha, size)
+    assert os.stat(store.root / blob_key(sha)).st_ino == os.stat(path).st_ino, "same file system: a hard link, no second write"
+    path.unlink()  # the staging file goes; the blob stays
+    assert hashlib.sha256(read_all(store, sha)).hexdigest() == sha
+    monkeypatch.setattr(os, "link", _no_links)
+    path2, sha2, size2 = blob_file(tmp_path, random_bytes(300_001))
+    store.put(path2, sha2, size2)
+    assert os.stat(store.root / blob_key(sha2)).st_ino != os.stat(path2).st_ino
+    assert hashlib.sha256(read_all(store, sha2)).hexdigest() == sha2
+    assert leftovers(store) == sorted([blob_key(sha), blob_key(sha2)])
+
+
+def test_local_write_failing_midway_leaves_no_blob(tmp_path, monkeypatch):
     store = LocalBlobStore(tmp_path / "blobs")
     path, sha, size = blob_file(tmp_path, random_bytes(8 << 20))
+    monkeypatch.setattr(os, "link", _no_links)  # another file system: the bytes are copied
     # A file-size limit makes the kernel refuse writes past 2 MiB (EFBIG) halfway through the
     # copy, as a full disk would with ENOSPC; SIGXFSZ would otherwise kill the process.
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

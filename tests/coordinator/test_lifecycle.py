@@ -12,8 +12,8 @@ import grpc
 import pytest
 from coordinator_helpers import code_of, run_spec
 
-from dflash_worker.coordinator.cli import main as cli_main
 from dflash_worker.coordinator.blobs import blob_key
+from dflash_worker.coordinator.cli import main as cli_main
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
 

@@ -25,14 +25,16 @@ becomes a path or a key: ``../..`` never reaches the file system.
 
 Atomicity: a reader never sees a partial blob.
 
-- local: `put` copies into a temporary file in the blob's own directory
+- local: `put` hard-links the source (or, on another file system, copies
+  it) to a temporary name in the blob's own directory
   (``.tmp-<sha256>-<random>``, which `list` skips), fsyncs it, renames it over
   the final name with ``os.replace`` (atomic within one file system) and
   fsyncs the directory, so after `put` returns the blob survives a power loss.
-  The copy reads the source in 1 MiB chunks: memory stays bounded whatever the
-  size. The source is copied, never hard-linked or renamed, so the caller may
-  delete (or reuse) its staging file afterwards and the blob cannot change
-  with it; the cost is one extra write of each new blob. A source whose length
+  A copy reads the source in 1 MiB chunks: memory stays bounded whatever the
+  size. The link shares the source's inode, so the caller must not write to
+  the source after `put` (it may delete it: the coordinator's staging file is
+  only ever deleted); it saves a second write of every byte, which a 1 GiB
+  upload measured at about a second and a burst of dirty pages. A source whose length
   is not the declared size (it changed after it was verified) is refused and
   leaves nothing behind. A crash mid-copy leaves only a temporary file, which
   `check` removes once it is older than `STALE_TEMP_SECONDS`.
@@ -253,6 +255,9 @@ class LocalBlobStore:
             try:
                 self._copy(path, tmp, sha256, size)
                 os.replace(tmp, dest)
+                # rename() of two links to one inode (a racing put linked the same staged
+                # file) does nothing and succeeds: the temporary name would stay behind.
+                tmp.unlink(missing_ok=True)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
@@ -269,6 +274,29 @@ class LocalBlobStore:
         return created
 
     def _copy(self, src: Path, tmp: Path, sha256: str, size: int) -> None:
+        # Same file system (the coordinator's staging directory sits next to this store by
+        # default): a hard link costs no second write of the bytes. The caller never writes
+        # to `src` after `put` (it only deletes it), so sharing the inode is safe.
+        try:
+            os.link(src, tmp)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            pass  # another file system, or links not allowed: copy below
+        else:
+            try:
+                got = os.stat(tmp).st_size
+                if got != size:
+                    raise _short_source(self.describe, sha256, src, got, size)
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            return
         buf = bytearray(CHUNK_BYTES)
         view = memoryview(buf)
         copied = 0

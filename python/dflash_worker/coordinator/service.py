@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import queue
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -174,24 +176,23 @@ class Artifacts:
     async def receive(self, lease: LiveLease, claim: Claim, offset: int, chunks: AsyncIterator[bytes]) -> None:
         """Stage `chunks` from `offset`; refuse a byte past the declared size; verify sha256 when complete."""
         f, hasher = await asyncio.to_thread(self.staging.open, lease.attempt_id, claim, offset)
+        writer = _Writer(f, hasher)
         received = offset
         try:
             async for chunk in chunks:
                 if len(chunk) > CHUNK_BYTES:
                     raise InvalidRequestError(f"artifact `{claim.name}`: a chunk of {len(chunk)} bytes; at most {CHUNK_BYTES} per message")
                 if received + len(chunk) > claim.size_bytes:
-                    await asyncio.to_thread(Staging.close, f, sync=False)
-                    f = None
+                    await writer.close(sync=False)
                     await asyncio.to_thread(self.staging.discard, lease.attempt_id, claim)
                     raise InvalidRequestError(
                         f"artifact `{claim.name}`: more bytes arrived than the declared `size_bytes` {claim.size_bytes}; the upload was discarded"
                     )
                 if chunk:
-                    await asyncio.to_thread(Staging.write, f, hasher, chunk)
+                    await writer.put(chunk)
                     received += len(chunk)
         finally:
-            if f is not None:
-                await asyncio.to_thread(Staging.close, f, sync=received == claim.size_bytes)
+            await writer.close(sync=received == claim.size_bytes)
         if received < claim.size_bytes:
             raise PolicyError(
                 f"artifact `{claim.name}`: the stream ended after {received} of {claim.size_bytes} bytes\nhint: resume from offset {received}"
@@ -239,10 +240,15 @@ class Artifacts:
         check_uint(offset, "offset")
         if offset > record.size_bytes:
             raise InvalidRequestError(f"`offset` {offset} is past the end of `{record.name}` ({record.size_bytes} bytes)")
+        # `read` opens the blob when called (a HEAD and a GET on S3): off the loop too.
+        chunks = await asyncio.to_thread(self.blobs.read, record.sha256, offset, CHUNK_BYTES)
         yield provider_pb2.DownloadArtifactResponse(artifact=artifact_pb(record))
-        chunks = self.blobs.read(record.sha256, offset, CHUNK_BYTES)
-        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-            yield provider_pb2.DownloadArtifactResponse(chunk=chunk)
+        reader = _Reader(chunks)
+        try:
+            while (chunk := await reader.next()) is not None:
+                yield provider_pb2.DownloadArtifactResponse(chunk=chunk)
+        finally:
+            reader.stop()
 
     async def collect_garbage(self) -> int:
         """Delete blobs no record refers to, and staged uploads of ended or idle attempts; returns blobs deleted."""
@@ -260,6 +266,103 @@ class Artifacts:
         busy = {p for paths in self._inflight.values() for p in paths}
         await asyncio.to_thread(self.staging.sweep, max(self.idle_seconds * 2, 60.0), self.store.live_attempt_ids(), busy)
         return deleted
+
+
+class _Writer:
+    """Writes and hashes one upload's chunks on a thread of its own, a few chunks behind the network.
+
+    The event loop only hands chunks over (blocking, off the loop, when the
+    writer is `DEPTH` chunks behind), so receiving the next chunk overlaps
+    writing and hashing the last one; memory stays at `DEPTH` chunks.
+    """
+
+    DEPTH = 4
+
+    def __init__(self, f, hasher):
+        self.f, self.hasher = f, hasher
+        self.error: BaseException | None = None
+        self.q: queue.Queue = queue.Queue(maxsize=self.DEPTH)
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="upload-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    Staging.write(self.f, self.hasher, chunk)
+                except BaseException as exc:  # noqa: BLE001 - raised on the loop by put/close
+                    self.error = exc
+
+    async def put(self, chunk: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        try:
+            self.q.put_nowait(chunk)
+        except queue.Full:
+            await asyncio.to_thread(self.q.put, chunk)
+
+    def _finish(self, sync: bool) -> None:
+        self.q.put(None)
+        self.thread.join()
+        Staging.close(self.f, sync=sync and self.error is None)
+
+    async def close(self, *, sync: bool) -> None:
+        """Wait for the queued chunks, close the file (fsynced when `sync`); raise the writer's error."""
+        if self.closed:
+            return
+        self.closed = True
+        await asyncio.to_thread(self._finish, sync)
+        if self.error is not None:
+            raise self.error
+
+
+class _Reader:
+    """Reads a blob's chunks on a thread of its own, up to `DEPTH` chunks ahead of the network."""
+
+    DEPTH = 4
+    _END = object()
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.q: queue.Queue = queue.Queue(maxsize=self.DEPTH)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="download-reader", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for chunk in self.chunks:
+                while not self.stopping.is_set():
+                    try:
+                        self.q.put(chunk, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stopping.is_set():
+                    return
+            self.q.put(self._END)
+        except BaseException as exc:  # noqa: BLE001 - raised on the loop by next()
+            self.q.put(exc)
+        finally:
+            close = getattr(self.chunks, "close", None)
+            if close is not None:
+                close()
+
+    async def next(self) -> bytes | None:
+        try:
+            item = self.q.get_nowait()
+        except queue.Empty:
+            item = await asyncio.to_thread(self.q.get)
+        if item is self._END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        """The client went away (or the stream ended): the thread stops within half a second."""
+        self.stopping.set()
 
 
 class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
