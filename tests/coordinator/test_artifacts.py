@@ -320,3 +320,44 @@ def test_a_full_disk_is_unavailable_and_the_work_lands_once_space_is_freed(start
         coord.stop()
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_admin_get_resumes_a_partial_download_refuses_bad_bytes_and_fetches_the_whole_export(start_coordinator, tmp_path, capsys):
+    from dflash_worker.coordinator.cli import main as cli_main
+
+    coord = start_coordinator()
+    run, p, lease = _leased(coord)
+    model, config = os.urandom(3 << 20), b'{"model_type": "dflash"}'
+    p.upload(lease.lease_id, "run/export/model.safetensors", model, kind="export")
+    p.upload(lease.lease_id, "run/export/config.json", config, kind="export")
+    p.report(lease.lease_id, "eval/report.json", b"{}")
+    assert p.finish(lease.lease_id) == "succeeded"
+
+    def cli(*argv):
+        rc = cli_main([*argv, "--server", coord.address, "--admin-token-file", coord.info["admin_token_file"]])
+        return rc, *capsys.readouterr()
+
+    dest = tmp_path / "m.safetensors"
+    part = tmp_path / "m.safetensors.part"
+    # An interrupted earlier fetch left the first MiB: the next call asks only for the rest.
+    part.write_bytes(model[: 1 << 20])
+    rc, out, err = cli("artifacts", "get", run.run_id, "run/export/model.safetensors", "-o", str(dest))
+    assert rc == 0, err
+    assert dest.read_bytes() == model and not part.exists() and "(verified)" in out
+    # A `.part` whose bytes are not the artifact's: refused, nothing kept at PATH, the bad bytes gone.
+    dest.unlink()
+    part.write_bytes(b"\0" * 1000)
+    rc, out, err = cli("artifacts", "get", run.run_id, "run/export/model.safetensors", "-o", str(dest))
+    assert rc != 0 and "nothing was kept" in err and not dest.exists() and not part.exists(), err
+    rc, out, err = cli("artifacts", "get", run.run_id, "run/export/model.safetensors", "-o", str(dest))
+    assert rc == 0 and dest.read_bytes() == model, err
+    # The whole export in one command: every `export` record of the succeeded attempt.
+    rc, out, err = cli("artifacts", "get", run.run_id, "--export", "-o", str(tmp_path / "export"), "--json")
+    assert rc == 0, err
+    assert sorted(d["name"] for d in json.loads(out)) == ["run/export/config.json", "run/export/model.safetensors"]
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == model and (tmp_path / "export" / "config.json").read_bytes() == config
+    # A name the run does not have: NOT_FOUND, and the message names only what was asked.
+    rc, out, err = cli("artifacts", "get", run.run_id, "run/export/nope.bin", "-o", str(tmp_path / "x"))
+    assert rc != 0 and "no artifact `run/export/nope.bin`" in err, err
+    rc, out, err = cli("artifacts", "list", run.run_id)
+    assert rc == 0 and "run/export/model.safetensors" in out and "eval/report.json" in out
