@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
+
+from coordinator import baseline, client_process, pct, start_server, stop_server, summary  # noqa: E402 - bench/ is on sys.path above
 
 MiB = 1 << 20
 
@@ -139,8 +140,6 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one; needs room for 4x the largest size)")
     args = ap.parse_args()
 
-    from coordinator import baseline, client_process, pct, start_server, summary
-
     from dflash_worker.coordinator.client import AdminClient
     from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2, provider_pb2_grpc
 
@@ -201,17 +200,13 @@ def main() -> int:
             print(f"goal (>= 0.5 of cp each way, peak RSS < 64 MiB over baseline at every size): {'met' if met else 'NOT met'}")
 
             if n_hb:
-                heartbeat_phases(address, tokens[1 : n_hb + 1], tokens[n_hb + 1], up_token, up_lease, parse_size(args.hb_size), args.hb_seconds, work, proc, ctx, baseline, client_process, pct, summary)
+                heartbeat_phases(address, tokens[1 : n_hb + 1], tokens[n_hb + 1], up_token, up_lease, parse_size(args.hb_size), args.hb_seconds, work, ctx)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     return 0
 
 
-def heartbeat_phases(address, tokens, base_token, up_token, up_lease, size, seconds, work, proc, ctx, baseline, client_process, pct, summary) -> None:
+def heartbeat_phases(address, tokens, base_token, up_token, up_lease, size, seconds, work, ctx) -> None:
     """Heartbeats from `tokens` at 1/s each: once idle, once while a `size` upload runs."""
     base = baseline(address, base_token, None)
     base_p = (pct([x * 1000 for x in base], 50), pct([x * 1000 for x in base], 99))

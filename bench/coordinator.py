@@ -197,6 +197,14 @@ def start_server(workdir: Path, extra: list[str]) -> tuple[subprocess.Popen, dic
     return proc, json.loads(proc.stdout.readline())
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def baseline(address: str, token: str, ca_pem: bytes | None, n: int = 300) -> list[float]:
     """One provider alone: register, lease, then `n` sequential heartbeats on one stream."""
     from dflash_worker.proto.dflash.v1 import provider_pb2, provider_pb2_grpc
@@ -273,11 +281,7 @@ def run_mode(mode: str, args) -> list[Phase]:
             print(summary("baseline: 1 provider hb", base, sum(base) + 0.002 * len(base)))
             return load_phases(proc, address, tokens[:-1], ca_pem, base_p, args)  # tokens[-1]: the baseline's
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 def load_phases(proc, address: str, tokens: list[str], ca_pem: bytes | None, base_p, args) -> list[Phase]:

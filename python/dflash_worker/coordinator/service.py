@@ -217,9 +217,14 @@ class Artifacts:
                 )
         async with self._blob_lock(claim.sha256):
             await asyncio.to_thread(self.blobs.put, path, claim.sha256, claim.size_bytes)
-            # The lease may have ended while the bytes were stored: check again.
-            lease = self.store.live_lease(pid, lease_id)
-            record = self.store.record(lease, claim)
+            try:
+                # The lease may have ended while the bytes were stored: check again.
+                lease = self.store.live_lease(pid, lease_id)
+                record = self.store.record(lease, claim)
+            except BaseException:
+                # Stored but not recorded: the janitor deletes the blob unless a record names it.
+                self.store.garbage.add(claim.sha256)
+                raise
         await asyncio.to_thread(self.staging.discard, lease.attempt_id, claim)
         return record
 
