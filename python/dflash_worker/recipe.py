@@ -35,6 +35,7 @@ THINKING = ("on", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 SAMPLING = ("greedy", "sampled")
 SPLITS = ("train", "val", "test")
+ON_OVERLONG = ("skip", "truncate", "fail")
 
 
 def _path_field(**kw: Any) -> Any:
@@ -113,6 +114,8 @@ class CaptureConfig:
 
     Shards hold `shard_examples` examples each, or, when `shard_tokens` is set, as many whole
     examples as fit in `shard_tokens` tokens (at least one). Set at most one of the two.
+    `on_overlong` is what becomes of an example longer than `[data].max_length`: `skip` it,
+    `truncate` it to `max_length` (skipped when no response token would be left), or `fail`.
     """
 
     output: Path = _path_field()
@@ -127,6 +130,7 @@ class CaptureConfig:
     shard_tokens: int | None = None
     splits: tuple[str, ...] = ("train", "val")
     device: str = "auto"
+    on_overlong: str = "skip"
 
     def __post_init__(self) -> None:
         s = "capture"
@@ -167,6 +171,7 @@ class CaptureConfig:
             raise ConfigError(
                 f"`[capture].device` is `{self.device}`\nhint: use `auto`, `cpu`, `cuda`, `cuda:N` or `mps`"
             )
+        _check_choice(s, "on_overlong", self.on_overlong, ON_OVERLONG)
 
 
 SCOPES = ("selector", "context", "final_backbone", "recall", "full")

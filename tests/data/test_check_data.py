@@ -122,8 +122,12 @@ def test_check_fails_on_long_examples_before_any_weights(prepared, tokenizer_onl
     assert "train.jsonl` line 1" in err and "input `in.jsonl` line" in err
     rep = check_data(prepared, target, thinking="on", max_length=12)
     assert not rep.ok and rep.failed == 12
-    with pytest.raises(DataError, match="failed the data check"):
-        rep.raise_if_failed()
+    first = rep.overlong[0]
+    with pytest.raises(DataError, match=rf"example `{first.id}` .* is `{first.tokens}` tokens, over max_length `12` \(`12` of `12`"):
+        rep.raise_if_failed()  # on_overlong `fail`: the first overlong example, named
+    assert len(rep.overlong) == 12 and all(o.kept_loss_tokens == 0 or o.tokens > 12 for o in rep.overlong)
+    rep.raise_if_failed(overlong="skip")  # capture skips or truncates them: no failure here
+    rep.raise_if_failed(overlong="truncate")
     # truncation message says how much of the response would survive
     r = check_data(prepared, target, thinking="off", max_length=32)
     assert r.failure_counts == {"too_long": 12}

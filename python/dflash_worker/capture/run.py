@@ -9,7 +9,9 @@ Order of work, cheapest checks first, one function per step:
    `num_hidden_layers`; check the tokenizer fits the target vocab
    (`read_geometry`); hash the teacher files and the tokenizer into the
    *capture key* (`capture_key`): every input that shapes the payload bytes
-   (no paths, no timestamps);
+   (no paths, no timestamps); decide `[capture].on_overlong` for examples
+   over `max_length` (`capture.overlong`) and read the stop ids
+   (`dflash_worker.stop_tokens`);
 2. `resume`: shards whose sidecar names the same key and whose sha256 verifies
    are kept; the first one that does not verify, and everything after it, is
    removed and rewritten; a dir holding a different capture is refused;
@@ -28,6 +30,8 @@ plain forward of that example bit for bit.
 Events (`worker.events`, to the `on_event` sink, in this order):
 
 - ``Log`` (debug) ``data checked: ...`` after the data check;
+- ``Log`` (warning) ``N examples over max_length ...`` when some example is
+  over the limit and `on_overlong` skips or truncates it;
 - ``Log`` ``already complete (K shards verified)`` and nothing more when every
   shard and the manifest verify (the manifest is returned as it is);
 - ``Log`` ``N examples, resuming at S (K shards reused)`` and
@@ -79,9 +83,10 @@ from ..manifest import (
     write_json_atomic,
 )
 from ..recipe import CaptureConfig, Recipe
-from ..stop_tokens import stop_token_ids
+from ..stop_tokens import stop_tokens_record
 from ..worker.events import Event, EventSink, Log, Progress
 from .layout import FORMAT, MANIFEST, SHARD_FORMAT, shard_path, sidecar_path
+from .overlong import OverlongDecision
 
 if TYPE_CHECKING:
     from ..device import DeviceChoice
@@ -198,8 +203,15 @@ def _generation(cap: CaptureConfig) -> dict[str, Any] | None:
     }
 
 
-def capture_key(recipe: Recipe, prepared: PreparedData, tokenizer: Any, layer_ids: list[int], device_type: str) -> CaptureKey:
-    """Fingerprint of everything that shapes the payload bytes (no paths, no timestamps)."""
+def capture_key(
+    recipe: Recipe, prepared: PreparedData, tokenizer: Any, layer_ids: list[int], device_type: str,
+    overlong: OverlongDecision | None = None,
+) -> CaptureKey:
+    """Fingerprint of everything that shapes the payload bytes (no paths, no timestamps).
+
+    `on_overlong` enters the key only when some example is over `max_length`: otherwise it
+    changes no byte, and keys (hence training data fingerprints) stay what they were.
+    """
     cap, dcfg = recipe.require("capture"), recipe.data
     teacher = _teacher_hashes(recipe.model.target)
     tok_files = _tokenizer_hashes(recipe.model.target)
@@ -220,6 +232,8 @@ def capture_key(recipe: Recipe, prepared: PreparedData, tokenizer: Any, layer_id
         "regenerate": generation,
         "shard_policy": {"examples": cap.shard_examples} if cap.shard_tokens is None else {"tokens": cap.shard_tokens},
     }
+    if overlong is not None and overlong.items:
+        inputs["on_overlong"] = overlong.policy
     return CaptureKey(fingerprint(inputs), inputs, teacher, tok_files, chat_sha, generation)
 
 
@@ -234,6 +248,13 @@ class CapturePlan:
     geometry: TeacherGeometry
     choice: DeviceChoice
     key: CaptureKey
+    overlong: OverlongDecision
+    stop_tokens: dict[str, Any]  # `stop_tokens_record`: ids, sources, rule
+
+    def examples(self) -> list[Example]:
+        """The examples to capture, in capture order: `splits`, less those `on_overlong` skips."""
+        skip = self.overlong.skip_keys()
+        return [ex for ex in self.prepared.examples(self.cap.splits) if (ex.split, ex.id) not in skip]
 
 
 def plan_capture(recipe: Recipe, emit: EventSink, device: DeviceChoice | None = None) -> CapturePlan:
@@ -248,16 +269,25 @@ def plan_capture(recipe: Recipe, emit: EventSink, device: DeviceChoice | None = 
     report = check_data(
         prepared, tokenizer, thinking=dcfg.thinking, max_length=dcfg.max_length, regenerate=cap.regenerate, splits=cap.splits
     )
-    report.raise_if_failed()
+    report.raise_if_failed(overlong=cap.on_overlong)
     emit(Log(level="debug", message=f"data checked: `{report.examples}` examples"))
+    overlong = OverlongDecision.decide(cap.on_overlong, dcfg.max_length, report.overlong)
+    if len(overlong.skipped) == report.examples:
+        raise DataError(
+            f"every one of the `{report.examples}` examples is over max_length `{dcfg.max_length}`, nothing is left to capture\n"
+            "hint: raise `[data].max_length`"
+        )
+    if (warning := overlong.warning()) is not None:
+        emit(Log(level="warning", message=warning))
     check_recipe_pair(mcfg.target, mcfg.draft, mcfg.family)  # headers and config.json only
     geometry = read_geometry(mcfg.target, mcfg.draft, tokenizer)
 
     from ..device import resolve_device
 
     choice = device or resolve_device(cap.device)
-    key = capture_key(recipe, prepared, tokenizer, geometry.layer_ids, choice.type)
-    return CapturePlan(recipe, cap, prepared, tokenizer, geometry, choice, key)
+    key = capture_key(recipe, prepared, tokenizer, geometry.layer_ids, choice.type, overlong)
+    stops = stop_tokens_record(mcfg.target, tokenizer)
+    return CapturePlan(recipe, cap, prepared, tokenizer, geometry, choice, key, overlong, stops)
 
 
 # --------------------------------------------------------------------- 2. resume
@@ -580,8 +610,13 @@ class ShardWriter:
         self._items, self._names, self._tokens, self._truncated = [], [], 0, 0
 
 
-def _example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int]) -> tuple[list[int], list[int], bool]:
-    """(input ids, loss mask, truncated) of one example: rendered as prepared, or with a regenerated response."""
+def _example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int], cut: frozenset[tuple[str, str]]) -> tuple[list[int], list[int], bool]:
+    """(input ids, loss mask, truncated) of one example: rendered as prepared, or with a regenerated response.
+
+    `cut`: `(split, id)` of the examples `on_overlong = "truncate"` cuts to `max_length`; ids and
+    mask are cut at the same position, and the plan guarantees response tokens remain.
+    `truncated` is about generation (hit `max_new_tokens`), not this cut.
+    """
     from .generate import example_seed, generate
 
     cap, dcfg, tokenizer = plan.cap, plan.recipe.data, plan.tokenizer
@@ -597,7 +632,9 @@ def _example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int]
     else:
         r = render_example(tokenizer, ex.messages, thinking=dcfg.thinking)
         ids, mask, truncated = r.input_ids, r.loss_mask, False
-    if len(ids) > dcfg.max_length:  # check_data guarantees this never happens
+        if (ex.split, ex.id) in cut:
+            ids, mask = ids[: dcfg.max_length], mask[: dcfg.max_length]
+    if len(ids) > dcfg.max_length:  # check_data and the overlong plan guarantee this never happens
         raise DataError(f"`{ex.file}` line {ex.line}: `{len(ids)}` tokens > max_length `{dcfg.max_length}`")
     return ids, mask, truncated
 
@@ -607,11 +644,11 @@ def _capture_examples(plan: CapturePlan, model: Any, examples: list[Example], re
     import torch
 
     dtype = getattr(torch, plan.cap.dtype)
-    stops = stop_token_ids(plan.recipe.model.target, plan.tokenizer)
+    stops, cut = plan.stop_tokens["ids"], plan.overlong.truncate
     with ShardWriter(plan, records, total=len(examples), emit=emit) as writer:
         for i in range(writer.position, len(examples)):
             ex = examples[i]
-            ids, mask, truncated = _example_tokens(plan, model, ex, stops)
+            ids, mask, truncated = _example_tokens(plan, model, ex, stops, cut)
             writer.make_room(len(ids))
             feats = teacher_features(model, ids, plan.geometry.layer_ids, plan.choice.device).to(dtype)
             writer.add(ShardItem(index=i, ids=ids, mask=mask, features=feats), ex, truncated=truncated)
@@ -686,6 +723,10 @@ def capture_manifest(plan: CapturePlan, records: list[ShardRecord], examples: li
             "manifest_fingerprint": plan.prepared.manifest.get("fingerprint"), "splits": list(cap.splits),
         },
         "generation": key.generation,
+        "stop_token_ids": plan.stop_tokens["ids"],
+        "stop_token_sources": plan.stop_tokens["sources"],
+        "stop_token_rule": plan.stop_tokens["rule"],
+        "overlong": plan.overlong.to_manifest(),
         "shards": [r.manifest_entry() for r in records],
         "shards_total": len(records),
         "totals": {
@@ -717,7 +758,7 @@ def run_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: De
     if point.complete is not None:
         emit(Log(message=f"already complete ({len(records)} shards verified)"))
         return point.complete
-    examples = list(plan.prepared.examples(plan.cap.splits))
+    examples = plan.examples()
     reused, n = len(records), len(examples)
     emit(Log(message=f"{n} examples, resuming at {point.start} ({reused} shards reused)"))
     emit(Progress(phase="capture", step=point.start, total_steps=n, metrics={"shards_reused": reused}))

@@ -18,6 +18,12 @@ Failure reasons (stable keys, counted in the report):
 - ``prompt_too_long``: the prompt alone fills ``max_length``; truncation
   would leave nothing to train on (or nothing to generate with).
 
+``too_long`` and ``prompt_too_long`` are the *overlong* reasons: every such
+example is also listed in `CheckReport.overlong` (not capped), with how many
+response tokens truncation to ``max_length`` would keep, so capture can apply
+``[capture].on_overlong`` (skip, truncate or fail) and `raise_if_failed` can
+let them through.
+
 Notes (counted, not failures): ``reasoning_dropped`` (thinking off, row has
 reasoning), ``no_reasoning`` (thinking on, final turn has no reasoning).
 """
@@ -36,6 +42,7 @@ from .prepare import SPLIT_NAMES
 from .render import control_tokens, render_example, render_prompt, special_tokens_in_text
 
 MAX_LISTED_FAILURES = 20
+OVERLONG_REASONS = ("too_long", "prompt_too_long")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,18 @@ class Failure:
         return f"`{self.file}` line {self.line}{org}: {self.reason}: {self.message}"
 
 
+@dataclass(frozen=True)
+class Overlong:
+    """One example longer than `max_length`: its place, its length and what truncation would keep."""
+
+    split: str
+    id: str
+    file: str
+    line: int
+    tokens: int  # rendered length (the prompt alone when responses are regenerated)
+    kept_loss_tokens: int  # response tokens left after truncation to `max_length` (0: nothing to train on)
+
+
 @dataclass
 class CheckReport:
     """Summary of a check: counts, token statistics and the first failures."""
@@ -70,6 +89,7 @@ class CheckReport:
     failure_counts: dict[str, int] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
+    overlong: list[Overlong] = field(default_factory=list)
 
     @property
     def failed(self) -> int:
@@ -94,18 +114,33 @@ class CheckReport:
             "failure_counts": self.failure_counts,
             "notes": self.notes,
             "failures": [f.__dict__ | {"file": str(f.file)} for f in self.failures],
+            "overlong": [o.__dict__ for o in self.overlong],
         }
 
-    def raise_if_failed(self) -> None:
-        """DataError listing the first failures (used by capture and training before loading weights)."""
-        if self.ok:
-            return
+    def raise_if_failed(self, *, overlong: str = "fail") -> None:
+        """DataError listing the first failures (used by capture and training before loading weights).
+
+        `overlong` is `[capture].on_overlong`: with `skip` or `truncate`, examples over
+        `max_length` are not failures here (capture deals with them); with `fail`, when
+        they are the only failures, the error names the first one's id and length.
+        """
         if self.examples == 0:
             raise DataError("no examples to check in the prepared data")
-        lines = [f.describe() for f in self.failures[:5]]
-        counts = ", ".join(f"{k} `{v}`" for k, v in sorted(self.failure_counts.items()))
+        ignored = set(OVERLONG_REASONS) if overlong != "fail" else set()
+        counted = {k: v for k, v in self.failure_counts.items() if k not in ignored}
+        if not counted:
+            return
+        if set(counted) <= set(OVERLONG_REASONS) and self.overlong:
+            o = self.overlong[0]
+            raise DataError(
+                f"example `{o.id}` (`{o.file}` line {o.line}) is `{o.tokens}` tokens, over max_length "
+                f"`{self.max_length}` (`{len(self.overlong)}` of `{self.examples}` examples are)\n"
+                "hint: `capture --on-overlong skip|truncate` (`[capture].on_overlong`), or raise `[data].max_length`"
+            )
+        lines = [f.describe() for f in self.failures if f.reason not in ignored][:5]
+        counts = ", ".join(f"{k} `{v}`" for k, v in sorted(counted.items()))
         raise DataError(
-            f"`{self.failed}` of `{self.examples}` examples failed the data check ({counts}):\n  "
+            f"`{sum(counted.values())}` of `{self.examples}` examples failed the data check ({counts}):\n  "
             + "\n  ".join(lines)
             + "\nhint: run `dflash-worker check-data` for the full report"
         )
@@ -141,8 +176,11 @@ def check_example(
     max_length: int,
     regenerate: bool,
     tokens: Sequence[str],
-) -> tuple[list[tuple[str, str]], list[str], int, int]:
-    """Check one example: `(failures as (reason, message), notes, length, loss_tokens)`."""
+) -> tuple[list[tuple[str, str]], list[str], int, int, int]:
+    """Check one example: `(failures as (reason, message), notes, length, loss_tokens, kept)`.
+
+    `kept`: the loss tokens within the first `max_length` tokens (what truncation keeps).
+    """
     fails: list[tuple[str, str]] = []
     notes: list[str] = []
     for i, key, tok in special_tokens_in_text(ex.messages, tokens):
@@ -150,7 +188,7 @@ def check_example(
             ("special_token_in_text", f"`messages[{i}].{key}` ({ex.messages[i]['role']}) contains control token `{tok}`")
         )
     if fails:
-        return fails, notes, 0, 0
+        return fails, notes, 0, 0, 0
     final = ex.messages[-1]
     if thinking == "off" and any(m.get("reasoning_content") for m in ex.messages):
         notes.append("reasoning_dropped")
@@ -163,15 +201,16 @@ def check_example(
                 fails.append(
                     ("prompt_too_long", f"prompt is `{len(ids)}` tokens, leaving no room to generate within max_length `{max_length}`")
                 )
-            return fails, notes, len(ids), 0
+            return fails, notes, len(ids), 0, 0
         if not ex.has_response:
             fails.append(("no_response", "prompt-only row\nhint: set `regenerate = true` in `[capture]` to generate responses"))
-            return fails, notes, 0, 0
+            return fails, notes, 0, 0, 0
         r = render_example(tokenizer, ex.messages, thinking=thinking)
     except DataError as exc:
         fails.append(("render_error", str(exc)))
-        return fails, notes, 0, 0
+        return fails, notes, 0, 0, 0
     n, loss = len(r.input_ids), r.response_tokens
+    kept = sum(r.loss_mask[:max_length])
     if loss == 0:
         fails.append(("empty_loss_mask", "the response renders to no trainable tokens"))
     elif r.prompt_length >= max_length:
@@ -179,11 +218,10 @@ def check_example(
             ("prompt_too_long", f"prompt is `{r.prompt_length}` tokens >= max_length `{max_length}`; truncation would keep no response tokens")
         )
     elif n > max_length:
-        kept = sum(r.loss_mask[:max_length])
         fails.append(
             ("too_long", f"`{n}` tokens > max_length `{max_length}`; truncation would keep `{kept}` of `{loss}` response tokens")
         )
-    return fails, notes, n, loss
+    return fails, notes, n, loss, kept
 
 
 def check_data(
@@ -216,9 +254,11 @@ def check_data(
     for ex in prepared.examples(splits):
         report.examples += 1
         by_split[ex.split] += 1
-        fails, notes, n, loss = check_example(
+        fails, notes, n, loss, kept = check_example(
             tokenizer, ex, thinking=thinking, max_length=max_length, regenerate=regenerate, tokens=tokens
         )
+        if fails and fails[0][0] in OVERLONG_REASONS:
+            report.overlong.append(Overlong(split=ex.split, id=ex.id, file=str(ex.file), line=ex.line, tokens=n, kept_loss_tokens=kept))
         report.tokens += n
         report.loss_tokens += loss
         report.longest = max(report.longest, n)

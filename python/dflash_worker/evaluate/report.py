@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..stop_tokens import RULE as STOP_TOKENS_RULE
 from ..worker.events import EventSink, Progress
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def _trained_draft(run_dir: Path, recipe, device, selection: dict[str, Any]):
     return model, f"{run_dir / ckpt.CHECKPOINTS / selection['checkpoint']} (af4g64 values)"
 
 
-STOP_RULE = "teacher generation_config.json eos ids (else config.json), then the tokenizer's eos; repeats dropped, order kept"
+STOP_RULE = STOP_TOKENS_RULE
 TAU_POOLED = "committed tokens / verify steps over all prompts"
 LOSSLESS_REFERENCE = "the teacher's own greedy decoding (argmax, same stop tokens and max_new_tokens)"
 

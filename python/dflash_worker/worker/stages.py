@@ -4,7 +4,8 @@ Each stage is idempotent, so a restarted attempt re-runs the list and finished w
 verified or skipped:
 
 - ``prepare``: ``prepare-data`` of ``spec.inputs`` into ``DIR/data``;
-- ``check``: ``check-data`` against the target's tokenizer (no weights);
+- ``check``: ``check-data`` against the target's tokenizer (no weights); examples over
+  ``max_length`` fail it only under ``[capture].on_overlong = "fail"``;
 - ``capture``: teacher features into ``DIR/capture`` (resumes by shard);
 - ``train``: ``DIR/run``; resumes from its newest committed checkpoint, or from the
   lease's ``resume_checkpoint`` (a checkpoint's ``manifest.json``) when this directory
@@ -69,7 +70,7 @@ def run_check(ctx: StageContext) -> None:
         max_length=recipe.data.max_length,
         regenerate=bool(cap and cap.regenerate),
     )
-    report.raise_if_failed()
+    report.raise_if_failed(overlong=cap.on_overlong if cap else "fail")
     _progress(ctx, "check", 1, 1, examples=float(report.examples))
 
 
