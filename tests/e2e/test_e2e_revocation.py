@@ -40,7 +40,7 @@ def test_revoked_provider_is_stopped_and_its_job_completes_elsewhere(tmp_path, p
 
     # A's worker is stopped and A's run-manager exits 1. The revocation reaches A one of two ways: its open
     # Heartbeat stream's next answer is ABORTED (then the AcquireLease after the abandoned attempt is refused),
-    # or a new call (a checkpoint's ReportArtifact) is refused UNAUTHENTICATED first (then A stops at once).
+    # or a new call (a checkpoint's UploadOffset or UploadArtifact) is refused UNAUTHENTICATED first (then A stops at once).
     wait_until(lambda: not pid_alive(worker), timeout=60, what=f"A's worker {worker} to stop")
     rc_a = rm_a.wait()
     err_a = rm_a.text()
@@ -49,8 +49,11 @@ def test_revoked_provider_is_stopped_and_its_job_completes_elsewhere(tmp_path, p
         assert "error: coordinator call `AcquireLease` failed: this provider's token was revoked" in err_a and "(Unauthenticated)" in err_a, err_a
     else:
         assert rm_a.messages(lambda v: v.get("message") == "the coordinator refused this provider's token: killing the worker"), err_a
-        want = f"error: job `{job_id}` abandoned and its worker stopped: coordinator call `ReportArtifact` refused this provider: this provider's token was revoked (Unauthenticated)"
-        assert want in err_a and "hint: check the provider token (`--token`, `--token-file`" in err_a, err_a
+        want = [
+            f"error: job `{job_id}` abandoned and its worker stopped: coordinator call `{call}` refused this provider: this provider's token was revoked (Unauthenticated)"
+            for call in ("UploadOffset", "UploadArtifact")
+        ]
+        assert any(w in err_a for w in want) and "hint: check the provider token (`--token`, `--token-file`" in err_a, err_a
     assert not rm_a.messages(lambda v: v.get("message") == "attempt finished"), err_a
 
     # B takes the job over (attempt 2, from A's last checkpoint) and finishes it.
