@@ -9,11 +9,11 @@ for `AcquireLease`. Authentication happened in `auth.AuthInterceptor`;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -126,19 +126,16 @@ class Artifacts:
         # Staged files being written now, by attempt: path -> declared size.
         self._inflight: dict[str, dict[Path, int]] = {}
         # One commit or deletion of a blob at a time, per sha256.
-        self._blob_locks: dict[str, asyncio.Lock] = {}
+        self._blob_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
-    @contextlib.asynccontextmanager
-    async def _blob_lock(self, sha256: str):
-        lock = self._blob_locks.setdefault(sha256, asyncio.Lock())
-        try:
-            async with lock:
-                yield
-        finally:
-            if not lock.locked() and not getattr(lock, "_waiters", None):
-                self._blob_locks.pop(sha256, None)
+    def _blob_lock(self, sha256: str) -> asyncio.Lock:
+        # Weakly held: a lock lives while a commit or deletion of that blob uses it.
+        lock = self._blob_locks.get(sha256)
+        if lock is None:
+            lock = self._blob_locks[sha256] = asyncio.Lock()
+        return lock
 
-    async def _next(self, it: AsyncIterator, what: str):
+    async def next_message(self, it: AsyncIterator, what: str):
         """The stream's next message, None at its end; DEADLINE_EXCEEDED after the idle limit."""
         try:
             return await asyncio.wait_for(anext(it, None), timeout=self.idle_seconds)
@@ -505,7 +502,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
     async def UploadArtifact(self, request_iterator, context):
         pid = self._provider_id()
         it = aiter(request_iterator)
-        first = await self.artifacts._next(it, "UploadArtifact")
+        first = await self.artifacts.next_message(it, "UploadArtifact")
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidRequestError("UploadArtifact: the first message must be a `header`")
         h = first.header
@@ -513,7 +510,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
         offset = check_uint(h.offset, "header.offset")
 
         async def chunks():
-            while (msg := await self.artifacts._next(it, f"UploadArtifact `{claim.name}`")) is not None:
+            while (msg := await self.artifacts.next_message(it, f"UploadArtifact `{claim.name}`")) is not None:
                 if msg.WhichOneof("msg") != "chunk":
                     raise InvalidRequestError(f"UploadArtifact `{claim.name}`: after the header only `chunk` messages may follow")
                 yield msg.chunk
