@@ -65,8 +65,9 @@ def test_native_worker_environment_holds_no_secret(tmp_path, procs, binaries):
 
     started = rm.wait_for("the worker to start", _started)
     worker = int(started["pid"])
-    argv = cmdline(worker)
-    assert argv and Path(argv[0]).name == NATIVE_CLIENT.name, argv
+    # /proc/PID/cmdline reads empty while the process is between fork and a finished exec.
+    argv = wait_until(lambda: [a for a in [cmdline(worker)] if a and a[0]], timeout=10, what="the worker's command line")[0]
+    assert Path(argv[0]).name == NATIVE_CLIENT.name, argv
     # The token came from the file (it outranks the environment variable).
     assert rm.wait_for("the connection line", lambda v: "provider token from token file" in str(v.get("message", "")))
 
