@@ -330,6 +330,28 @@ def kill_worker(pid: int, job_dir: Path) -> None:
     wait_until(lambda: not pid_alive(pid), timeout=30, what=f"worker {pid} to die")
 
 
+def is_checkpoint_queued(v: dict) -> bool:
+    """The run-manager has the worker's checkpoint event (its upload is queued, not yet done)."""
+    return v.get("message") == "artifact verified; queued for upload" and v.get("kind") == "checkpoint"
+
+
+def stop_at_first_checkpoint(rm: RunManager, pid: int, job_dir: Path) -> int:
+    """SIGSTOP the worker `pid` once `rm` has its first checkpoint event; the newest committed step.
+
+    The checkpoint's report comes later (after its files are uploaded, which on a loaded box
+    can outlast the rest of training), so a test that waited for the report before acting
+    could find training over. Freezing the worker when the run-manager queues the upload
+    leaves the remaining steps for the test to act in. (Freezing it when the directory appears
+    on disk is too early: the worker may not have sent the event yet, and no report would come.)
+    `os.kill(pid, signal.SIGCONT)` lets it go on.
+    """
+    rm.wait_for("a checkpoint event", is_checkpoint_queued)
+    _check_worker(pid, job_dir)
+    os.kill(pid, signal.SIGSTOP)
+    root = job_dir / "run" / "checkpoints"
+    return max(int(e.name[5:]) for e in os.scandir(root) if e.name.startswith("step-") and e.name[5:].isdigit())
+
+
 def metrics_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

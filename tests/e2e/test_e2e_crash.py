@@ -5,8 +5,10 @@ committed checkpoint and its export is byte-identical to an uninterrupted run of
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from e2e_helpers import (
     local_path,
     metrics_steps,
     sha256_file,
+    stop_at_first_checkpoint,
     wait_until,
 )
 
@@ -70,6 +73,8 @@ def test_sigkilled_worker_is_restarted_and_resumes_to_an_identical_export(tmp_pa
     rm = procs.run_manager(work, "--local", "--json", "--spec", str(spec_file))
     started = rm.wait_for("the worker to start", _started)
     job_dir = (work / "jobs" / started["job_id"]).resolve()
+    stopped = stop_at_first_checkpoint(rm, int(started["pid"]), job_dir)
+    assert stopped < STEPS, f"the worker was stopped at step {stopped}, after training"
     first = rm.wait_for("a committed checkpoint", is_checkpoint_report)
     kill_worker(int(started["pid"]), job_dir)
 
@@ -118,6 +123,8 @@ def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_pat
     started = rm1.wait_for("the worker to start", _started)
     job_id = started["job_id"]
     job_dir = (work / "jobs" / job_id).resolve()
+    stopped = stop_at_first_checkpoint(rm1, int(started["pid"]), job_dir)
+    assert stopped < STEPS, f"the worker was stopped at step {stopped}, after training"
     rm1.wait_for("a committed checkpoint", is_checkpoint_report)
     # A machine crash: the run-manager and its worker die together. (The run-manager
     # is frozen first so that it cannot see its worker die and restart it.)
@@ -170,10 +177,14 @@ def test_coordinator_killed_and_restarted_mid_training_the_job_completes(tmp_pat
     rm = procs.run_manager(work, "--coordinator", coord.address, "--token", token, "--max-jobs", "1")
     started = rm.wait_for("the worker to start", _started)
     job_dir = (work / "jobs" / started["job_id"]).resolve()
+    worker = int(started["pid"])
+    stopped = stop_at_first_checkpoint(rm, worker, job_dir)
+    assert stopped < STEPS, f"the worker was stopped at step {stopped}, after training"
     first = rm.wait_for("a committed checkpoint", is_checkpoint_report)
     port = coord.port
     coord.kill()
     assert not (job_dir / "run" / "selection.json").exists(), "training ended before the coordinator was killed"
+    os.kill(worker, signal.SIGCONT)
     # While it is down the worker trains on and the run-manager's calls fail UNAVAILABLE.
     down_from = len(rm.messages())
     rm.wait_for("a failed coordinator call", lambda v: "unavailable" in str(v.get("message", "")).lower() or "heartbeat stream" in str(v.get("message", "")), start=down_from)

@@ -61,7 +61,10 @@ def test_native_worker_environment_holds_no_secret(tmp_path, procs, binaries):
     }
     # The run-manager's environment: the harness's clean one plus the credentials.
     rm = procs.run_manager(tmp_path / "work", "--coordinator", coord.address, "--name", "box-env", "--max-jobs", "1", extra_env=secrets_env)
-    assert environ(rm.proc.pid)["DFLASH_PROVIDER_TOKEN"] == token  # the premise: the parent holds them
+    # The premise: the parent holds them. (/proc/PID/environ, like cmdline, can read empty for
+    # a moment after Popen returns: the exec that closed Popen's error pipe is not finished yet.)
+    parent = wait_until(lambda: environ(rm.proc.pid).get("DFLASH_PROVIDER_TOKEN"), timeout=10, what="the run-manager's environment")
+    assert parent == token
 
     started = rm.wait_for("the worker to start", _started)
     worker = int(started["pid"])
