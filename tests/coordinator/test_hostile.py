@@ -120,6 +120,7 @@ def test_bad_artifact_contents_are_refused(leased, tmp_path):
     good_sha = hashlib.sha256(data).hexdigest()
     assert _code(lambda: p.report(lease.lease_id, "a.bin", data, sha256=hashlib.sha256(b"other").hexdigest())) == C.INVALID_ARGUMENT
     assert _code(lambda: p.report(lease.lease_id, "a.bin", data, sha256="xyz")) == C.INVALID_ARGUMENT
+    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, sha256=good_sha + "\n")) == C.INVALID_ARGUMENT  # refused before staging
     assert _code(lambda: p.report(lease.lease_id, "a.bin", data, size=len(data) + 1)) == C.FAILED_PRECONDITION  # short: resumable
     assert _code(lambda: p.report(lease.lease_id, "a.bin", data, size=len(data) - 1)) == C.INVALID_ARGUMENT  # past the size
     assert _code(lambda: p.report(lease.lease_id, "a.bin", data, kind="weights")) == C.INVALID_ARGUMENT

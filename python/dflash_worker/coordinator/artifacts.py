@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from ..errors import InvalidRequestError, PolicyError, StorageError
 from ..strict_json import no_duplicate_keys
+from .blobs import SHA256_HEX
 from .policy import ARTIFACT_KINDS
 
 MAX_NAME_CHARS = 512
@@ -48,7 +48,6 @@ MAX_MANIFEST_FILES = 256
 CHUNK_BYTES = 1 << 20
 # Protobuf uint64 fields go into SQLite INTEGER columns (signed 64-bit).
 MAX_UINT = (1 << 63) - 1
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 URI_SCHEME = "dflash-artifact"
 
 
@@ -98,7 +97,7 @@ def check_name(name: str) -> str:
 def check_sha256(value: str, field: str = "artifact.sha256") -> str:
     """Return the lowercase hex digest, or raise naming the field."""
     v = (value or "").lower()
-    if not _SHA256.match(v):
+    if not SHA256_HEX.fullmatch(v):
         raise InvalidRequestError(f"`{field}` must be 64 hex digits, got `{(value or '')[:80]}`")
     return v
 

@@ -106,7 +106,8 @@ from botocore.config import Config
 
 from ..errors import ConfigError, InvalidRequestError, NotFoundError, StorageError
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+# A blob id: 64 lowercase hex digits (use with fullmatch). Shared with the artifact checks.
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 LAYOUT_DIR = "sha256"
 CHUNK_BYTES = 1 << 20
 TEMP_PREFIX = ".tmp-"
@@ -164,7 +165,7 @@ class BlobStore(Protocol):
 
 def check_sha256(sha256: object) -> str:
     """`sha256` itself when it is 64 lowercase hex digits; `InvalidRequestError` otherwise."""
-    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+    if not isinstance(sha256, str) or not SHA256_HEX.fullmatch(sha256):
         raise InvalidRequestError(f"blob id `{sha256!r:.80}` is not a sha256\nhint: 64 lowercase hex digits")
     return sha256
 
@@ -375,7 +376,7 @@ class LocalBlobStore:
             except OSError as exc:
                 raise self._error("list", None, exc) from exc
             # Temporary files and anything else that is not a blob in its right place are not blobs.
-            yield from (n for n in names if _SHA256.fullmatch(n) and n[:2] == fanout)
+            yield from (n for n in names if SHA256_HEX.fullmatch(n) and n[:2] == fanout)
 
     def check(self) -> None:
         """Create the directory when missing, prove it writable with a probe file, and sweep stale temporary files."""
@@ -576,7 +577,7 @@ class S3BlobStore:
                     rest = obj["Key"][len(top) :]
                     fanout, _, name = rest.partition("/")
                     # Anything else under the prefix (another tool's keys) is not a blob.
-                    if _SHA256.fullmatch(name) and fanout == name[:2]:
+                    if SHA256_HEX.fullmatch(name) and fanout == name[:2]:
                         yield name
         except _S3_ERRORS as exc:
             raise self._error("list", None, exc) from exc
