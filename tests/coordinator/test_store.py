@@ -57,3 +57,25 @@ def test_list_runs_and_run_jobs_page(tmp_path):
     assert len(jobs) == 2 and len(rest) == 1 and end == ""
     assert len({j.job_id for j in jobs + rest}) == 3
     store.close()
+
+
+def test_wal_checkpoints_run_off_the_committing_connection(tmp_path):
+    # The server's connection never checkpoints inside a commit (a checkpoint fsyncs, and a
+    # heartbeat's commit on the event loop then waits behind an upload's dirty pages); the
+    # background `checkpoint_wal` copies the WAL into the database instead.
+    store = Store(tmp_path / "c.db")
+    store.checkpoint_in_background()
+    assert store.db.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+    wal = tmp_path / "c.db-wal"
+    for i in range(300):  # well past SQLite's default 1,000-page autocheckpoint
+        store.create_run(RunSpecData(name=f"r-{i}", spec_json=json.dumps({"stages": ["noop"], "pad": "x" * 8000}), required_client_version="0.1.0"))
+    grown = wal.stat().st_size
+    assert grown > 1000 * 4096, f"the WAL was checkpointed by a commit ({grown} bytes)"
+    busy, log, done = store.checkpoint_wal()
+    assert busy == 0 and log > 1000 and done == log, (busy, log, done)
+    # Everything is in the database file now: a reader of it alone sees every run.
+    store.close()
+    wal.unlink(missing_ok=True)  # what a crash after the checkpoint could leave: no WAL at all
+    again = Store(tmp_path / "c.db")
+    assert again.db.execute("SELECT count(*) FROM runs").fetchone() == (300,)
+    again.close()

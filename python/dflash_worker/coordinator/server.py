@@ -241,13 +241,25 @@ async def serve(
                 except Exception:  # noqa: BLE001 - keep serving; the next tick retries
                     log.exception("artifact garbage collection failed")
 
+        async def wal_loop():
+            # WAL checkpoints (the database's only fsyncs) on a thread, never inside a commit on the loop.
+            while True:
+                await asyncio.sleep(1.0)
+                try:
+                    await asyncio.to_thread(store.checkpoint_wal)
+                except Exception:  # noqa: BLE001 - keep serving; the next tick retries
+                    log.exception("database checkpoint failed")
+
+        store.checkpoint_in_background()
         ticker = asyncio.create_task(expire_loop())
         janitor = asyncio.create_task(janitor_loop())
+        checkpointer = asyncio.create_task(wal_loop())
         try:
             await stop.wait()
         finally:
             ticker.cancel()
             janitor.cancel()
+            checkpointer.cancel()
             await server.stop(grace=1.0)
     finally:
         store.close()

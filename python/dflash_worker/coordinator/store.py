@@ -56,6 +56,7 @@ import hmac
 import json
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -486,6 +487,8 @@ class Store:
         self.garbage: set[str] = set()
         # Attempts that ended since the server last looked (their staged uploads go).
         self.ended_attempts: set[str] = set()
+        self._ckpt_lock = threading.Lock()
+        self._ckpt_db: sqlite3.Connection | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(str(self.path), isolation_level=None)
@@ -535,7 +538,31 @@ class Store:
             db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(version),))
 
     def close(self) -> None:
+        with self._ckpt_lock:
+            if self._ckpt_db is not None:
+                self._ckpt_db.close()
+                self._ckpt_db = None
         self.db.close()
+
+    def checkpoint_in_background(self) -> None:
+        """Stop this connection's automatic WAL checkpoints: the caller runs `checkpoint_wal` off the loop.
+
+        In WAL mode with ``synchronous=NORMAL`` a commit does not fsync; the checkpoint
+        that copies the WAL into the database does, and by default it runs inside whichever
+        commit crosses 1,000 pages: a heartbeat's, on the event loop, behind every dirty page
+        an upload left for the disk. The server calls `checkpoint_wal` from a thread instead.
+        """
+        self.db.execute("PRAGMA wal_autocheckpoint=0")
+
+    def checkpoint_wal(self) -> tuple[int, int, int]:
+        """One PASSIVE WAL checkpoint on a connection of its own (never waits for writers); SQLite's
+        `(busy, wal pages, pages checkpointed)`. Safe from any one thread at a time."""
+        with self._ckpt_lock:
+            if self._ckpt_db is None:
+                self._ckpt_db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+                self._ckpt_db.execute("PRAGMA busy_timeout=5000")
+            busy, log, done = self._ckpt_db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            return int(busy), int(log), int(done)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
