@@ -6,6 +6,8 @@ directory), leases a job to one provider and, for each size in `--sizes`
 
 - **baseline**, measured in the same run: `cp` of the same file into the same
   filesystem, then an fsync of the copy (the coordinator fsyncs what it stages);
+  beside it, the same copy through user space (1 MiB reads and writes, fsync):
+  `cp` copies inside the kernel (`copy_file_range`), a server cannot;
 - **upload**: UploadArtifact in 1 MiB chunks from a client process (Python
   grpc; the run-manager's Rust client streams the same messages), through
   staging, sha256 verification and the commit into the blob store;
@@ -52,7 +54,7 @@ def parse_size(text: str) -> int:
 
 
 def make_file(path: Path, size: int) -> str:
-    """`size` incompressible bytes (a 16 MiB random block repeated); returns their sha256."""
+    """`size` incompressible bytes (a 16 MiB random block repeated), fsynced; returns their sha256."""
     block = os.urandom(16 * MiB)
     h = hashlib.sha256()
     with open(path, "wb") as f:
@@ -62,6 +64,9 @@ def make_file(path: Path, size: int) -> str:
             f.write(b)
             h.update(b)
             left -= len(b)
+        # On disk before anything is timed: no writeback of it competes with what is measured.
+        f.flush()
+        os.fsync(f.fileno())
     return h.hexdigest()
 
 
@@ -87,6 +92,23 @@ def timed_cp(src: Path, dst: Path) -> float:
     fd = os.open(dst, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
+    return time.perf_counter() - t
+
+
+def timed_user_copy(src: Path, dst: Path) -> float:
+    """The same bytes copied through user space (1 MiB reads and writes, then fsync).
+
+    `cp` (coreutils 9) copies with `copy_file_range`, inside the kernel; any server that
+    receives bytes from a socket must `write` them from user space, so this is the floor
+    of what an upload can reach on this machine. Printed beside `cp`, not instead of it.
+    """
+    t = time.perf_counter()
+    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
+        buf = bytearray(MiB)
+        view = memoryview(buf)
+        while n := fin.readinto(buf):
+            fout.write(view[:n])
+        os.fsync(fout.fileno())
     return time.perf_counter() - t
 
 
@@ -174,6 +196,8 @@ def main() -> int:
                 sha = make_file(src, size)
                 cp_s = timed_cp(src, work / f"cp-{i}.bin")
                 (work / f"cp-{i}.bin").unlink()
+                user_s = timed_user_copy(src, work / f"cp-{i}.bin")
+                (work / f"cp-{i}.bin").unlink()
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=transfer, args=(address, up_token, up_lease, str(src), sha, size, f"bench/{i}.bin", str(work / f"down-{i}.bin"), child))
                 p.start()
@@ -187,8 +211,9 @@ def main() -> int:
                 mib = size / MiB
                 print(f"\n== {mib:.0f} MiB ({'sha256 verified' if ok else 'SHA256 MISMATCH'})")
                 print(f"cp + fsync (baseline)     {cp_s:7.2f} s  {mib / cp_s:8.1f} MiB/s")
-                print(f"upload                    {up:7.2f} s  {mib / up:8.1f} MiB/s   x{cp_s / up:.2f} of cp")
-                print(f"download                  {down:7.2f} s  {mib / down:8.1f} MiB/s   x{cp_s / down:.2f} of cp")
+                print(f"user-space copy + fsync   {user_s:7.2f} s  {mib / user_s:8.1f} MiB/s   x{cp_s / user_s:.2f} of cp")
+                print(f"upload                    {up:7.2f} s  {mib / up:8.1f} MiB/s   x{cp_s / up:.2f} of cp   x{user_s / up:.2f} of the user-space copy")
+                print(f"download                  {down:7.2f} s  {mib / down:8.1f} MiB/s   x{cp_s / down:.2f} of cp   x{user_s / down:.2f} of the user-space copy")
                 print(f"peak RSS over baseline    coordinator {server_peak / 1024:6.1f} MiB   client {max(client_up, client_down) / 1024:6.1f} MiB")
                 rows.append((size, cp_s / up, cp_s / down, server_peak / 1024, max(client_up, client_down) / 1024, ok))
                 for f in (src, work / f"down-{i}.bin"):
