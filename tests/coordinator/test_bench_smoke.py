@@ -36,6 +36,8 @@ def test_artifacts_bench_moves_bytes_both_ways_and_prints_every_figure():
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "== 3 MiB (sha256 verified)" in text, text
-    assert re.search(r"^upload +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M) and re.search(r"^download +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M), text
+    assert re.search(r"^user-space copy \+ fsync +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M), text
+    for way in ("upload", "download"):
+        assert re.search(rf"^{way} +\d+\.\d\d s .* x\d+\.\d\d of cp +x\d+\.\d\d of the user-space copy$", text, re.M), text
     assert re.search(r"^peak RSS over baseline +coordinator +\d+\.\d MiB +client +\d+\.\d MiB$", text, re.M), text
     assert re.search(r"^heartbeat, during upload .* errors 0$", text, re.M) and "sha256 ok" in text, text
