@@ -194,24 +194,49 @@ class Downgrade:
 # ----------------------------------------------------------------- the job itself
 @dataclass(frozen=True, kw_only=True)
 class PrepareOptions:
-    """``spec.prepare``: `prepare_data` keyword arguments; absent ones keep its defaults."""
+    """``spec.prepare``: `prepare_data` keyword arguments; absent ones keep its defaults.
+
+    ``split`` sends every row to one split (a file that is all held-out data);
+    ``holdout_file`` names groups that go to ``test`` whatever the hash says. Either
+    one, as with `prepare-data --split` / `--holdout-file`; `split` excludes the rest.
+    """
 
     seed: int | None = None
     val_fraction: float | None = None
     test_fraction: float | None = None
     skip_invalid: bool | None = None
+    split: str | None = None
+    holdout_file: str | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> PrepareOptions:
+        from ..data.prepare import SPLIT_NAMES
+
         where = "`spec.prepare`"
         obj = _object(obj, where)
-        _refuse_unknown(obj, ("seed", "val_fraction", "test_fraction", "skip_invalid"), where)
-        return cls(
+        _refuse_unknown(obj, ("seed", "val_fraction", "test_fraction", "skip_invalid", "split", "holdout_file"), where)
+        opts = cls(
             seed=_get(obj, "seed", where, (int,), "an integer", None),
             val_fraction=_get(obj, "val_fraction", where, (int, float), "a number", None),
             test_fraction=_get(obj, "test_fraction", where, (int, float), "a number", None),
             skip_invalid=_get(obj, "skip_invalid", where, (bool,), "true or false", None),
+            split=_get(obj, "split", where, (str,), "a split name", None),
+            holdout_file=_get(obj, "holdout_file", where, (str,), "a path", None),
         )
+        if opts.holdout_file is not None:
+            if not opts.holdout_file:
+                raise ConfigError("`spec.prepare.holdout_file` is empty; give the path of a holdout list")
+            _check_path(opts.holdout_file, "`spec.prepare.holdout_file`")
+        if opts.split is not None:
+            if opts.split not in SPLIT_NAMES:
+                raise ConfigError(f"`spec.prepare.split` must be one of {', '.join(f'`{n}`' for n in SPLIT_NAMES)}, found `{opts.split[:40]}`")
+            given = [k for k in ("val_fraction", "test_fraction", "holdout_file") if getattr(opts, k) is not None]
+            if given:
+                raise ConfigError(
+                    f"`spec.prepare.split` sends every row to `{opts.split}`; it cannot be combined with `spec.prepare.{given[0]}`"
+                    "\nhint: give either `split` or the fractions and `holdout_file`"
+                )
+        return opts
 
     def kwargs(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if v is not None}

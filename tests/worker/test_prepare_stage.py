@@ -1,0 +1,98 @@
+"""The job's `prepare` stage with fixed splits (`spec.prepare.split` / `holdout_file`): the same
+data directory, byte for byte, as `prepare-data --split` / `--holdout-file` on the same input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_worker.cli import main
+
+
+def _write_rows(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"question number {i}", "response": f"answer {i}"}) + "\n" for i in range(n)))
+    return path
+
+
+# The prepare stage reads no model; the recipe only has to be well formed.
+RECIPE = {"model": {"target": "/models/target", "draft": "/models/draft", "family": "qwen3"}, "data": {"thinking": "off", "max_length": 256}}
+
+
+def _run_job(job: Path, spec: dict) -> subprocess.CompletedProcess:
+    spec = {**spec, "recipe": RECIPE}
+    job.mkdir()
+    (job / "spec.json").write_text(json.dumps({"schema_version": 1, "spec": spec}))
+    return subprocess.run([sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job)], capture_output=True, text=True, timeout=300)
+
+
+def _digests(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.name != "manifest.json"}
+
+
+def _cli(capsys, *args: str) -> dict:
+    code = main(["prepare-data", *args, "--json"])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    return json.loads(cap.out)
+
+
+def test_split_and_holdout_in_the_job_spec_prepare_what_the_cli_prepares(tmp_path, capsys):
+    src = _write_rows(tmp_path / "in.jsonl", 50)
+
+    # `split`: every row to `test` (a file that is all held-out data).
+    p = _run_job(tmp_path / "job-split", {"stages": ["prepare"], "inputs": [str(src)], "prepare": {"split": "test"}})
+    assert p.returncode == 0, p.stderr
+    m = json.loads((tmp_path / "job-split" / "data" / "manifest.json").read_text())
+    assert m["counts"]["split"] == {"train": 0, "val": 0, "test": 50} and m["params"]["split_mode"] == "all:test"
+    cli = _cli(capsys, "--input", str(src), "--output", str(tmp_path / "cli-split"), "--split", "test")
+    assert m["split_fingerprint"] == cli["split_fingerprint"]
+    assert _digests(tmp_path / "job-split" / "data") == _digests(tmp_path / "cli-split")
+
+    # `holdout_file`: the listed row goes to `test`, the rest keep their hashed split.
+    base = _cli(capsys, "--input", str(src), "--output", str(tmp_path / "base"))
+    train = [json.loads(line) for line in (tmp_path / "base" / "train.jsonl").read_text().splitlines()]
+    hold = tmp_path / "holdout.txt"
+    hold.write_text(f"# pinned\n{train[0]['id']}\n")
+    p = _run_job(tmp_path / "job-hold", {"stages": ["prepare"], "inputs": [str(src)], "prepare": {"holdout_file": str(hold)}})
+    assert p.returncode == 0, p.stderr
+    m = json.loads((tmp_path / "job-hold" / "data" / "manifest.json").read_text())
+    assert m["holdout"]["sha256"] == hashlib.sha256(hold.read_bytes()).hexdigest() and m["holdout"]["rows"] == 1
+    assert m["counts"]["split"]["test"] == base["counts"]["split"]["test"] + 1
+    test_ids = [json.loads(line)["id"] for line in (tmp_path / "job-hold" / "data" / "test.jsonl").read_text().splitlines()]
+    assert train[0]["id"] in test_ids
+    cli = _cli(capsys, "--input", str(src), "--output", str(tmp_path / "cli-hold"), "--holdout-file", str(hold))
+    assert m["split_fingerprint"] == cli["split_fingerprint"] != base["split_fingerprint"]
+    assert _digests(tmp_path / "job-hold" / "data") == _digests(tmp_path / "cli-hold")
+
+
+@pytest.mark.parametrize(
+    ("prepare", "needle"),
+    [
+        ({"split": "holdout"}, "`spec.prepare.split` must be one of `train`, `val`, `test`, found `holdout`"),
+        ({"split": 3}, "`split` must be a split name"),
+        ({"split": "test", "test_fraction": 0.1}, "cannot be combined with `spec.prepare.test_fraction`"),
+        ({"split": "val", "holdout_file": "h.txt"}, "cannot be combined with `spec.prepare.holdout_file`"),
+        ({"holdout_file": ""}, "`spec.prepare.holdout_file` is empty"),
+        ({"holdout_file": "a\0b"}, "`spec.prepare.holdout_file` contains a NUL character"),
+        ({"holdout_file": ["h.txt"]}, "`holdout_file` must be a path"),
+    ],
+)
+def test_bad_fixed_split_options_are_refused_before_anything_is_written(tmp_path, prepare, needle):
+    src = _write_rows(tmp_path / "in.jsonl", 5)
+    p = _run_job(tmp_path / "job", {"stages": ["prepare"], "inputs": [str(src)], "prepare": prepare})
+    last = json.loads(p.stdout.splitlines()[-1])
+    assert p.returncode == 1 and last["event"] == "error" and needle in last["message"], (p.stdout, p.stderr)
+    assert not (tmp_path / "job" / "data").exists()
+
+
+def test_a_missing_holdout_file_is_named(tmp_path):
+    src = _write_rows(tmp_path / "in.jsonl", 5)
+    p = _run_job(tmp_path / "job", {"stages": ["prepare"], "inputs": [str(src)], "prepare": {"holdout_file": str(tmp_path / "nope.txt")}})
+    last = json.loads(p.stdout.splitlines()[-1])
+    assert p.returncode == 1 and last["event"] == "error" and f"cannot read holdout file `{tmp_path / 'nope.txt'}`" in last["message"], p.stdout
+    assert not (tmp_path / "job" / "data" / "manifest.json").exists()
