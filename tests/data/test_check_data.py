@@ -138,7 +138,13 @@ def test_check_cli_ok_and_json(prepared, tokenizer_only_target, capsys):
     rc = main(["check-data", "--data", str(prepared), "--target", str(tokenizer_only_target), "--thinking", "off", "--json"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert json.loads(out.out)["ok"] is True
+    assert json.loads(out.out)["ok"] is True  # stdout holds only the report
+    assert out.err.startswith("checked 12 examples") and out.err.rstrip().endswith("ok"), out.err
+    # Without --json the summary is stdout's, and stderr holds no part of it.
+    rc = main(["check-data", "--data", str(prepared), "--target", str(tokenizer_only_target), "--thinking", "off"])
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.startswith("checked 12 examples (") and out.out.splitlines()[-1] == "ok", out
+    assert "checked" not in out.err, out.err
 
 
 def test_special_tokens_in_user_text_and_prompt_only_rows(tmp_path, tokenizer_only_target):

@@ -257,4 +257,10 @@ def test_cli_reports_file_and_line_and_skips_when_asked(tmp_path, capsys):
     assert main(["prepare-data", "--input", str(f), "--output", str(out), "--skip-invalid", "--json"]) == 0
     cap = capsys.readouterr()
     assert "skipped `in.jsonl` line 2: invalid_json" in cap.err
-    assert json.loads(cap.out)["dropped"] == {"invalid_json": 1}
+    assert json.loads(cap.out)["dropped"] == {"invalid_json": 1}  # stdout holds only the manifest
+    assert "prepared 1 rows into" in cap.err and "dropped invalid_json 1" in cap.err
+    # Without --json the summary is on stdout; the skipped line (a warning) stays on stderr.
+    assert main(["prepare-data", "--input", str(f), "--output", str(tmp_path / "out2"), "--skip-invalid"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.splitlines() == [f"prepared 1 rows into `{tmp_path / 'out2'}` (train 1, val 0, test 0)", "dropped invalid_json 1"], cap.out
+    assert "skipped `in.jsonl` line 2: invalid_json" in cap.err and "prepared" not in cap.err

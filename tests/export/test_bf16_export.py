@@ -79,7 +79,8 @@ def test_export_cli_formats_and_manifest(pipeline, trained_run):
     res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "export", "--run", str(run), "--format", "af4g64", "--json"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    manifest = json.loads(res.stdout)
+    manifest = json.loads(res.stdout)  # stdout holds only the manifest; the summary is a log line
+    assert f"export: wrote `{run / 'export-af4g64'}` (af4g64, step {trained_run.selection['step']})" in res.stderr, res.stderr
     chain = manifest["provenance"]
     assert chain["chain"] == ["data", "split", "capture", "recipe", "checkpoint", "export"]
     assert set(chain) == set(chain["chain"]) | {"chain"}

@@ -27,4 +27,9 @@ def test_preflight_cli_json(pipeline):
                           "--length", "64", "--json"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["verdict"] == "go"
-    assert "capture peak" in res.stderr and "optimization peak" in res.stderr
+    assert "capture peak" in res.stderr and "optimization peak" in res.stderr  # a log line beside the JSON
+    plain = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "preflight", "--recipe", str(pipeline.recipe("preflight-cli")),
+                            "--length", "64"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.startswith("preflight: 64 tokens") and "optimization peak" in plain.stdout and "go:" in plain.stdout, plain.stdout
+    assert "capture peak" not in plain.stderr

@@ -136,7 +136,9 @@ def test_sigint_checkpoints_exits_zero_and_resumes_bit_identical(pipeline, refer
     run = pipeline.root / "resume-int"
     r1 = _start_and_signal(recipe, run, 3, signal.SIGINT)
     assert r1.returncode == 0, r1.stderr
-    assert "stopped by SIGINT" in r1.stderr and "--resume" in r1.stderr
+    assert "stopped by SIGINT" in r1.stderr and "--resume" in r1.stderr  # the trainer's log line
+    # ...and the result, once, on stdout (the command's summary; logs stay on stderr).
+    assert r1.stdout.startswith("train: stopped by SIGINT at step") and len(r1.stdout.splitlines()) == 1, r1.stdout
     stopped_at = max(_steps(run))
     assert ckpt.latest(run).name == ckpt.step_name(stopped_at)  # committed at the step boundary
     _run_to_end(recipe, "--resume")

@@ -36,16 +36,18 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True, ensure_ascii=False))
+    # The summary on stdout (with `--json`, a log line: stdout holds only the report); failures on stderr.
+    summary = sys.stderr if args.json else sys.stdout
     by_split = ", ".join(f"{k} {v}" for k, v in report.examples_by_split.items())
     print(
         f"checked {report.examples} examples ({by_split}) thinking {report.thinking}, max_length {report.max_length}: "
         f"{report.tokens} tokens, {report.loss_tokens} response tokens, longest {report.longest}",
-        file=sys.stderr,
+        file=summary,
     )
     if report.notes:
-        print("notes: " + ", ".join(f"{k} {v}" for k, v in report.notes.items()), file=sys.stderr)
+        print("notes: " + ", ".join(f"{k} {v}" for k, v in report.notes.items()), file=summary)
     if report.ok:
-        print("ok", file=sys.stderr)
+        print("ok", file=summary)
         return 0
     if report.examples == 0:
         print("error: no examples to check", file=sys.stderr)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                 None: "lossless not checked (temperature > 0)"}[report["lossless"]]
     print(f"evaluate: {report['prompts']} prompts, acceptance length (pooled) baseline {b['tau_pooled']:.3f} -> trained "
           f"{t['tau_pooled']:.3f}: {report['verdict']} (per-prompt mean {b['tau_mean']:.3f} -> {t['tau_mean']:.3f}); {lossless}",
-          file=sys.stderr)
+          file=sys.stderr if args.json else sys.stdout)  # with `--json` stdout holds only the report
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     return 0

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not args.overwrite:
         raise ExportError(f"export directory `{out}` already exists\nhint: pass `--overwrite` or `--output DIR`")
     res = export_run(run_dir, fmt=args.format, recipe=recipe, selection=selection, out_dir=out, overwrite=args.overwrite)
-    print(f"export: wrote `{res.out_dir}` ({args.format}, step {selection['step']})", file=sys.stderr)
+    # The summary on stdout; with `--json` stdout holds only the manifest and the summary is a log line.
+    print(f"export: wrote `{res.out_dir}` ({args.format}, step {selection['step']})", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(res.manifest, indent=2, sort_keys=True))
     return 0

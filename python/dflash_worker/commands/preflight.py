@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         f"  capture peak:      {report['capture_peak']['bytes'] / gib:.3f} GiB ({report['capture_peak']['what']})\n"
         f"  optimization peak: {report['optimization_peak']['bytes'] / gib:.3f} GiB ({report['optimization_peak']['what']})\n"
         f"  {report['verdict']}: {report['reason']}",
-        file=sys.stderr,
+        file=sys.stderr if args.json else sys.stdout,  # with `--json` stdout holds only the report
     )
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))

@@ -50,13 +50,15 @@ def run(args: argparse.Namespace) -> int:
         test_fraction=args.test_fraction, skip_invalid=args.skip_invalid,
         max_line_bytes=args.max_line_bytes, on_drop=on_drop, split=args.split, holdout_file=args.holdout_file,
     )
+    # The summary on stdout (with `--json`, log lines: stdout holds only the manifest); warnings on stderr.
+    summary = sys.stderr if args.json else sys.stdout
     c = m["counts"]
     split = ", ".join(f"{k} {v}" for k, v in c["split"].items())
-    print(f"prepared {c['rows']} rows into `{args.output}` ({split})", file=sys.stderr)
+    print(f"prepared {c['rows']} rows into `{args.output}` ({split})", file=summary)
     h = m.get("holdout")
     if h is not None:
         print(f"held out {h['rows']} rows ({h['groups']} groups) in test, listed in `{args.holdout_file}`",
-              file=sys.stderr)
+              file=summary)
         if h["unknown_keys"]:
             first = ", ".join(f"`{k}`" for k in h["unknown_listed"][:5])
             print(
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     if m["dropped"]:
-        print("dropped " + ", ".join(f"{k} {v}" for k, v in m["dropped"].items()), file=sys.stderr)
+        print("dropped " + ", ".join(f"{k} {v}" for k, v in m["dropped"].items()), file=summary)
     if args.json:
         print(json.dumps(m, indent=2, sort_keys=True, ensure_ascii=False))
     return 0

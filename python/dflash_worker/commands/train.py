@@ -48,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    if result.message not in logged:  # a stop is already logged by the trainer; say it once
+    # The result on stdout; with `--json` stdout holds only the JSON and the result is a log
+    # line (once: a stop is already logged by the trainer).
+    if not args.json:
+        print(f"train: {result.message}")
+    elif result.message not in logged:
         print(f"train: {result.message}", file=sys.stderr)
     if args.json:
         out = {
