@@ -20,6 +20,7 @@ from .errors import DflashError
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect-checkpoint": ("inspect_checkpoint", "list tensors, dtypes and family of a checkpoint (headers only)"),
     "validate-pair": ("validate_pair", "check that a draft fits a target (headers only)"),
+    "init-draft": ("init_draft", "a fresh DFlash2 or DFlash (v1) draft for a target, to train from scratch"),
     "prepare-data": ("prepare_data", "normalise, deduplicate and split JSONL data into train/val/test"),
     "check-data": ("check_data", "render prepared data with the target's chat template (no weights) and report failures"),
     "capture": ("capture", "run the frozen teacher over prepared data and cache the draft's features (resumable)"),

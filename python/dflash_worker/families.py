@@ -354,11 +354,50 @@ def draft_geometry(info: CheckpointInfo) -> DraftGeometry:
     )
 
 
+# Architecture names upstream `save_pretrained` writes (as in `model.config.ARCHITECTURES`;
+# repeated here so that header-only checks never import torch).
+_DRAFT_ARCHITECTURES = {"DFlash2DraftModel": "dflash2", "DFlashDraftModel": "dflash"}
+_SELECTOR_FIELDS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
+
+
+def draft_kind(info: CheckpointInfo) -> str:
+    """`dflash2` or `dflash` (v1), by the rule `DraftConfig` uses: `architectures` first, then
+    whether the config sets every DFlash2 field."""
+    archs = info.config.get("architectures") or []
+    for arch in ("DFlash2DraftModel", "DFlashDraftModel"):
+        if arch in archs:
+            return _DRAFT_ARCHITECTURES[arch]
+    if all(draft_value(info.config, name) is not None for name in _SELECTOR_FIELDS):
+        return "dflash2"
+    return "dflash"
+
+
 def draft_problems(info: CheckpointInfo) -> list[Problem]:
-    """Self-consistency of a DFlash2 draft (config vs tensor shapes), without a target."""
+    """Self-consistency of a DFlash2 or DFlash (v1) draft (config vs tensor shapes), without a target.
+
+    A v1 draft has no candidate selector and no convolutions; one that carries them anyway is refused,
+    since the model would silently ignore trained tensors."""
     probs = quantization_problems(info, "draft")
     g = draft_geometry(info)
     t = _strip_model_prefix(info.tensors)
+    if draft_kind(info) == "dflash":
+        extra = sorted(n for n in t if n.startswith("candidate_selector.") or "_conv." in n)
+        if extra:
+            probs.append(
+                Problem(
+                    extra[0],
+                    f"draft config `{info.config_path}` is a DFlash (v1) draft but the checkpoint holds DFlash2 tensors "
+                    f"(`{extra[0]}` and {len(extra) - 1} more)\nhint: set `architectures` to `[\"DFlash2DraftModel\"]` "
+                    "and the `dflash_config` selector and convolution fields",
+                )
+            )
+        return probs + _backbone_problems(info, g, t)
+    return probs + _backbone_problems(info, g, t) + _dflash2_problems(info, g, t)
+
+
+def _backbone_problems(info: CheckpointInfo, g: DraftGeometry, t: dict[str, TensorEntry]) -> list[Problem]:
+    """What DFlash and DFlash2 drafts share: hidden size, taps, the context projection, the layer count."""
+    probs: list[Problem] = []
     H = _as_int(g.hidden_size)
     if H is None or H <= 0:
         probs.append(Problem("hidden_size", f"draft config `{info.config_path}` has no valid `hidden_size` (found `{g.hidden_size}`)"))
@@ -380,6 +419,18 @@ def draft_problems(info: CheckpointInfo) -> list[Problem]:
             )
         elif fc.shape[0] != H:
             probs.append(Problem("fc.weight", f"`fc.weight` has shape `{list(fc.shape)}`: output width must be hidden_size `{H}`"))
+    n_layers = _as_int(g.num_hidden_layers)
+    if n_layers is not None:
+        seen = {int(m.group(1)) for n in t if (m := _LAYER.match(n))}
+        if seen and seen != set(range(n_layers)):
+            probs.append(Problem("num_hidden_layers", f"config says `{n_layers}` draft layers, checkpoint has layers `{sorted(seen)}`"))
+    return probs
+
+
+def _dflash2_problems(info: CheckpointInfo, g: DraftGeometry, t: dict[str, TensorEntry]) -> list[Problem]:
+    """The candidate selector's and the convolutions' shapes."""
+    probs: list[Problem] = []
+    H = _as_int(g.hidden_size)
     r = _as_int(g.selector_rank)
     V = _as_int(g.vocab_size)
     for cb in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
@@ -405,11 +456,6 @@ def draft_problems(info: CheckpointInfo) -> list[Problem]:
             if len(e.shape) != 3 or e.shape[0] != 2 or e.shape[2] != H or (k is not None and e.shape[1] != k):
                 probs.append(Problem(name, f"`{name}` has shape `{list(e.shape)}`, expected [2, conv_kernel_size `{k}`, hidden_size `{H}`]"))
                 break
-    n_layers = _as_int(g.num_hidden_layers)
-    if n_layers is not None:
-        seen = {int(m.group(1)) for n in t if (m := _LAYER.match(n))}
-        if seen and seen != set(range(n_layers)):
-            probs.append(Problem("num_hidden_layers", f"config says `{n_layers}` draft layers, checkpoint has layers `{sorted(seen)}`"))
     return probs
 
 
@@ -499,6 +545,7 @@ __all__ = [
     "TargetReport",
     "detect_family",
     "draft_geometry",
+    "draft_kind",
     "draft_problems",
     "get_family",
     "is_draft",

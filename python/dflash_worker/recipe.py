@@ -175,6 +175,7 @@ class CaptureConfig:
 
 
 SCOPES = ("selector", "context", "final_backbone", "recall", "full")
+PRESETS = ("from_scratch",)
 OBJECTIVES = ("weighted_ce", "prefix_survival")
 SCHEDULES = ("cosine", "linear", "constant")
 AUTOCAST = ("auto", "bf16", "off")
@@ -226,11 +227,36 @@ class TrainConfig:
     device: str = "auto"
     qat: str | None = None
     qat_scope: str = "selector_context"
+    preset: str | None = None
     output: Path | None = _path_field(default=None)
+
+    @staticmethod
+    def apply_preset(table: dict[str, Any]) -> dict[str, Any]:
+        """`[train]` with its `preset`'s defaults under the keys the table leaves out.
+
+        ``from_scratch`` (a draft made by `init-draft`, nothing released to keep): scope
+        ``full``, lr 6e-4, linear warmup over 4% of the steps (at least 1), cosine decay to
+        10% of lr, weight decay 0.01. Every value the table sets wins over the preset's."""
+        preset = table.get("preset")
+        if preset is None:
+            return table
+        _check_choice("train", "preset", preset, PRESETS)
+        steps = table.get("steps", 100)
+        warmup = max(1, math.ceil(0.04 * steps)) if isinstance(steps, int) and not isinstance(steps, bool) else 1
+        defaults = {"scope": "full", "lr": 6e-4, "warmup_steps": warmup, "schedule": "cosine",
+                    "min_lr_ratio": 0.1, "weight_decay": 0.01}
+        return {**defaults, **table}
 
     def __post_init__(self) -> None:
         s = "train"
         _check_choice(s, "scope", self.scope, SCOPES)
+        if self.preset is not None:
+            _check_choice(s, "preset", self.preset, PRESETS)
+            if self.scope != "full":
+                raise ConfigError(
+                    f"`[train].preset = \"{self.preset}\"` trains every tensor of a fresh draft, but `scope` is `{self.scope}`"
+                    "\nhint: remove `scope` (the preset sets `full`), or remove `preset` to adapt part of a released draft"
+                )
         _check_choice(s, "objective", self.objective, OBJECTIVES)
         if self.gamma is not None:
             _check_number(s, "gamma", self.gamma, 0.0, lo_open=True)
@@ -398,6 +424,11 @@ def _resolve_path(name: str, key: str, value: Any, base: Path, where: str) -> Pa
 def _build_section(name: str, cls: type, table: Any, base: Path, where: str) -> Any:
     if not isinstance(table, dict):
         raise ConfigError(f"`{name}` must be a table (`[{name}]`) in `{where}`")
+    if hasattr(cls, "apply_preset"):
+        try:
+            table = cls.apply_preset(table)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}\nin `{where}`") from None
     known = {f.name: f for f in fields(cls) if f.init}
     for key in table:
         if key not in known:

@@ -97,3 +97,42 @@ def test_later_sections_plug_in_without_breaking(tmp_path, monkeypatch):
     assert r.train == TrainConfig(lr=0.5)
     assert r.resolved()["train"] == {"lr": 0.5}
 
+
+
+def test_from_scratch_preset_fills_what_the_table_leaves_out(tmp_path):
+    p = tmp_path / "r.toml"
+    p.write_text(MINIMAL + '[train]\npreset = "from_scratch"\nsteps = 1000\n')
+    t = load_recipe(p).train
+    assert (t.preset, t.scope, t.lr, t.warmup_steps, t.schedule, t.min_lr_ratio, t.weight_decay) == (
+        "from_scratch", "full", 6e-4, 40, "cosine", 0.1, 0.01)
+    # the filled values are what manifests record, so two spellings of one recipe fingerprint alike
+    spelled = MINIMAL + (
+        '[train]\npreset = "from_scratch"\nscope = "full"\nsteps = 1000\nlr = 6e-4\nwarmup_steps = 40\n'
+        'schedule = "cosine"\nmin_lr_ratio = 0.1\nweight_decay = 0.01\n')
+    (tmp_path / "s.toml").write_text(spelled)
+    assert load_recipe(tmp_path / "s.toml").fingerprint() == load_recipe(p).fingerprint()
+    assert load_recipe(p).resolved()["train"]["preset"] == "from_scratch"
+    # what the table sets wins; a short run still warms up for one step
+    p.write_text(MINIMAL + '[train]\npreset = "from_scratch"\nsteps = 10\nlr = 3e-3\nschedule = "linear"\n')
+    t = load_recipe(p).train
+    assert (t.lr, t.schedule, t.warmup_steps) == (3e-3, "linear", 1)
+    # without a preset nothing changes: `scope` is still required
+    p.write_text(MINIMAL + '[train]\nsteps = 10\n')
+    with pytest.raises(ConfigError, match="is missing `scope`"):
+        load_recipe(p)
+
+
+@pytest.mark.parametrize(
+    "table, match",
+    [
+        ('preset = "from_scratch"\nscope = "selector"', r"trains every tensor of a fresh draft, but `scope` is `selector`"),
+        ('preset = "warm"\nscope = "full"', r"`\[train\].preset` is `warm`"),
+        ('preset = 1\nscope = "full"', r"`\[train\].preset` must be str"),
+    ],
+)
+def test_bad_presets_are_refused_with_the_file(tmp_path, table, match):
+    p = tmp_path / "r.toml"
+    p.write_text(MINIMAL + "[train]\n" + table + "\n")
+    with pytest.raises(ConfigError, match=match) as info:
+        load_recipe(p)
+    assert str(p) in str(info.value)

@@ -274,3 +274,47 @@ def test_recipe_family_must_match_the_target(tmp_path):
     assert check_recipe_pair(target, draft, "qwen3_moe").family == "qwen3_moe"
     with pytest.raises(FamilyError, match=r"recipe says `\[model\].family = \"qwen3\"`.*qwen3_moe"):
         check_recipe_pair(target, draft, "qwen3")
+
+
+# --------------------------------------------------------------------------- DFlash (v1) drafts
+
+
+def _v1_draft(tmp_path, target_dir, name="v1"):
+    from dflash_worker.model import DraftConfig, build_draft, save_draft
+    from dflash_worker.testing.tiny_draft import tiny_dflash_config
+    from dflash_worker.testing.world import target_config
+
+    path = tmp_path / name
+    save_draft(build_draft(DraftConfig.from_dict(tiny_dflash_config(target_config(target_dir))), seed=0), path,
+               dtype=torch.bfloat16)
+    return path
+
+
+@pytest.mark.parametrize("fam", ["qwen3", "qwen3_moe"])
+def test_dflash_v1_draft_fits_without_a_selector(targets, tmp_path, fam):
+    from dflash_worker.families import draft_kind, read_checkpoint_info
+
+    d = _v1_draft(tmp_path, targets[fam])
+    assert draft_kind(read_checkpoint_info(d)) == "dflash"
+    rep = validate_pair(targets[fam], d)
+    assert rep.family == fam and rep.draft.selector_rank is None
+    proc = _cli("validate-pair", "--target", str(targets[fam]), "--draft", str(d))
+    assert proc.returncode == 0 and proc.stdout.startswith("ok: draft fits target"), proc.stderr
+
+
+def test_dflash_v1_config_over_dflash2_tensors_is_refused(targets, tmp_path):
+    # a DFlash2 checkpoint whose config says v1: the model would drop the selector and convolutions silently
+    d = _draft(tmp_path, tiny_qwen3_config())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["DFlashDraftModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    msg = _fails(targets["qwen3"], d, "candidate_selector.hidden_projection.weight")
+    assert "is a DFlash (v1) draft but the checkpoint holds DFlash2 tensors" in msg
+
+
+def test_dflash2_config_without_its_selector_is_still_refused(targets, tmp_path):
+    d = _v1_draft(tmp_path, targets["qwen3"], name="says-v2")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    _fails(targets["qwen3"], d, "candidate_selector.predecessor_codebook")

@@ -262,6 +262,11 @@ def loss_weights(model: DraftModel, cfg: TrainConfig, device: torch.device) -> L
     sel_w = cfg.selector_weight
     selector = (1.0 if includes_selector(cfg.scope) else 0.0) if sel_w is None else float(sel_w)
     if model.candidate_selector is None:
+        if sel_w is not None and sel_w > 0:
+            raise ConfigError(
+                f"`[train].selector_weight` is `{sel_w}` but the draft is a DFlash (v1) draft, which has no candidate selector"
+                "\nhint: remove `selector_weight`"
+            )
         selector = 0.0
     if main == 0 and selector == 0:
         raise ConfigError("scope `selector` with `selector_weight = 0` trains nothing\nhint: remove `selector_weight`")
