@@ -87,7 +87,7 @@ def test_parser_sees_marked_blocks():
     runnable = [b for b in bs if b.info[:2] == ("sh", "test")]
     assert len(runnable) >= 10
     assert any(b.info == ("sh", "test", "fails") for b in bs)
-    assert {b.file for b in bs if b.file} >= {"recipe.toml", "recipe-moe.toml", "recipe-regen.toml"}
+    assert {b.file for b in bs if b.file} >= {"recipe.toml", "recipe-moe.toml", "recipe-regen.toml", "recipe-scratch.toml"}
     # a block is never half-marked: `test` only after `sh`
     assert all(b.lang == "sh" for b in bs if "test" in b.info[1:])
 
@@ -161,6 +161,14 @@ def test_quickstart_blocks_run_in_order(tmp_path):
     moe = tmp_path / "runs" / "moe-draft"
     assert json.loads((moe / "selection.json").read_text())["export"]["format"] == "af4g64"
     assert json.loads((tmp_path / "runs" / "moe-capture" / "manifest.json").read_text())
+
+    # "Train a draft from scratch": a fresh DFlash2 and a fresh DFlash (v1) draft both beat tau 1.5
+    for kind, arch in (("dflash2", "DFlash2DraftModel"), ("dflash1", "DFlashDraftModel")):
+        scratch = tmp_path / "runs" / f"scratch-{kind}"
+        assert json.loads((scratch / "export" / "config.json").read_text())["architectures"] == [arch]
+        report = json.loads((scratch / "evaluate-test" / "report.json").read_text())
+        assert report["trained"]["tau_pooled"] > 1.5 and report["baseline"]["tau_pooled"] == 1.0, kind
+        assert report["lossless"] is True
 
     # The run spec the guide writes (its `run-manager --local` block is not run here: tests/e2e runs jobs).
     from dflash_worker.worker.spec import JobSpec

@@ -139,6 +139,25 @@ def capture_fingerprint(capture_dir: Path) -> str:
     return fingerprint({"capture_key": manifest["capture_key"], "shards": [[s["file"], s["sha256"]] for s in manifest["shards"]]})
 
 
+def check_capture_fits_draft(capture_dir: Path, draft_dir: Path) -> None:
+    """The capture holds the features of the target layers the draft taps (manifests and config.json only).
+
+    A capture made for another draft (another `target_layer_ids`) would otherwise train on the wrong layers
+    whenever the number of taps agrees."""
+    from ..capture.run import read_target_layer_ids
+    from ..errors import DataError
+
+    manifest = json.loads((Path(capture_dir) / "manifest.json").read_text(encoding="utf-8"))
+    captured = manifest.get("target_layer_ids")
+    tapped = read_target_layer_ids(draft_dir)
+    if captured != tapped:
+        raise DataError(
+            f"capture `{capture_dir}` holds the features of target layers `{captured}`, but draft `{draft_dir}` "
+            f"taps target layers `{tapped}`\nhint: capture again for this draft (a new `[capture].output`), "
+            "or train the draft the capture was made for"
+        )
+
+
 def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raise `ResumeError` naming every field in which `current` differs from `saved`."""
     diffs = []
@@ -387,6 +406,7 @@ class Trainer:
         from ..families import check_recipe_pair
 
         check_recipe_pair(recipe.model.target, recipe.model.draft, recipe.model.family)
+        check_capture_fits_draft(self.cap.output, recipe.model.draft)
         self.identity = {
             "recipe_view": resume_view(recipe),
             "recipe_fingerprint": fingerprint(resume_view(recipe)),
