@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..recipe import load_recipe
     from ..train import train
+    from ..train.dist import ranks_from_env
     from ..worker.events import Event, Log, Progress
 
     recipe = load_recipe(args.recipe)
@@ -48,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    if not ranks_from_env().main:  # under torchrun, rank 0 speaks for the run; the others log that they are done
+        print(f"train: {result.message}", file=sys.stderr)
+        return 0
     # The result on stdout; with `--json` stdout holds only the JSON and the result is a log
     # line (once: a stop is already logged by the trainer).
     if not args.json:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ from ..manifest import fingerprint, sha256_file
 from ..recipe import Recipe, TrainConfig
 from ..worker.events import Artifact, Event, EventSink, Log, Progress
 from . import checkpoint as ckpt
+from . import dist
 from .data import CapturedSplit, Order, Sequence, mix, sample_anchors
 from .objectives import (
     block_labels,
@@ -310,13 +312,18 @@ class TrainSetup:
     order: Order
 
     @classmethod
-    def load(cls, recipe: Recipe, export_format: str, choice: DeviceChoice | None = None) -> TrainSetup:
-        """Everything a run trains with; `choice` replaces resolving `[train].device` when given."""
+    def load(
+        cls, recipe: Recipe, export_format: str, choice: DeviceChoice | None = None, ranks: dist.Ranks | None = None
+    ) -> TrainSetup:
+        """Everything a run trains with; `choice` replaces resolving `[train].device` when given;
+        with several `ranks`, this rank's device (`dist.place`) and the process group joined."""
         from ..device import resolve_device
         from ..model import load_draft
 
         cfg, cap = recipe.require("train"), recipe.require("capture")
-        device = (choice or resolve_device(cfg.device)).torch_device
+        ranks = ranks or dist.Ranks()
+        device = dist.place(ranks, (choice or resolve_device(cfg.device)).torch_device)
+        dist.init(ranks, device)
         model = load_draft(recipe.model.draft, device=device, dtype=torch.float32)
         head = load_target_head(recipe.model.target, device=device, dtype=torch.float32)
         tensors = select_tensors(model, cfg, export_format)
@@ -389,12 +396,15 @@ class Trainer:
         skip_data_check: bool = False,
         device: DeviceChoice | None = None,
         attention: str = "auto",
+        ranks: dist.Ranks | None = None,
     ) -> None:
         self.recipe = recipe
+        self.ranks = ranks if ranks is not None else dist.ranks_from_env()
         self.cfg = recipe.require("train")
         self.cap = recipe.require("capture")
         self.run_dir = Path(run_dir)
-        self.emit: EventSink = on_event or _ignore
+        # only rank 0 reports (`dist`): the others train in step and stay silent
+        self.emit: EventSink = (on_event or _ignore) if self.ranks.main else _ignore
         self.flags = flags or StopFlags()
         self.hooks = hooks or Hooks()
         self.resume = resume
@@ -436,7 +446,7 @@ class Trainer:
 
     def setup(self) -> None:
         """Load the draft (FP32 masters), the target head and the captured data."""
-        self._setup = TrainSetup.load(self.recipe, self.export_format, self.device_choice)
+        self._setup = TrainSetup.load(self.recipe, self.export_format, self.device_choice, self.ranks)
 
     # Read-only views of the setup, for the methods below, hooks and tests.
     @property
@@ -537,7 +547,8 @@ class Trainer:
         self.step = loaded.step
         self.val_history = list(loaded.state.get("val_history") or [])
         self.committed_step = loaded.step
-        truncate_metrics(self.run_dir / METRICS, loaded.step)
+        if self.ranks.main:  # the metrics file is rank 0's: another rank rewriting it would race its appends
+            truncate_metrics(self.run_dir / METRICS, loaded.step)
 
     # ----------------------------------------------------------------- compute
     def _autocast(self):
@@ -591,11 +602,11 @@ class Trainer:
 
         return quantized_weights(self.model, self.qat_names)
 
-    def _micro_batches(self) -> list[Blocks]:
-        """The `grad_accum` sequences of this step and their seeded anchors (`data` module docstring)."""
+    def _micro_batches(self, slots: list[int]) -> list[Blocks]:
+        """The sequences of this step's micro-batch `slots` and their seeded anchors (`data` module docstring)."""
         cfg = self.cfg
         out = []
-        for j in range(cfg.grad_accum):
+        for j in slots:
             g = self.step * cfg.grad_accum + j
             seq = self.train_split.get(self.order(g))
             out.append(self.blocks(seq, sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 1, g))))
@@ -614,14 +625,16 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `grad_accum` micro-batches; returns its metrics line."""
-        w = self.parts.weights
+        w, ranks, dev = self.parts.weights, self.ranks, self.parts.device
         t0 = time.perf_counter()
         self.model.train()
-        batch = self._micro_batches()
-        denom = sum(weight_total(b.valid, w.positions) for b in batch if b.anchors.numel())
+        slots = ranks.mine(self.cfg.grad_accum)
+        batch = self._micro_batches(slots)
+        # the normaliser of the whole step, over every rank's micro-batches (`dist`)
+        denom = dist.sum_floats(ranks, [sum(weight_total(b.valid, w.positions) for b in batch if b.anchors.numel())], dev)[0]
         tot = {"loss": 0.0, "ce": 0.0, "selector_ce": 0.0, "positions": 0, "blocks": 0}
         counts = []
-        for b in batch:
+        for j, b in zip(slots, batch):
             if b.anchors.numel() == 0 or denom == 0:
                 continue
             with self._qat():
@@ -630,17 +643,25 @@ class Trainer:
                 if w.selector > 0:
                     loss_sum = loss_sum + w.selector * s.selector_sum
                 (loss_sum / denom).backward()
-            counts.append(s.counts)
+            counts.append((j, s.counts))
             tot["loss"] += float(loss_sum.detach()) / denom
             tot["ce"] += float(s.ce_sum.detach()) / denom
             tot["selector_ce"] += float(s.selector_sum.detach()) / denom
             tot["positions"] += int(b.valid.sum())
             tot["blocks"] += int(b.anchors.numel())
+        dist.sum_gradients(ranks, self.parts.params)
         gnorm, lr = self._optimizer_step()
-        secs = time.perf_counter() - t0
+        keys = ("loss", "ce", "selector_ce", "positions", "blocks")
         tokens = sum(int(b.anchors.numel()) * self.T for b in batch)
-        summary = summarize(counts, self.T - 1)
+        *sums, tokens = dist.sum_floats(ranks, [*(tot[k] for k in keys), tokens], dev)
+        if ranks.active:
+            tot = {k: (int(v) if k in ("positions", "blocks") else v) for k, v in zip(keys, sums)}
+        every = sorted((pair for part in dist.gather(ranks, counts) for pair in part), key=lambda p: p[0])
+        samples = [sid for part in dist.gather(ranks, [(j, b.seq.id) for j, b in zip(slots, batch)]) for sid in part]
+        secs = time.perf_counter() - t0
+        summary = summarize([c for _, c in every], self.T - 1)
         return {
+            "samples": [sid for _, sid in sorted(samples)],
             "step": self.step,
             "loss": tot["loss"],
             "ce": tot["ce"],
@@ -652,6 +673,7 @@ class Trainer:
             "train_matching_proposals": summary["matching_proposals"],
             "seconds": secs,
             "tokens_per_s": tokens / secs if secs > 0 else None,
+            "world_size": ranks.world,
         }
 
     def _val_blocks(self) -> Iterator[Blocks]:
@@ -715,9 +737,10 @@ class Trainer:
         if self.resume and existing is not None:
             self.restore(ckpt.load(existing))
             self.emit(Log(message=f"resumed from `{existing}` at step {self.step}"))
-        else:  # a fresh start (also `--resume` before the first commit): no metric line survives
+        elif self.ranks.main:  # a fresh start (also `--resume` before the first commit): no metric line survives
             (self.run_dir / METRICS).unlink(missing_ok=True)
-        with SignalGuard(self.flags), open(self.run_dir / METRICS, "a", encoding="utf-8") as mf:
+        metrics_file = self.run_dir / METRICS if self.ranks.main else Path(os.devnull)
+        with SignalGuard(self.flags), open(metrics_file, "a", encoding="utf-8") as mf:
             while self.step < self.cfg.steps:
                 stopped = self._advance(mf)
                 if stopped is not None:
@@ -729,7 +752,7 @@ class Trainer:
         cfg = self.cfg
         line = self.train_step()
         last = self.step == cfg.steps
-        validated = bool(self.val_split is not None and len(self.val_split)) and (
+        validated = self.ranks.main and bool(self.val_split is not None and len(self.val_split)) and (
             bool(cfg.val_every and self.step % cfg.val_every == 0) or last
         )
         if validated:
@@ -738,9 +761,10 @@ class Trainer:
             line["val"] = {k: v[k] for k in VAL_KEYS}
         mf.write(json.dumps(line, sort_keys=True, allow_nan=False) + "\n")
         mf.flush()
-        stop = self.flags.stop_signal is not None
-        usr = self.flags.take_checkpoint_request()
-        if validated or last or stop or usr or self.step % cfg.checkpoint_every == 0:
+        # a signal on any rank stops (or checkpoints) every rank at this step
+        stop, usr = dist.any_true(self.ranks, [self.flags.stop_signal is not None, self.flags.take_checkpoint_request()],
+                                  self.parts.device)
+        if self.ranks.main and (validated or last or stop or usr or self.step % cfg.checkpoint_every == 0):
             self.save_checkpoint()
         metrics = {k: line[k] for k in PROGRESS_KEYS}
         self.emit(Progress(phase="train", step=self.step, total_steps=cfg.steps, metrics=metrics, committed_step=self.committed_step))
@@ -748,13 +772,20 @@ class Trainer:
             self.hooks.after_step(self, self.step)
         if not stop:
             return None
-        msg = f"stopped by {self.flags.stop_signal} at step {self.step}/{cfg.steps}; checkpoint committed, continue with `--resume`"
+        by = self.flags.stop_signal or "a signal to another rank"
+        msg = f"stopped by {by} at step {self.step}/{cfg.steps}; checkpoint committed, continue with `--resume`"
         self.emit(Log(message=msg))
         return TrainResult(self.run_dir, "stopped", self.step, cfg.steps, msg, checkpoint=ckpt.latest(self.run_dir))
 
     def finish(self) -> TrainResult:
-        """Select the best checkpoint, export it and write `selection.json` (last: marks completion)."""
+        """Select the best checkpoint, export it and write `selection.json` (last: marks completion).
+
+        Rank 0's work; another rank only says it is done."""
         from .export_run import export_run
+
+        if not self.ranks.main:
+            msg = f"rank {self.ranks.rank}/{self.ranks.world}: trained {self.step} steps; rank 0 selects and exports"
+            return TrainResult(self.run_dir, "completed", self.step, self.cfg.steps, msg)
 
         best = self.best()
         chosen = best["step"] if best else self.step
@@ -843,4 +874,7 @@ def train(
         recipe, resolve_run_dir(recipe, run_dir), resume=resume, on_event=on_event, flags=flags, hooks=hooks,
         device=device, attention=attention,
     )
-    return trainer.run()
+    try:
+        return trainer.run()
+    finally:
+        dist.shutdown(trainer.ranks)
