@@ -1,4 +1,4 @@
-"""Two gloo training ranks on CPU under `torchrun` (`train.dist`): the same parameters as one rank, the
+"""Two gloo training ranks on CPU under `torchrun` (`dflash_worker.dist`): the same parameters as one rank, the
 same sample sequence at any world size, and a SIGKILL of one rank stops both and resumes exactly."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_cpu_ranks_need_the_development_switch(pipeline):
     proc = subprocess.run(_argv(TORCHRUN, _recipe(pipeline, "dist-noswitch")), capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode != 0
-    assert "2 training ranks on CPU: a test and development mode" in proc.stderr and "DFLASH_CPU_RANKS=1" in proc.stderr
+    assert "2 ranks on CPU: a test and development mode" in proc.stderr and "DFLASH_CPU_RANKS=1" in proc.stderr
     assert not (pipeline.root / "dist-noswitch" / "checkpoints").exists()
 
 

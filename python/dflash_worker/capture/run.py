@@ -546,6 +546,8 @@ class ShardWriter:
         self._truncated = 0
         self._pending: Future[ShardRecord] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-capture-writer")
+        # the index of the shard being filled: the next in order, unless a rank names its own (`capture_shards`)
+        self.next_index: int | None = None
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -567,6 +569,11 @@ class ShardWriter:
         self.position = item["index"] + 1
         self.emit(Progress(phase="capture", step=self.position, total_steps=self.total, metrics={"tokens": len(item["ids"])}))
         if self.shard_tokens is None and len(self._items) >= self.shard_examples:
+            self._flush()
+
+    def end_shard(self) -> None:
+        """Commit the open shard now, however full (a rank's shard ends where the next rank's begins)."""
+        if self._items:
             self._flush()
 
     def close(self) -> None:
@@ -592,7 +599,7 @@ class ShardWriter:
 
     def _flush(self) -> None:
         self._settle()
-        idx = len(self.records)
+        idx = len(self.records) if self.next_index is None else self.next_index
         items = self._items
         side = {
             "capture_key": self.key,
@@ -656,6 +663,30 @@ def _capture_examples(plan: CapturePlan, model: Any, examples: list[Example], re
     emit(Log(level="debug", message=f"{len(records)} shards committed"))
 
 
+def _shard_span(k: int, per: int, n: int) -> range:
+    """Example indices of shard `k` when every shard holds `per` examples (the last one the rest)."""
+    return range(k * per, min((k + 1) * per, n))
+
+
+def _capture_shards(plan: CapturePlan, model: Any, examples: list[Example], shards: list[int],
+                    records: list[ShardRecord], emit: EventSink) -> None:
+    """Capture whole shards `shards` (a rank's share) into `records`: the bytes one rank would write."""
+    import torch
+
+    dtype = getattr(torch, plan.cap.dtype)
+    stops, cut, per = plan.stop_tokens["ids"], plan.overlong.truncate, plan.cap.shard_examples
+    with ShardWriter(plan, records, total=len(examples), emit=emit) as writer:
+        for k in shards:
+            writer.next_index = k
+            for i in _shard_span(k, per, len(examples)):
+                ids, mask, truncated = _example_tokens(plan, model, examples[i], stops, cut)
+                feats = teacher_features(model, ids, plan.geometry.layer_ids, plan.choice.device).to(dtype)
+                writer.add(ShardItem(index=i, ids=ids, mask=mask, features=feats), examples[i], truncated=truncated)
+            writer.end_shard()
+        writer.close()
+    emit(Log(level="debug", message=f"{len(records)} shards committed by this rank"))
+
+
 @dataclass(frozen=True)
 class TeacherRun:
     """Facts of one pass of the teacher, for the manifest's `run` section."""
@@ -664,8 +695,10 @@ class TeacherRun:
     released: bool
 
 
-def _run_teacher(plan: CapturePlan, examples: list[Example], records: list[ShardRecord], emit: EventSink) -> TeacherRun:
-    """Load the teacher, capture the examples the committed `records` do not cover, release it."""
+def _run_teacher(plan: CapturePlan, examples: list[Example], records: list[ShardRecord], emit: EventSink,
+                 shards: list[int] | None = None) -> TeacherRun:
+    """Load the teacher, capture the examples the committed `records` do not cover (or, for a rank,
+    the `shards` it owns), release it."""
     import torch
 
     from ..weights import load_model
@@ -675,7 +708,10 @@ def _run_teacher(plan: CapturePlan, examples: list[Example], records: list[Shard
     load_seconds = time.perf_counter() - t
     model_ref = weakref.ref(model)
     emit(Log(message=f"teacher loaded in {load_seconds:.1f}s"))
-    _capture_examples(plan, model, examples, records, emit)
+    if shards is None:
+        _capture_examples(plan, model, examples, records, emit)
+    else:
+        _capture_shards(plan, model, examples, shards, records, emit)
     # release the teacher before anything else allocates
     del model
     gc.collect()
@@ -750,9 +786,14 @@ def run_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: De
     Progress and milestones go to `on_event` as `worker.events` objects (module docstring).
     `device`: where to run (a job's placement); None resolves `[capture].device`.
     """
-    emit = on_event or _ignore
+    from .. import dist
+
+    ranks = dist.ranks_from_env()
+    emit = (on_event or _ignore) if ranks.main else _ignore
     t0 = time.perf_counter()
     plan = plan_capture(recipe, emit, device)
+    if ranks.active:
+        return _run_capture_ranks(plan, ranks, emit, t0)
     point = resume(plan.cap.output, plan.key.key)
     records = list(point.records)
     if point.complete is not None:
@@ -779,8 +820,111 @@ def run_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: De
         # CPU float results can depend on the intra-op thread count; byte-identity holds at equal counts
         "torch_threads": torch.get_num_threads(),
     }
+    return _write_manifest(plan, records, examples, run, emit)
+
+
+def _write_manifest(plan: CapturePlan, records: list[ShardRecord], examples: list[Example], run: dict[str, Any],
+                    emit: EventSink) -> dict[str, Any]:
+    n = len(examples)
     manifest = capture_manifest(plan, records, examples, run)
     assert manifest["totals"]["examples"] == n, "shards must cover every example exactly once"
     write_json_atomic(plan.cap.output / MANIFEST, manifest)
     emit(Log(level="debug", message=f"wrote `{MANIFEST}`: {len(records)} shards, {manifest['totals']['tokens']} tokens"))
     return manifest
+
+
+# --------------------------------------------------------------------- several ranks (`dflash_worker.dist`)
+def scan_shards(out: Path, key: str, n: int, per: int) -> tuple[dict[int, ShardRecord], dict[str, Any] | None]:
+    """Rank 0's resume for ranked capture: keep each shard that verifies under `key` and covers exactly its
+    span, remove the others, temporaries and an unfinished manifest; the manifest too when complete."""
+    out.mkdir(parents=True, exist_ok=True)
+    old = _read_manifest(out / MANIFEST)
+    old_key = old.get("capture_key") if old is not None else None
+    if old_key is not None and old_key != key:
+        raise ResumeError(
+            f"`{out}` holds a different capture (key `{old_key}`, this recipe gives `{key}`)\n"
+            "hint: point `[capture].output` at a new dir, or delete the old capture"
+        )
+    total = -(-n // per)
+    kept: dict[int, ShardRecord] = {}
+    for k in range(total):
+        record = _verify_shard(out, k, key)
+        span = _shard_span(k, per, n)
+        if record is not None and (record.first, record.end) == (span.start, span.stop):
+            kept[k] = record
+    if old is not None and len(kept) == total and old.get("shards_total") == total:
+        return kept, old
+    for p in out.iterdir():
+        name = p.name
+        if name.startswith(".shard-") and ".tmp-" in name or name.startswith(f".{MANIFEST}.tmp-"):
+            p.unlink(missing_ok=True)
+        elif name.startswith("shard-") and name.endswith((".safetensors", ".json")):
+            try:
+                idx = int(name[6:11])
+            except ValueError:
+                continue
+            if idx not in kept:
+                p.unlink(missing_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    return kept, None
+
+
+def _run_capture_ranks(plan: CapturePlan, ranks: Any, emit: EventSink, t0: float) -> dict[str, Any]:
+    """Capture as one of several ranks (module docstring of `dflash_worker.dist`); returns the manifest."""
+    import dataclasses
+
+    import torch
+
+    from .. import dist
+    from ..errors import ConfigError
+
+    cap = plan.cap
+    if cap.shard_tokens is not None:
+        raise ConfigError(
+            f"`[capture].shard_tokens` with {ranks.world} ranks: a rank cannot know where a shard of N tokens "
+            "begins before the earlier shards are captured\nhint: use `shard_examples` with several ranks"
+        )
+    device = dist.place(ranks, plan.choice.torch_device)
+    if str(device) != plan.choice.device:
+        plan = dataclasses.replace(plan, choice=dataclasses.replace(plan.choice, device=str(device)))
+    dist.init(ranks, device)
+    try:
+        examples = plan.examples()
+        n, per = len(examples), cap.shard_examples
+        total = -(-n // per)
+        kept, complete = scan_shards(cap.output, plan.key.key, n, per) if ranks.main else ({}, None)
+        kept, complete = dist.broadcast(ranks, (kept, complete))
+        if complete is not None:
+            emit(Log(message=f"already complete ({len(kept)} shards verified)"))
+            return complete
+        mine = [k for k in range(total) if k % ranks.world == ranks.rank and k not in kept]
+        emit(Log(message=f"{n} examples in {total} shards over {ranks.world} ranks ({len(kept)} shards reused)"))
+        records: list[ShardRecord] = []
+        from ..device import memory_peak, reset_peak
+
+        reset_peak(plan.choice)
+        teacher = _run_teacher(plan, examples, records, emit, shards=mine) if mine else TeacherRun(0.0, True)
+        written = dist.gather(ranks, [r.to_json() for r in records])  # waits for every rank
+        every = dict(kept)
+        for part in written:
+            for doc in part:
+                rec = ShardRecord.from_json(doc)
+                assert rec is not None
+                every[rec.shard] = rec
+        assert sorted(every) == list(range(total)), "ranks must cover every shard exactly once"
+        manifest = None
+        if ranks.main:
+            run = {
+                "shards_reused": len(kept),
+                "shards_written": total - len(kept),
+                "ranks": ranks.world,
+                "teacher_load_seconds": round(teacher.load_seconds, 3),
+                "seconds": round(time.perf_counter() - t0, 3),
+                "teacher_released": teacher.released,
+                "peak_memory": memory_peak(plan.choice),  # rank 0's
+                "torch_threads": torch.get_num_threads(),
+            }
+            manifest = _write_manifest(plan, [every[k] for k in range(total)], examples, run, emit)
+        return dist.broadcast(ranks, manifest)
+    finally:
+        dist.shutdown(ranks)

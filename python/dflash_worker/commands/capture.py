@@ -67,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     manifest = run_capture(recipe, on_event=on_event)
     if bar is not None:
         bar.close()
+    from ..dist import ranks_from_env
+
+    if not ranks_from_env().main:  # under torchrun, rank 0 prints the summary
+        return 0
     if args.json:
         print(json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False))
     else:

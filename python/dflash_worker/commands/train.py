@@ -23,9 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from ..dist import ranks_from_env
     from ..recipe import load_recipe
     from ..train import train
-    from ..train.dist import ranks_from_env
     from ..worker.events import Event, Log, Progress
 
     recipe = load_recipe(args.recipe)

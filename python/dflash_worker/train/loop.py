@@ -64,12 +64,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from .. import dist
 from ..errors import ConfigError, ResumeError
 from ..manifest import fingerprint, sha256_file
 from ..recipe import Recipe, TrainConfig
 from ..worker.events import Artifact, Event, EventSink, Log, Progress
 from . import checkpoint as ckpt
-from . import dist
 from .data import CapturedSplit, Order, Sequence, mix, sample_anchors
 from .objectives import (
     block_labels,

@@ -1,4 +1,4 @@
-"""Data-parallel training ranks on one provider, with `torch.distributed`.
+"""Data-parallel ranks on one provider, with `torch.distributed` (training; capture below).
 
 A run with `WORLD_SIZE > 1` in its environment (`torchrun --nproc-per-node N`
 sets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) trains
@@ -24,6 +24,13 @@ events; a stop signal on any rank stops every rank at the same step (the
 flags are combined with `all_reduce(MAX)` each step). CPU ranks are a
 test and development mode (two CPU processes share the cores one process
 could use), allowed with ``DFLASH_CPU_RANKS=1``; MPS trains on one rank.
+
+Capture under the same launcher (`capture.run`): shard k (examples
+[k * shard_examples, (k + 1) * shard_examples)) is captured by rank
+``k % N``, each rank loading the teacher once; rank 0 verifies what an
+earlier run left before anyone starts and writes the manifest after every
+rank is done, so the shards and the manifest's payload are the bytes one
+rank writes.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 CPU_RANKS_ENV = "DFLASH_CPU_RANKS"
 # Rank 0 validates, checkpoints and exports while the others wait in the next step's all_reduce.
@@ -103,11 +110,11 @@ def place(ranks: Ranks, device: torch.device) -> torch.device:
         torch.cuda.set_device(ranks.local_rank)
         return torch.device("cuda", ranks.local_rank)
     if device.type == "mps":
-        raise ConfigError(f"{ranks.world} ranks on MPS: a Mac trains on one rank\nhint: start one process, without torchrun")
+        raise ConfigError(f"{ranks.world} ranks on MPS: a Mac runs one rank\nhint: start one process, without torchrun")
     if os.environ.get(CPU_RANKS_ENV) != "1":
         raise ConfigError(
-            f"{ranks.world} training ranks on CPU: a test and development mode, since CPU ranks share the cores "
-            f"one process uses\nhint: set `{CPU_RANKS_ENV}=1` to run it anyway, or train on CUDA"
+            f"{ranks.world} ranks on CPU: a test and development mode, since CPU ranks share the cores "
+            f"one process uses\nhint: set `{CPU_RANKS_ENV}=1` to run it anyway, or run on CUDA"
         )
     return device
 
@@ -166,6 +173,17 @@ def sum_gradients(ranks: Ranks, params: Sequence[torch.nn.Parameter]) -> None:
         n = g.numel()
         p.grad = flat[at : at + n].view_as(g).clone()
         at += n
+
+
+def broadcast(ranks: Ranks, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (a small Python object)."""
+    if not ranks.active:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if ranks.main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def gather(ranks: Ranks, obj: Any) -> list[Any]:
