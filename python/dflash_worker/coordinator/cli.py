@@ -153,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     rs = runs.add_parser("show", help="show one run, its jobs and their artifacts")
     rs.add_argument("run_id", help="run id (from `runs list`)")
     _client_args(rs)
+    rp = runs.add_parser(
+        "publish",
+        help="publish an export the regression gate held back (--override; recorded)",
+        description="Publish a run's export that the regression gate held back (its evaluation regressed, or there was none). "
+        "`--override` is required and the override is recorded with its time, your note and your address.",
+    )
+    rp.add_argument("run_id", help="run id (from `runs list`)")
+    rp.add_argument("--job", default="", help="job id (needed when the run has several jobs)")
+    rp.add_argument("--override", action="store_true", help="publish although the gate held the export back")
+    rp.add_argument("--note", default="", help="why (recorded with the override; at most 1,000 characters)")
+    _client_args(rp)
 
     versions = sub.add_parser("versions", help="approve native client versions").add_subparsers(dest="action", metavar="ACTION")
     va = versions.add_parser("approve", help="allow a native client version for one run", description="Allow providers launching in native mode with this native client version to lease this run's jobs.")
@@ -282,6 +293,14 @@ def _read_spec(args) -> str:
 def _print_run(run: admin_pb2.Run) -> None:
     states = ", ".join(f"{k} {v}" for k, v in sorted(run.job_states.items())) or "no jobs"
     print(f"{run.run_id}  {run.spec.name}  client {run.spec.required_client_version}  {run.spec.checkpoint_policy}  [{states}]")
+
+
+def _publication_line(p) -> str:
+    state = "published" if p.published else "NOT published"
+    line = f"    export {state}: {p.reason}"
+    if p.override_unix:
+        line += f"\n    published by override {_when(p.override_unix)} from {p.override_peer or '?'}" + (f": {p.override_note}" if p.override_note else "")
+    return line
 
 
 def _cmd_serve(args) -> int:
@@ -436,8 +455,13 @@ def _cmd_admin(args) -> int:
                     print(f"  approved native versions: {', '.join(resp.run.approved_native_versions)}")
                 for j in resp.jobs:
                     print(f"  {j.job_id}  {j.state}  attempts {j.attempts}")
+                    if j.HasField("publication"):
+                        print(_publication_line(j.publication))
                     for a in finals[j.job_id]:
                         _print_artifact(a)
+        elif key == ("runs", "publish"):
+            resp = c.publish_run(args.run_id, args.job, override=args.override, note=args.note)
+            _emit_json(_msg_dict(resp)) if args.json else print(f"{resp.job_id}\n{_publication_line(resp.publication)}")
         elif key == ("artifacts", "list"):
             rows = c.list_artifacts(args.run_id, args.job, all_attempts=args.all_attempts)
             if args.json:

@@ -26,6 +26,7 @@ from ..proto.dflash.v1 import admin_pb2_grpc, provider_pb2_grpc
 from .artifacts import Staging
 from .auth import DEFAULT_FAILURE_LIMIT, DEFAULT_FAILURE_WINDOW, AuthInterceptor, FailureLimiter, Gate
 from .blobs import open_blob_store
+from .publish import PublishGate
 from .service import DEFAULT_UPLOAD_IDLE_SECONDS, AdminService, Artifacts, ProviderService, WorkSignal
 from .store import Quotas, Store, new_token
 from .tls import ServerTls, is_loopback, load_server_tls
@@ -188,10 +189,11 @@ async def serve(
         limiter = FailureLimiter(limit=config.auth_failure_limit, window=config.auth_failure_window)
         gate = Gate(store.authenticate, limiter, mtls=tls is not None and tls.mtls)
         server = grpc.aio.server(interceptors=[AuthInterceptor(gate)], options=options)
+        publisher = PublishGate(store, blobs)
         provider_pb2_grpc.add_ProviderServiceServicer_to_server(
-            ProviderService(store, artifacts, work, max_wait=config.max_wait, retry_after=config.retry_after), server
+            ProviderService(store, artifacts, work, max_wait=config.max_wait, retry_after=config.retry_after, gate=publisher), server
         )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store, artifacts), server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store, artifacts, publisher), server)
         try:
             port = server.add_secure_port(config.listen, tls.credentials()) if tls else server.add_insecure_port(config.listen)
         except RuntimeError as exc:
@@ -199,8 +201,9 @@ async def serve(
         if not port:
             raise ConfigError(f"cannot listen on `{config.listen}`\nhint: is another coordinator running there?")
         await server.start()
-        # Requeue whatever expired while the coordinator was down.
+        # Requeue whatever expired while the coordinator was down; decide on exports it left undecided.
         store.expire_due()
+        await publisher.catch_up()
         host = config.listen.rpartition(":")[0]
         on_ready(
             {
