@@ -209,6 +209,8 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
     # What a schema-3 coordinator left: no publications table.
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("DROP TABLE publications")
+    db.execute("ALTER TABLE attempts DROP COLUMN phase_started_unix")
+    db.execute("ALTER TABLE attempts DROP COLUMN phase_started_step")
     db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
     db.close()
 
@@ -220,5 +222,7 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
         assert store.publication(jobs[1]) is None
         assert store.undecided_jobs() == []
         store.check_published(run.run_id, jobs[0])
+        cols = [r[1] for r in store.db.execute("PRAGMA table_info(attempts)")]
+        assert "phase_started_unix" in cols and "phase_started_step" in cols
     finally:
         store.close()

@@ -30,6 +30,7 @@ from .store import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS, Quota
 ENV_ADDRESS = "DFLASH_COORDINATOR"  # coordinator address, HOST:PORT or http://HOST:PORT (shared with run-manager)
 ENV_ADMIN_TOKEN = "DFLASH_ADMIN_TOKEN"  # admin bearer token
 ENV_ADMIN_TOKEN_FILE = "DFLASH_ADMIN_TOKEN_FILE"  # file holding the admin token
+ENV_VIEWER_TOKEN = "DFLASH_VIEWER_TOKEN"  # serve: the status page's read-only viewer token
 ENV_TLS_CERT = "DFLASH_TLS_CERT"  # serve: TLS certificate chain (PEM)
 ENV_TLS_KEY = "DFLASH_TLS_KEY"  # serve: TLS private key (PEM, unencrypted)
 ENV_TLS_CLIENT_CA = "DFLASH_TLS_CLIENT_CA"  # serve: CA whose client certificates are required (mutual TLS)
@@ -92,6 +93,19 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", help="allow plaintext on a non-loopback --listen address (tokens travel in the clear; logs a warning)")
     p.add_argument("--auth-failure-limit", type=int, default=20, help="failed authentications a peer address may make per window before its calls are refused (default 20; 0: no limit)")
     p.add_argument("--auth-failure-window", type=float, default=60.0, help="seconds of that window (default 60)")
+    p.add_argument(
+        "--http-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the status page and Prometheus `/metrics` over HTTP here (HTTPS with --tls-cert); port 0 picks one (default: not served)",
+    )
+    p.add_argument(
+        "--viewer-token",
+        default=None,
+        help=f"the status page's read-only token (env `{ENV_VIEWER_TOKEN}`); when unset, one is generated on first start and written to --viewer-token-file",
+    )
+    p.add_argument("--viewer-token-file", type=Path, default=None, help="where a generated viewer token is written, mode 0600 (default: `viewer-token` next to --db)")
+    p.add_argument("--page-refresh", type=float, default=2.0, metavar="SECONDS", help="how often an open status page refreshes itself (default 2)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
 
@@ -333,6 +347,10 @@ def _cmd_serve(args) -> int:
         insecure=args.insecure,
         auth_failure_limit=args.auth_failure_limit,
         auth_failure_window=args.auth_failure_window,
+        http_listen=args.http_listen,
+        viewer_token=args.viewer_token or os.environ.get(ENV_VIEWER_TOKEN) or None,
+        viewer_token_file=args.viewer_token_file,
+        page_refresh_seconds=args.page_refresh,
     )
 
     def ready(info: dict) -> None:
@@ -342,6 +360,9 @@ def _cmd_serve(args) -> int:
         where = f", admin token in `{info['admin_token_file']}`" if info["admin_token_file"] else ""
         how = "mutual TLS" if info["mtls"] else "TLS" if info["tls"] else "plaintext"
         logging.getLogger("dflash_worker.coordinator").info("serving %s on %s%s", how, info["address"], where)
+        if info.get("http_address"):
+            viewer = f", viewer token in `{info['viewer_token_file']}`" if info["viewer_token_file"] else ""
+            logging.getLogger("dflash_worker.coordinator").info("status page on %s/ and metrics on %s/metrics%s", info["http_address"], info["http_address"], viewer)
 
     asyncio.run(serve(config, on_ready=ready))
     return 0

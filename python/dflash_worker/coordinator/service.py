@@ -13,6 +13,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -145,6 +146,9 @@ class Artifacts:
         self.idle_seconds = idle_seconds
         # Staged files being written now, by attempt: path -> declared size.
         self._inflight: dict[str, dict[Path, int]] = {}
+        # Bytes received (staged) and sent (downloads) since start, for `metrics`.
+        self.bytes_in = 0
+        self.bytes_out = 0
         # One commit or deletion of a blob at a time, per sha256.
         self._blob_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
@@ -208,6 +212,7 @@ class Artifacts:
                 if chunk:
                     await writer.put(chunk)
                     received += len(chunk)
+                    self.bytes_in += len(chunk)
         finally:
             await writer.close(sync=received == claim.size_bytes)
         if received < claim.size_bytes:
@@ -268,6 +273,7 @@ class Artifacts:
         reader = _Reader(chunks)
         try:
             while (chunk := await reader.next()) is not None:
+                self.bytes_out += len(chunk)
                 yield provider_pb2.DownloadArtifactResponse(chunk=chunk)
         finally:
             reader.stop()
@@ -388,7 +394,11 @@ class _Reader:
 
 
 class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
-    def __init__(self, store: Store, artifacts: Artifacts, work: WorkSignal, *, max_wait: float, retry_after: int, gate: PublishGate | None = None):
+    def __init__(
+        self, store: Store, artifacts: Artifacts, work: WorkSignal, *, max_wait: float, retry_after: int, gate: PublishGate | None = None, heartbeat_latency=None
+    ):
+        # `heartbeat_latency`: a prometheus Histogram observed with each heartbeat's handling time.
+        self.heartbeat_latency = heartbeat_latency
         self.store = store
         self.artifacts = artifacts
         self.gate = gate or PublishGate(store, artifacts.blobs)
@@ -490,7 +500,9 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
 
     async def Heartbeat(self, request_iterator, context):
         pid = self._provider_id()
+        observe = self.heartbeat_latency.observe if self.heartbeat_latency is not None else None
         async for req in request_iterator:
+            t0 = time.perf_counter()
             if req.phase not in _PHASES:
                 raise InvalidRequestError(f"`phase` {req.phase} is not a known Phase value")
             if len(req.metrics) > MAX_METRICS:
@@ -505,7 +517,10 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
                 metrics={k: (v if math.isfinite(v) else None) for k, v in req.metrics.items()},
             )
             directive, expires = self.store.heartbeat(pid, req.lease_id, progress)
-            yield provider_pb2.HeartbeatResponse(directive=_DIRECTIVES[directive], lease_expires_unix=int(expires))
+            resp = provider_pb2.HeartbeatResponse(directive=_DIRECTIVES[directive], lease_expires_unix=int(expires))
+            if observe is not None:
+                observe(time.perf_counter() - t0)
+            yield resp
 
     async def ReportArtifact(self, request, context):
         # A one-message upload: the same checks, staging and commit as UploadArtifact.

@@ -51,6 +51,7 @@ At open the database also passes SQLite's ``quick_check`` or is refused.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import json
@@ -169,7 +170,9 @@ CREATE TABLE IF NOT EXISTS attempts (
   total_steps INTEGER NOT NULL DEFAULT 0,
   committed_step INTEGER NOT NULL DEFAULT 0,
   metrics_json TEXT NOT NULL DEFAULT '{}',
-  last_heartbeat_unix REAL
+  last_heartbeat_unix REAL,
+  phase_started_unix REAL,
+  phase_started_step INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS attempts_live ON attempts(state, lease_expires_unix);
 CREATE TABLE IF NOT EXISTS records (
@@ -231,7 +234,10 @@ PRE_GATE_REASON = "published by a coordinator without the regression gate (datab
 def _migrate_3_to_4(db: sqlite3.Connection) -> None:
     # Version 3 had no regression gate: every succeeded job's export was served. Those
     # exports stay published (a user may already have fetched them), and say why.
-    # `publications` is created by _SCHEMA.
+    # `publications` is created by _SCHEMA. Attempts learn when their current phase began
+    # (the status page's ETA); a live attempt's clock starts at its next phase change.
+    db.execute("ALTER TABLE attempts ADD COLUMN phase_started_unix REAL")
+    db.execute("ALTER TABLE attempts ADD COLUMN phase_started_step INTEGER NOT NULL DEFAULT 0")
     db.execute(
         "INSERT OR IGNORE INTO publications(job_id, run_id, attempt_id, published, verdict, reason, decided_unix)"
         " SELECT j.job_id, j.run_id, a.attempt_id, 1, '', ?, a.ended_unix FROM jobs j JOIN attempts a ON a.job_id=j.job_id"
@@ -547,6 +553,9 @@ class Store:
         self.garbage: set[str] = set()
         # Attempts that ended since the server last looked (their staged uploads go).
         self.ended_attempts: set[str] = set()
+        # Event counts since this process started (`metrics` exposes them): leases_granted,
+        # heartbeats, attempt_<state> for each attempt that ended.
+        self.counts: collections.Counter[str] = collections.Counter()
         self._ckpt_lock = threading.Lock()
         self._ckpt_db: sqlite3.Connection | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -670,6 +679,31 @@ class Store:
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('admin_token_sha256', ?)", (hash_token(token),))
         self._load_tokens()
+
+    def has_viewer_token(self) -> bool:
+        return self.db.execute("SELECT 1 FROM meta WHERE key='viewer_token_sha256'").fetchone() is not None
+
+    def set_viewer_token(self, token: str) -> None:
+        """Replace the status page's read-only viewer token (only its hash is kept). It is never a gRPC credential."""
+        if len(token) < 16:
+            raise ConfigError("the viewer token must be at least 16 characters\nhint: leave it unset and one is generated")
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('viewer_token_sha256', ?)", (hash_token(token),))
+        self._viewer_digest = hash_token(token)
+
+    def web_role(self, token: str) -> str | None:
+        """`"admin"` or `"viewer"` for a token the status page accepts, else None (provider tokens are refused)."""
+        if not token or len(token) > 512:
+            return None
+        digest = hash_token(token)
+        viewer = getattr(self, "_viewer_digest", None)
+        if viewer is None:
+            row = self.db.execute("SELECT value FROM meta WHERE key='viewer_token_sha256'").fetchone()
+            viewer = self._viewer_digest = row[0] if row else ""
+        if viewer and hmac.compare_digest(viewer, digest):
+            return "viewer"
+        p = self.principal(token)
+        return "admin" if p is not None and p.admin else None
 
     def authenticate(self, token: str) -> Principal:
         """Who `token` belongs to; raises `AuthenticationError` (saying why) for a token that is not valid now."""
@@ -970,6 +1004,7 @@ class Store:
                     "UPDATE jobs SET state='leased', attempts=?, current_attempt_id=?, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
                     (attempts + 1, attempt_id, now, job_id),
                 )
+            self.counts["leases_granted"] += 1
             return Grant(
                 lease_id=lease_id,
                 run_id=run_id,
@@ -1007,6 +1042,7 @@ class Store:
         else:
             job_state = "queued"
         db.execute("UPDATE attempts SET state=?, ended_unix=?, message=? WHERE attempt_id=?", (attempt_state, now, message[:4000], attempt_id))
+        self.counts[f"attempt_{attempt_state}"] += 1
         self._drop_loose_checkpoint_files(db, attempt_id)
         self.ended_attempts.add(attempt_id)
         db.execute(
@@ -1066,11 +1102,20 @@ class Store:
         expires = now + self.lease_ttl
         # The hot path (every heartbeat of every provider): one statement in
         # autocommit mode is its own transaction; no BEGIN/COMMIT round trips.
+        self.counts["heartbeats"] += 1
+        # SET sees the row's old values: the phase clock restarts when the phase changes
+        # (the first heartbeat of an attempt starts it too), without a read first.
         self.db.execute(
-            "UPDATE attempts SET lease_expires_unix=?, phase=?, step=?, total_steps=?, committed_step=?, metrics_json=?,"
-            " last_heartbeat_unix=? WHERE attempt_id=?",
+            "UPDATE attempts SET lease_expires_unix=?,"
+            " phase_started_unix=CASE WHEN phase_started_unix IS NULL OR phase!=? THEN ? ELSE phase_started_unix END,"
+            " phase_started_step=CASE WHEN phase_started_unix IS NULL OR phase!=? THEN ? ELSE phase_started_step END,"
+            " phase=?, step=?, total_steps=?, committed_step=?, metrics_json=?, last_heartbeat_unix=? WHERE attempt_id=?",
             (
                 expires,
+                progress.phase,
+                now,
+                progress.phase,
+                progress.step,
                 progress.phase,
                 progress.step,
                 progress.total_steps,
