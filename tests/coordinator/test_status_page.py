@@ -13,7 +13,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-from coordinator_helpers import Provider, run_spec
+from coordinator_helpers import Provider, run_spec, wait_until
 from test_publish import BETTER, WORSE, report, spec_json
 
 from dflash_worker.coordinator.publish import REPORT_NAME
@@ -76,7 +76,12 @@ def test_page_lists_runs_jobs_progress_providers_and_the_evaluation(coord, tmp_p
     p.upload(lease.lease_id, "run/export/model.safetensors", model, kind="export")
     p.upload(lease.lease_id, REPORT_NAME, report(BETTER), kind="report")
     p.finish(lease.lease_id)
-    snap = json.loads(get(coord, "/api/status", token=coord.admin_token)[2])
+    # One snapshot serves every page for up to a second (WebConfig.max_age): wait for the next one.
+    def finished():
+        snap = json.loads(get(coord, "/api/status", token=coord.admin_token)[2])
+        return snap if any(r["run_id"] == done.run_id and r["state"] == "finished" for r in snap["runs"]) else None
+
+    snap = wait_until(finished, timeout=10, interval=0.2)
     (run,) = [r for r in snap["runs"] if r["run_id"] == done.run_id]
     (job,) = run["jobs"]
     assert run["state"] == "finished" and job["publication"]["published"] and job["publication"]["verdict"] == "improved"
@@ -103,7 +108,12 @@ def test_a_held_back_export_has_no_download_link_and_is_refused(coord):
     p.upload(lease.lease_id, "run/export/model.safetensors", b"bad weights", kind="export")
     p.upload(lease.lease_id, REPORT_NAME, report(WORSE), kind="report")
     p.finish(lease.lease_id)
-    frag = get(coord, "/status.html", token=coord.admin_token)[2].decode()
+
+    def held_back():
+        frag = get(coord, "/status.html", token=coord.admin_token)[2].decode()
+        return frag if "export not published" in frag else None
+
+    frag = wait_until(held_back, timeout=10, interval=0.2)
     assert "export not published" in frag and "regressed: acceptance length" in frag
     assert "/artifacts/" + run.run_id + "/" + lease.job_id + "/run/export/model.safetensors" not in frag
     status, _, body = get(coord, f"/artifacts/{run.run_id}/{lease.job_id}/run/export/model.safetensors", token=coord.admin_token)

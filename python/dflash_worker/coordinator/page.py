@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import time
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -157,17 +158,28 @@ def _provider(p: dict[str, Any]) -> str:
     )
 
 
+def status_parts(snap: dict[str, Any]) -> Iterator[str]:
+    """`render_status` in pieces (a run, or 25 providers each), so a caller can pause between them."""
+    yield '<h2>Runs</h2><div id="runs">'
+    for r in snap["runs"]:
+        yield _run(r)
+    if not snap["runs"]:
+        yield '<p class="muted">no runs yet</p>'
+    if snap["runs_total"] > len(snap["runs"]):
+        yield f'<p class="muted">showing the newest {len(snap["runs"])} of {snap["runs_total"]} runs</p>'
+    yield (
+        '</div><h2>Providers</h2><table id="providers"><tr><th>identity</th><th>registered name</th><th>device</th><th>version</th>'
+        "<th>last heartbeat</th><th>current lease</th></tr>"
+    )
+    provs = snap["providers"]
+    for i in range(0, len(provs), 25):
+        yield "".join(_provider(p) for p in provs[i : i + 25])
+    yield f'</table><p class="muted" id="updated" data-now="{snap["now_unix"]:.3f}">as of {_when(snap["now_unix"])}</p>'
+
+
 def render_status(snap: dict[str, Any]) -> str:
     """The refreshed part of the page: runs, then providers."""
-    runs = "".join(_run(r) for r in snap["runs"]) or '<p class="muted">no runs yet</p>'
-    more = f'<p class="muted">showing the newest {len(snap["runs"])} of {snap["runs_total"]} runs</p>' if snap["runs_total"] > len(snap["runs"]) else ""
-    provs = "".join(_provider(p) for p in snap["providers"])
-    return (
-        f'<h2>Runs</h2><div id="runs">{runs}{more}</div>'
-        '<h2>Providers</h2><table id="providers"><tr><th>identity</th><th>registered name</th><th>device</th><th>version</th><th>last heartbeat</th><th>current lease</th></tr>'
-        f"{provs}</table>"
-        f'<p class="muted" id="updated" data-now="{snap["now_unix"]:.3f}">as of {_when(snap["now_unix"])}</p>'
-    )
+    return "".join(status_parts(snap))
 
 
 CSS = """
@@ -204,14 +216,15 @@ JS = """
 """
 
 
-def render_page(snap: dict[str, Any], *, role: str, refresh_ms: int) -> str:
+def render_page(status_html: str, *, role: str, refresh_ms: int) -> str:
+    """The whole document around `render_status`'s HTML."""
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>dflash coordinator</title>'
         '<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="stylesheet" href="/page.css"></head>'
         f'<body data-refresh-ms="{int(refresh_ms)}" data-refreshes="0" data-role="{_e(role)}">'
         f'<h1>dflash coordinator <span class="muted">({_e(role)})</span><span id="live" class="muted">loading</span></h1>'
         '<form method="post" action="/logout"><button type="submit">sign out</button></form>'
-        f'<main id="status">{render_status(snap)}</main><script src="/page.js"></script></body></html>'
+        f'<main id="status">{status_html}</main><script src="/page.js"></script></body></html>'
     )
 
 

@@ -3,8 +3,9 @@
 `snapshot(store)` returns plain JSON-able data: the newest `MAX_RUNS` runs (each with up to
 `MAX_JOBS` jobs: state, attempts, the live attempt's progress and ETA, the export's
 publication and evaluation, and the final attempt's artifacts, up to `MAX_ARTIFACTS`), and
-up to `MAX_PROVIDERS` providers (device, versions, last heartbeat, current lease). The bounds
-keep one page refresh a fixed amount of work on the event loop however large the history.
+up to `MAX_PROVIDERS` providers, newest first (device, versions, last heartbeat, current lease).
+The bounds keep one page refresh a fixed amount of work on the event loop however large the
+history, and `snapshot_async` hands the loop back between jobs.
 
 ETA is the current phase's: steps left times the seconds per step since the phase began
 (`attempts.phase_started_unix`), so a fast `prepare` does not make `train` look quick.
@@ -12,9 +13,11 @@ ETA is the current phase's: steps left times the seconds per step since the phas
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ..proto.dflash.v1 import provider_pb2
@@ -92,23 +95,23 @@ def _job(store: Store, run_id: str, job_id: str, state: str, attempts: int, curr
     return job
 
 
-def _providers(store: Store, now: float) -> list[dict[str, Any]]:
+def _providers(store: Store, now: float) -> Iterator[None | list[dict[str, Any]]]:
     db = store.db
-    live = {
-        pid: (job_id, run_id, hb, expires)
-        for pid, job_id, run_id, hb, expires in db.execute(
-            "SELECT a.provider_id, a.job_id, j.run_id, a.last_heartbeat_unix, a.lease_expires_unix FROM attempts a JOIN jobs j ON j.job_id=a.job_id"
-            " WHERE a.state='live'"
-        )
-    }
-    out = []
-    for pid, identity, name, version, native_version, backend, count, caps, last_seen, revoked in db.execute(
+    rows = db.execute(
         "SELECT provider_id, identity, name, client_version, native_client_version, backend, device_count, capabilities, last_seen_unix, revoked_unix"
-        " FROM providers ORDER BY COALESCE(last_seen_unix, 0) DESC, seq DESC LIMIT ?",
+        " FROM providers ORDER BY seq DESC LIMIT ?",
         (MAX_PROVIDERS,),
-    ):
+    ).fetchall()
+    out = []
+    for i, (pid, identity, name, version, native_version, backend, count, caps, last_seen, revoked) in enumerate(rows):
+        if i % 25 == 24:
+            yield None
+        lease = db.execute(
+            "SELECT a.job_id, j.run_id, a.last_heartbeat_unix, a.lease_expires_unix FROM attempts a JOIN jobs j ON j.job_id=a.job_id"
+            " WHERE a.provider_id=? AND a.state='live' LIMIT 1",
+            (pid,),
+        ).fetchone()
         c = provider_pb2.DeviceCapabilities.FromString(caps) if caps else provider_pb2.DeviceCapabilities()
-        lease = live.get(pid)
         hb = lease[2] if lease else None
         seen = max(x for x in (last_seen, hb, 0.0) if x is not None) or None
         out.append(
@@ -125,22 +128,21 @@ def _providers(store: Store, now: float) -> list[dict[str, Any]]:
                 "lease": None if lease is None else {"job_id": lease[0], "run_id": lease[1], "expires_unix": lease[3]},
             }
         )
-    return out
+    yield out
 
 
-def snapshot(store: Store, *, now: float | None = None) -> dict[str, Any]:
-    """The status page's data (bounded; see the module docstring)."""
-    now = time.time() if now is None else now
+def _steps(store: Store, now: float) -> Iterator[None | dict[str, Any]]:
+    """The snapshot's work in slices: yields None between slices (a job, or 25 providers), the result last."""
     db = store.db
     runs = []
     for run_id, name, version, policy, num_jobs, created in db.execute(
         "SELECT run_id, name, required_client_version, checkpoint_policy, num_jobs, created_unix FROM runs ORDER BY seq DESC LIMIT ?", (MAX_RUNS,)
     ).fetchall():
         states = dict(db.execute("SELECT state, COUNT(*) FROM jobs WHERE run_id=? GROUP BY state", (run_id,)).fetchall())
-        jobs = [
-            _job(store, run_id, *r, now)
-            for r in db.execute("SELECT job_id, state, attempts, current_attempt_id FROM jobs WHERE run_id=? ORDER BY seq LIMIT ?", (run_id, MAX_JOBS)).fetchall()
-        ]
+        jobs = []
+        for r in db.execute("SELECT job_id, state, attempts, current_attempt_id FROM jobs WHERE run_id=? ORDER BY seq LIMIT ?", (run_id, MAX_JOBS)).fetchall():
+            jobs.append(_job(store, run_id, *r, now))
+            yield None
         total = sum(states.values())
         done = sum(states.get(s, 0) for s in ("succeeded", "failed", "cancelled"))
         state = "finished" if total and done == total else "running" if states.get("leased") or states.get("cancelling") else "queued"
@@ -158,5 +160,28 @@ def snapshot(store: Store, *, now: float | None = None) -> dict[str, Any]:
                 "jobs_shown": len(jobs),
             }
         )
+    providers: list = []
+    for step in _providers(store, now):
+        if step is None:
+            yield None
+        else:
+            providers = step
     total_runs = db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
-    return {"now_unix": now, "runs": runs, "runs_total": total_runs, "providers": _providers(store, now)}
+    yield {"now_unix": now, "runs": runs, "runs_total": total_runs, "providers": providers}
+
+
+def snapshot(store: Store, *, now: float | None = None) -> dict[str, Any]:
+    """The status page's data (bounded; see the module docstring), in one go."""
+    *_, result = _steps(store, time.time() if now is None else now)
+    return result
+
+
+async def snapshot_async(store: Store) -> dict[str, Any]:
+    """`snapshot`, giving the event loop back between slices (a job, 25 providers), so a heartbeat
+    never waits behind a whole page. Rows may change between slices: each job is consistent, the
+    page as a whole is as of the last few milliseconds."""
+    result: Any = None
+    for result in _steps(store, time.time()):
+        if result is None:
+            await asyncio.sleep(0)
+    return result

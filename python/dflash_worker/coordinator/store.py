@@ -175,6 +175,7 @@ CREATE TABLE IF NOT EXISTS attempts (
   phase_started_step INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS attempts_live ON attempts(state, lease_expires_unix);
+CREATE INDEX IF NOT EXISTS attempts_by_provider ON attempts(provider_id, state);
 CREATE TABLE IF NOT EXISTS records (
   seq INTEGER PRIMARY KEY AUTOINCREMENT,
   run_id TEXT NOT NULL REFERENCES runs(run_id),

@@ -38,7 +38,7 @@ from . import page
 from .artifacts import CHUNK_BYTES, check_name
 from .auth import FailureLimiter, peer_key
 from .metrics import CONTENT_TYPE, Metrics
-from .snapshot import snapshot
+from .snapshot import snapshot_async
 from .store import Store
 
 log = logging.getLogger("dflash_worker.coordinator")
@@ -83,6 +83,29 @@ class StatusApp:
         self.metrics = metrics
         self.limiter = limiter
         self.config = config
+        # One snapshot (and its rendered HTML) serves every open page for `max_age` seconds, so
+        # the page's cost on the event loop does not grow with the number of people watching.
+        self.max_age = min(1.0, config.refresh_ms / 2000)
+        self._cached: tuple[float, dict, list] | None = None  # (monotonic time, snapshot, [html or None])
+        self._lock = asyncio.Lock()
+
+    async def _snapshot(self) -> tuple[dict, list]:
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            if self._cached is None or loop.time() - self._cached[0] > self.max_age:
+                snap = await snapshot_async(self.store)
+                self._cached = (loop.time(), snap, [None])
+            return self._cached[1], self._cached[2]
+
+    async def _fragment(self) -> str:
+        snap, html = await self._snapshot()
+        if html[0] is None:
+            parts = []
+            for part in page.status_parts(snap):
+                parts.append(part)
+                await asyncio.sleep(0)  # one run (or 25 providers) at a time on the loop
+            html[0] = "".join(parts)
+        return html[0]
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._headers, self._auth], client_max_size=64 * 1024)
@@ -146,14 +169,15 @@ class StatusApp:
     # --- routes ---------------------------------------------------------
 
     async def index(self, request: web.Request) -> web.Response:
-        html = page.render_page(snapshot(self.store), role=request[ROLE], refresh_ms=self.config.refresh_ms)
+        html = page.render_page(await self._fragment(), role=request[ROLE], refresh_ms=self.config.refresh_ms)
         return web.Response(text=html, content_type="text/html")
 
     async def fragment(self, request: web.Request) -> web.Response:
-        return web.Response(text=page.render_status(snapshot(self.store)), content_type="text/html")
+        return web.Response(text=await self._fragment(), content_type="text/html")
 
     async def api_status(self, request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(snapshot(self.store), sort_keys=True), content_type="application/json")
+        snap, _ = await self._snapshot()
+        return web.Response(text=json.dumps(snap, sort_keys=True), content_type="application/json")
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         resp = web.Response(body=self.metrics.exposition())
