@@ -31,7 +31,7 @@ def test_coordinator_bench_runs_plaintext_and_tls():
 def test_coordinator_bench_page_mode_compares_p99_with_and_without_pages_open():
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "coordinator.py"), "--providers", "20", "--procs", "1", "--rates", "2", "--seconds", "2",
-         "--modes", "page", "--pages", "2", "--page-refresh", "0.5"],
+         "--modes", "page", "--pages", "2", "--page-refresh", "0.5", "--page-repeats", "1"],
         capture_output=True, text=True, timeout=300, env=subprocess_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -44,6 +44,10 @@ newest `keep_checkpoints` checkpoints of a job are kept; older ones lose
 their records first and their blobs after (`take_garbage`), so no record
 points at deleted bytes.
 
+Publications (the regression gate, `publish`): one row per succeeded job with an export
+says whether the export is served by default, the verdict and why, the evaluation figures
+the status page shows, and an admin's override (time, note, address) when there was one.
+
 Schema migrations: ``meta.schema_version`` names the layout; an older database
 is upgraded in place, in one transaction, when it is opened (`_MIGRATIONS`).
 At open the database also passes SQLite's ``quick_check`` or is refused.
