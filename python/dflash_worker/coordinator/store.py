@@ -592,6 +592,8 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"cannot open coordinator database `{self.path}`: {exc}") from None
         self._tokens: dict[str, _Token] = {}
+        # The status page's viewer token digest ("" when there is none; None until first read).
+        self._viewer_digest: str | None = None
         # Digests refused with a specific reason (revoked, grace ended) instead of "unknown".
         self._refused: dict[str, str] = {}
         self._load_tokens()
@@ -701,7 +703,7 @@ class Store:
         if not token or len(token) > 512:
             return None
         digest = hash_token(token)
-        viewer = getattr(self, "_viewer_digest", None)
+        viewer = self._viewer_digest
         if viewer is None:
             row = self.db.execute("SELECT value FROM meta WHERE key='viewer_token_sha256'").fetchone()
             viewer = self._viewer_digest = row[0] if row else ""
