@@ -239,3 +239,29 @@ def test_eta_is_the_current_phases_and_the_snapshot_is_bounded(tmp_path):
         assert "5 more jobs not shown" in page.render_status(s)
     finally:
         store.close()
+
+
+def test_under_tls_the_page_is_https_with_a_secure_cookie(start_coordinator, tmp_path):
+    import ssl
+
+    from tls_certs import tls_world
+
+    from dflash_worker.coordinator.tls import ClientTls
+
+    certs = tls_world(tmp_path / "tls", clients=("admin",))
+    coord = start_coordinator(
+        "--tls-cert", str(certs.server.cert), "--tls-key", str(certs.server.key), "--http-listen", "127.0.0.1:0",
+        tls=ClientTls(ca_file=certs.ca.cert),
+    )  # fmt: skip
+    url = urllib.parse.urlsplit(coord.info["http_address"])
+    assert url.scheme == "https", coord.info
+    ctx = ssl.create_default_context(cafile=str(certs.ca.cert))
+    c = http.client.HTTPSConnection(url.hostname, url.port, context=ctx, timeout=10)
+    c.request("POST", "/login", body=urllib.parse.urlencode({"token": coord.admin_token}), headers={"Content-Type": "application/x-www-form-urlencoded"})
+    r = c.getresponse()
+    r.read()
+    assert r.status == 303 and "Secure" in r.getheader("Set-Cookie") and "HttpOnly" in r.getheader("Set-Cookie")
+    c.request("GET", "/api/status", headers={"Authorization": f"Bearer {coord.admin_token}"})
+    r = c.getresponse()
+    assert r.status == 200 and json.loads(r.read())["runs"] == []
+    c.close()
