@@ -249,8 +249,7 @@ async def start_web(app: StatusApp, listen: str, ssl_context: ssl.SSLContext | N
     await runner.setup()
     site = web.TCPSite(runner, host.strip("[]"), int(port), ssl_context=ssl_context, reuse_port=False)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp exposes no public accessor for the bound port
-    return runner, int(bound)
+    return runner, int(runner.addresses[0][1])
 
 
 def server_ssl_context(cert, key) -> ssl.SSLContext:
