@@ -12,13 +12,18 @@ heartbeats at each offered rate. The baseline, measured in the same run
 before the load starts, is one provider heartbeating alone on an idle
 coordinator; the load phases print their p50/p99 as ratios against it.
 
-Modes (`--modes`, default both, in one run): `plaintext`, and `tls`: the
+Modes (`--modes`, default all three, in one run): `plaintext`, and `tls`: the
 coordinator serves TLS (`--tls-cert/--tls-key`, a test CA and a loopback
 certificate made by `tests/tls_certs.py`) and every provider opens its own TLS
 channel. Each mode gets a fresh coordinator; the closing table prints TLS
-against plaintext at each offered rate.
+against plaintext at each offered rate. `page`: plaintext with the status page
+served (`--http-listen`); each rate runs on the same coordinator alternately
+with no page open and with `--pages` status pages open (`--page-repeats`
+times each, latencies pooled per side), each page fetching the refreshed part
+(`/status.html`) every `--page-refresh` seconds as the browser does; the
+closing lines print heartbeat p99 with the pages open against without.
 
-    .venv/bin/python bench/coordinator.py [--providers 1000] [--procs 2] [--rates 1.1,1.5,2] [--seconds 10] [--modes plaintext,tls]
+    .venv/bin/python bench/coordinator.py [--providers 1000] [--procs 2] [--rates 1.1,1.5,2] [--seconds 10] [--modes plaintext,tls,page] [--pages 4] [--page-refresh 1]
 """
 
 from __future__ import annotations
@@ -171,6 +176,41 @@ def client_process(address: str, tokens: list[str], conn, channels: int, ca_pem:
     asyncio.run(_client_main(address, tokens, conn, channels, ca_pem))
 
 
+def page_process(url: str, token: str, pages: int, refresh: float, conn) -> None:
+    """`pages` open status pages: each fetches `url` every `refresh` seconds until told to stop."""
+    import threading
+    import urllib.request
+
+    stop = threading.Event()
+    lat: list[float] = []
+    errors = [0]
+
+    def one(i: int) -> None:
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+        next_t = time.monotonic() + refresh * i / pages
+        while not stop.is_set():
+            delay = next_t - time.monotonic()
+            if delay > 0 and stop.wait(delay):
+                return
+            t = time.perf_counter()
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    r.read()
+                lat.append(time.perf_counter() - t)
+            except OSError:
+                errors[0] += 1
+            next_t += refresh
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(pages)]
+    for t in threads:
+        t.start()
+    conn.recv()  # "stop"
+    stop.set()
+    for t in threads:
+        t.join(35)
+    conn.send((lat, errors[0]))
+
+
 # --- parent -----------------------------------------------------------------
 
 
@@ -263,6 +303,8 @@ def run_mode(mode: str, args) -> list[Phase]:
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         workdir = Path(tmp)
         extra, ca_pem = tls_files(workdir) if mode == "tls" else ([], None)
+        if mode == "page":
+            extra = ["--http-listen", "127.0.0.1:0", "--page-refresh", str(args.page_refresh)]
         proc, info = start_server(workdir, extra)
         address = info["address"]
         admin_token = Path(info["admin_token_file"]).read_text().strip()
@@ -279,13 +321,48 @@ def run_mode(mode: str, args) -> list[Phase]:
             base = baseline(address, tokens[-1], ca_pem)
             base_p = (pct([x * 1000 for x in base], 50), pct([x * 1000 for x in base], 99))
             print(summary("baseline: 1 provider hb", base, sum(base) + 0.002 * len(base)))
-            return load_phases(proc, address, tokens[:-1], ca_pem, base_p, args)  # tokens[-1]: the baseline's
+            page = (info["http_address"] + "/status.html", admin_token) if mode == "page" else None
+            return load_phases(proc, address, tokens[:-1], ca_pem, base_p, args, page=page)  # tokens[-1]: the baseline's
         finally:
             stop_server(proc)
 
 
-def load_phases(proc, address: str, tokens: list[str], ca_pem: bytes | None, base_p, args) -> list[Phase]:
-    """Register, lease, then heartbeat at each rate from `args.procs` client processes."""
+def heartbeat_phase(proc, pipes, providers: int, rate: float, base_p, args, page: tuple[str, str] | None) -> tuple[Phase, list[float]]:
+    """One heartbeat phase at `rate` per provider (its outcome and latencies); with `page`, status pages refresh throughout it."""
+    pager = None
+    if page is not None:
+        parent, child = mp.get_context("spawn").Pipe()
+        pager = (mp.get_context("spawn").Process(target=page_process, args=(*page, args.pages, args.page_refresh, child), daemon=True), parent)
+        pager[0].start()
+    start_at = time.time() + 1.0
+    cpu0 = server_cpu(proc.pid)
+    for c in pipes:
+        c.send(("heartbeat", start_at, args.seconds, rate))
+    results = [c.recv() for c in pipes]
+    cpu = server_cpu(proc.pid) - cpu0
+    lat = [x for _, l, _ in results for x in l]
+    errors = sum(e for _, _, (e, _) in results)
+    # Achieved rate: completions over the time until the last one (>= the phase length).
+    elapsed = max(args.seconds, max(d for _, _, (_, d) in results) - start_at)
+    offered = providers * rate
+    label = f"heartbeat @ {offered:.0f}/s offered" + (f", {args.pages} pages open" if page else "")
+    print(summary(label, lat, elapsed, base_p) + f"   errors {errors}")
+    # Load-independent cost: server CPU time per heartbeat (the box is shared, latency is not).
+    print(f"{'':<28} server CPU {cpu / max(1, len(lat)) * 1e6:.0f} us per heartbeat ({cpu / elapsed * 100:.0f}% of one core)")
+    if pager is not None:
+        pager[1].send("stop")
+        page_lat, page_errors = pager[1].recv()
+        pager[0].join(30)
+        print(summary(f"page refresh ({args.pages} pages)", page_lat, elapsed) + f"   errors {page_errors}")
+    return Phase(offered=offered, achieved=len(lat) / elapsed, p99_ms=pct(lat, 99) * 1000, errors=errors), lat
+
+
+def load_phases(proc, address: str, tokens: list[str], ca_pem: bytes | None, base_p, args, *, page: tuple[str, str] | None = None) -> list[Phase]:
+    """Register, lease, then heartbeat at each rate from `args.procs` client processes.
+
+    With `page` (the status page's URL and a token), each rate runs twice: without, then with
+    `args.pages` pages refreshing; the returned list then holds both phases of each rate, in that order.
+    """
     ctx = mp.get_context("spawn")
     shares = [tokens[i :: args.procs] for i in range(args.procs)]
     pipes, procs = [], []
@@ -307,21 +384,20 @@ def load_phases(proc, address: str, tokens: list[str], ca_pem: bytes | None, bas
 
     phases = []
     for rate in [float(r) for r in args.rates.split(",")]:
-        start_at = time.time() + 1.0
-        cpu0 = server_cpu(proc.pid)
-        for c in pipes:
-            c.send(("heartbeat", start_at, args.seconds, rate))
-        results = [c.recv() for c in pipes]
-        cpu = server_cpu(proc.pid) - cpu0
-        lat = [x for _, l, _ in results for x in l]
-        errors = sum(e for _, _, (e, _) in results)
-        # Achieved rate: completions over the time until the last one (>= the phase length).
-        elapsed = max(args.seconds, max(d for _, _, (_, d) in results) - start_at)
-        offered = len(tokens) * rate
-        print(summary(f"heartbeat @ {offered:.0f}/s offered", lat, elapsed, base_p) + f"   errors {errors}")
-        # Load-independent cost: server CPU time per heartbeat (the box is shared, latency is not).
-        print(f"{'':<28} server CPU {cpu / max(1, len(lat)) * 1e6:.0f} us per heartbeat ({cpu / elapsed * 100:.0f}% of one core)")
-        phases.append(Phase(offered=offered, achieved=len(lat) / elapsed, p99_ms=pct(lat, 99) * 1000, errors=errors))
+        if page is None:
+            phases.append(heartbeat_phase(proc, pipes, len(tokens), rate, base_p, args, None)[0])
+            continue
+        # Closed and open alternate `--page-repeats` times and each side's latencies are pooled, so a
+        # drift in the machine's other load falls on both sides alike.
+        pooled: dict[bool, list] = {False: [], True: []}
+        for _ in range(args.page_repeats):
+            for with_page in (False, True):
+                pooled[with_page].append(heartbeat_phase(proc, pipes, len(tokens), rate, base_p, args, page if with_page else None))
+        for with_page in (False, True):
+            runs = pooled[with_page]
+            lat = [x for _, l in runs for x in l]
+            achieved = sum(p.achieved for p, _ in runs) / len(runs)
+            phases.append(Phase(offered=runs[0][0].offered, achieved=achieved, p99_ms=pct(lat, 99) * 1000, errors=sum(p.errors for p, _ in runs)))
     met = [p.offered for p in phases if p.met]
     print("goal (>= 1000 heartbeats/s, p99 < 50 ms): " + (f"met, up to {max(met):.0f}/s offered" if met else "NOT met"))
 
@@ -339,21 +415,42 @@ def main() -> int:
     ap.add_argument("--channels", type=int, default=0, help="gRPC channels per client process (default 0: one per provider, like real providers)")
     ap.add_argument("--rates", default="1.1,1.5,2", help="heartbeats per second per provider, one phase each (default 1.1,1.5,2: 1,100 to 2,000 per second for 1,000 providers)")
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each heartbeat phase (default 10)")
-    ap.add_argument("--modes", default="plaintext,tls", help="transports to measure, each against its own coordinator (default `plaintext,tls`)")
+    ap.add_argument(
+        "--modes", default="plaintext,tls,page", help="what to measure, each against its own coordinator: `plaintext`, `tls`, `page` (default all three)"
+    )
+    ap.add_argument("--pages", type=int, default=4, help="status pages open in the `page` mode (default 4)")
+    ap.add_argument("--page-repeats", type=int, default=2, help="in the `page` mode, closed/open pairs per rate, alternating; latencies pooled per side (default 2)")
+    ap.add_argument("--page-refresh", type=float, default=1.0, help="seconds between a page's refreshes in the `page` mode (default 1; the page's own default is 2)")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if not set(modes) <= {"plaintext", "tls"}:
-        ap.error(f"--modes: `{args.modes}` is not a list of `plaintext` and `tls`")
+    if not set(modes) <= {"plaintext", "tls", "page"}:
+        ap.error(f"--modes: `{args.modes}` is not a list of `plaintext`, `tls` and `page`")
 
     results = {mode: run_mode(mode, args) for mode in modes}
-    print("\n== heartbeats/s and p99 by transport" + (" (ratios: tls / plaintext)" if len(results) == 2 else ""))
-    for i in range(len(args.rates.split(","))):
-        cols = [f"{m}: {r[i].achieved:7.1f}/s p99 {r[i].p99_ms:6.2f} ms {'met' if r[i].met else 'NOT met'}" for m, r in results.items()]
-        line = f"@ {results[modes[0]][i].offered:5.0f}/s offered   " + "   ".join(cols)
-        if len(results) == 2:
-            p, t = results["plaintext"][i], results["tls"][i]
-            line += f"   (rate x{t.achieved / p.achieved:.2f}, p99 x{t.p99_ms / p.p99_ms:.2f})"
-        print(line)
+    transports = {m: r for m, r in results.items() if m != "page"}
+    if transports:
+        print("\n== heartbeats/s and p99 by transport" + (" (ratios: tls / plaintext)" if len(transports) == 2 else ""))
+        first = next(iter(transports.values()))
+        for i in range(len(args.rates.split(","))):
+            cols = [f"{m}: {r[i].achieved:7.1f}/s p99 {r[i].p99_ms:6.2f} ms {'met' if r[i].met else 'NOT met'}" for m, r in transports.items()]
+            line = f"@ {first[i].offered:5.0f}/s offered   " + "   ".join(cols)
+            if len(transports) == 2:
+                p, t = transports["plaintext"][i], transports["tls"][i]
+                line += f"   (rate x{t.achieved / p.achieved:.2f}, p99 x{t.p99_ms / p.p99_ms:.2f})"
+            print(line)
+    if "page" in results:
+        print(
+            f"\n== heartbeat p99 with {args.pages} status pages open (refresh every {args.page_refresh:g} s) vs none, same coordinator,"
+            f" {args.page_repeats} alternating phases each, pooled (goal: within 10%)"
+        )
+        r = results["page"]
+        for closed, opened in zip(r[0::2], r[1::2], strict=True):
+            ratio = opened.p99_ms / closed.p99_ms
+            verdict = "within 10%" if ratio <= 1.10 else "NOT within 10%"
+            print(
+                f"@ {closed.offered:5.0f}/s offered   no page: p99 {closed.p99_ms:6.2f} ms   pages open: p99 {opened.p99_ms:6.2f} ms   (p99 x{ratio:.2f}, {verdict})"
+                f"   errors {closed.errors + opened.errors}"
+            )
     return 0
 
 

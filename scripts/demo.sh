@@ -46,11 +46,19 @@ trap 'kill "$serve_pid" 2>/dev/null || true' EXIT
 for _ in $(seq 300); do [ -s "$work/serve.json" ] && break; sleep 0.1; done
 addr=$("$py" -c 'import json, sys; print(json.load(open(sys.argv[1]))["address"])' "$work/serve.json")
 run_id=$(DFLASH_ADMIN_TOKEN="$token" .venv/bin/dflash-coordinator runs list --json --server "$addr" | "$py" -c 'import json, sys; print(json.load(sys.stdin)[0]["run_id"])')
-DFLASH_ADMIN_TOKEN="$token" .venv/bin/dflash-coordinator artifacts get "$run_id" --export -o "$work/fetched-export" --server "$addr"
+# The regression gate published the export only if the evaluation did not regress.
+published=$(DFLASH_ADMIN_TOKEN="$token" .venv/bin/dflash-coordinator runs show "$run_id" --json --server "$addr" \
+  | "$py" -c 'import json, sys; p = json.load(sys.stdin)["jobs"][0].get("publication") or {}; print(("yes " if p.get("published") else "no ") + p.get("reason", "not decided"))')
+echo "demo: regression gate: ${published#* }" >&2
+if [ "${published%% *}" = yes ]; then
+  DFLASH_ADMIN_TOKEN="$token" .venv/bin/dflash-coordinator artifacts get "$run_id" --export -o "$work/fetched-export" --server "$addr"
+  echo "demo: the export, fetched and verified, is in $work/fetched-export" >&2
+else
+  echo "demo: the export was held back, so it is not fetched; \`dflash-coordinator runs publish $run_id --override\` would publish it" >&2
+fi
 kill "$serve_pid"
 wait "$serve_pid" 2>/dev/null || true
 trap - EXIT
-echo "demo: the export, fetched and verified, is in $work/fetched-export" >&2
 
 report=$(find "$work/provider/jobs" -path '*/eval/report.md' | head -n 1)
 if [ -n "$report" ]; then

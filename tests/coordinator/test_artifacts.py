@@ -76,6 +76,9 @@ def test_a_failed_attempt_cannot_squat_on_the_succeeded_attempts_export(start_co
         assert [(a.attempt, a.artifact.sha256) for a in finals] == [(2, _sha(real))]
         every = admin.list_artifacts(run.run_id, all_attempts=True)
         assert [(a.attempt, a.attempt_state, a.artifact.sha256) for a in every] == [(2, "succeeded", _sha(real)), (1, "retryable", _sha(garbage))]
+        # No evaluation report: the regression gate held the export back; published by override.
+        assert not job.publication.published and "no evaluation report" in job.publication.reason
+        admin.publish_run(run.run_id, override=True, note="test: no evaluation")
         got = admin.download(run.run_id, "run/export/model.safetensors", coord.workdir / "got.bin")
         assert got.sha256 == _sha(real) and (coord.workdir / "got.bin").read_bytes() == real
 
@@ -337,6 +340,9 @@ def test_admin_get_resumes_a_partial_download_refuses_bad_bytes_and_fetches_the_
         rc = cli_main([*argv, "--server", coord.address, "--admin-token-file", coord.info["admin_token_file"]])
         return rc, *capsys.readouterr()
 
+    # The report is empty, so the regression gate held the export back: publish it by override.
+    rc, out, err = cli("runs", "publish", run.run_id, "--override", "--note", "test")
+    assert rc == 0 and "export published" in out, err
     dest = tmp_path / "m.safetensors"
     part = tmp_path / "m.safetensors.part"
     # An interrupted earlier fetch left the first MiB: the next call asks only for the rest.

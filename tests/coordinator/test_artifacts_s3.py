@@ -88,6 +88,7 @@ def test_upload_killed_midway_resumes_across_a_coordinator_restart_into_s3(s3, s
     assert p.finish(lease.lease_id) == "succeeded"
     with coord.admin() as admin:
         out = coord.workdir / "fetched.bin"
+        admin.publish_run(run.run_id, override=True, note="test: no evaluation")  # the regression gate held it back
         admin.download(run.run_id, art.name, out)
         assert hashlib.sha256(out.read_bytes()).hexdigest() == sha
     assert not list((coord.workdir / "staging").rglob("*.part"))

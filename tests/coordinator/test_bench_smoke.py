@@ -17,7 +17,7 @@ from coordinator_helpers import REPO, subprocess_env
 @pytest.mark.slow
 def test_coordinator_bench_runs_plaintext_and_tls():
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "coordinator.py"), "--providers", "20", "--procs", "1", "--rates", "2", "--seconds", "1"],
+        [sys.executable, str(REPO / "bench" / "coordinator.py"), "--providers", "20", "--procs", "1", "--rates", "2", "--seconds", "1", "--modes", "plaintext,tls"],
         capture_output=True, text=True, timeout=300, env=subprocess_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -25,6 +25,23 @@ def test_coordinator_bench_runs_plaintext_and_tls():
     assert "== plaintext:" in text and "(tls False)" in text and "== tls:" in text and "(tls True)" in text, text
     assert len(re.findall(r"^heartbeat @ 40/s offered .* errors 0$", text, re.M)) == 2, text
     assert re.search(r"^@ +40/s offered +plaintext: .* tls: .* \(rate x\d+\.\d\d, p99 x\d+\.\d\d\)$", text, re.M), text
+
+
+@pytest.mark.slow
+def test_coordinator_bench_page_mode_compares_p99_with_and_without_pages_open():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "coordinator.py"), "--providers", "20", "--procs", "1", "--rates", "2", "--seconds", "2",
+         "--modes", "page", "--pages", "2", "--page-refresh", "0.5", "--page-repeats", "1"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert re.search(r"^heartbeat @ 40/s offered .* errors 0$", text, re.M), text
+    assert re.search(r"^heartbeat @ 40/s offered, 2 pages open .* errors 0$", text, re.M), text
+    # The pages really refreshed throughout the phase (about 2 s / 0.5 s each), without errors.
+    m = re.search(r"^page refresh \(2 pages\) +(\d+) ops .* errors 0$", text, re.M)
+    assert m and int(m.group(1)) >= 4, text
+    assert re.search(r"^@ +40/s offered +no page: p99 +\d+\.\d\d ms +pages open: p99 +\d+\.\d\d ms +\(p99 x\d+\.\d\d, (NOT )?within 10%\) +errors 0$", text, re.M), text
 
 
 @pytest.mark.slow

@@ -100,8 +100,15 @@ def test_full_lifecycle(coordinator, provider_factory, capsys, tmp_path):
     assert job["artifacts"][0]["sha256"] == hashlib.sha256(content).hexdigest()
     assert job["export"]["name"] == "export/draft.safetensors" and job["artifact_count"] == 3
 
-    # The admin fetches the export: verified, written whole.
+    # No evaluation was uploaded, so the regression gate held the export back: `get` refuses it
+    # until the admin publishes it by override.
+    assert job["publication"]["published"] is False and "no evaluation report" in job["publication"]["reason"], job
     out_path = tmp_path / "got" / "draft.safetensors"
+    rc, out, err = cli(capsys, coordinator, "artifacts", "get", run_id, "export/draft.safetensors", "-o", str(out_path))
+    assert rc == 1 and "is not published" in err, err
+    rc, out, err = cli(capsys, coordinator, "runs", "publish", run_id, "--override", "--note", "lifecycle test")
+    assert rc == 0 and "published by override" in out, err
+    # The admin fetches the export: verified, written whole.
     rc, out, err = cli(capsys, coordinator, "artifacts", "get", run_id, "export/draft.safetensors", "-o", str(out_path))
     assert rc == 0, err
     assert out_path.read_bytes() == export and not out_path.with_name("draft.safetensors.part").exists()

@@ -184,3 +184,45 @@ def test_a_newer_database_is_refused(tmp_path):
     db.close()
     with pytest.raises(ConfigError, match=f"(?s)schema version {SCHEMA_VERSION + 1}.*newer coordinator"):
         Store(path)
+
+
+def test_a_version_3_database_keeps_its_exports_published(tmp_path):
+    """Schema 3 had no regression gate and served every succeeded job's export: after the migration those
+    stay published (saying why), a job without an export gets no publication, and new jobs go through the gate."""
+    from dflash_worker.coordinator.artifacts import Claim
+    from dflash_worker.coordinator.store import PRE_GATE_REASON, RunSpecData
+
+    path = tmp_path / "coordinator.db"
+    store = Store(path)
+    pid, _ = store.create_provider("box")
+    store.register(pid, Registration(client_version="0.1.0", native_client_version="", launch_mode=1, native=False, backend="cpu", device_count=1, features=(), capabilities=b"", name="box"))
+    run = store.create_run(RunSpecData(name="old", spec_json="{}", required_client_version="0.1.0", num_jobs=2))
+    jobs = []
+    for with_export in (True, False):
+        g = store.acquire(pid)
+        lease = store.live_lease(pid, g.lease_id)
+        if with_export:
+            store.record(lease, Claim(name="run/export/model.safetensors", kind="export", sha256="a" * 64, size_bytes=3, step=1))
+        store.finish(pid, g.lease_id, "succeeded", "")
+        jobs.append(g.job_id)
+    store.close()
+    # What a schema-3 coordinator left: no publications table.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DROP TABLE publications")
+    db.execute("ALTER TABLE attempts DROP COLUMN phase_started_unix")
+    db.execute("ALTER TABLE attempts DROP COLUMN phase_started_step")
+    db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+    db.close()
+
+    store = Store(path)
+    try:
+        assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+        pub = store.publication(jobs[0])
+        assert pub is not None and pub.published and pub.verdict == "" and pub.reason == PRE_GATE_REASON, pub
+        assert store.publication(jobs[1]) is None
+        assert store.undecided_jobs() == []
+        store.check_published(run.run_id, jobs[0])
+        cols = [r[1] for r in store.db.execute("PRAGMA table_info(attempts)")]
+        assert "phase_started_unix" in cols and "phase_started_step" in cols
+    finally:
+        store.close()

@@ -29,6 +29,15 @@ def test_real_pipeline_job_registers_its_export_with_a_matching_sha256(procs, ba
     assert model["sha256"] == sha256_file(path) == baseline.export_sha256
     assert int(model["size_bytes"]) == path.stat().st_size
     assert rjob["export"]["sha256"] == model["sha256"]
+    # The regression gate read the real evaluation report the job uploaded and decided from its figures:
+    # published unless the trained draft regressed against the released one on `test` (tolerance 0.02).
+    report = json.loads((job_dir / "eval" / "report.json").read_text())
+    pub = rjob["publication"]
+    assert pub["split"] == report["split"] == "test" and pub["tolerance"] == 0.02, pub
+    assert pub["tau_trained"] == report["trained"]["tau_pooled"] and pub["tau_released"] == report["baseline"]["tau_pooled"], (pub, report)
+    assert pub["verdict"] == report["verdict"] and pub["published"] is (report["verdict"] != "regressed"), (pub, report["verdict"])
+    if not pub["published"]:
+        coord.cli("runs", "publish", baseline.summary["run_id"], "--override", "--note", "e2e: the tiny world's draft regressed")
     # The run admin fetches the export from the coordinator: the same bytes.
     got = coord.fetch(baseline.summary["run_id"], model["name"], baseline.work.parent / "fetched" / "model.safetensors")
     assert sha256_file(got) == baseline.export_sha256

@@ -23,7 +23,7 @@ def test_train_emits_typed_progress_checkpoint_and_export_events(pipeline):
     progress = [e for e in events if isinstance(e, Progress)]
     assert [e.step for e in progress] == [1, 2, 3, 4]
     assert {e.phase for e in progress} == {"train"} and {e.total_steps for e in progress} == {4}
-    assert set(progress[0].metrics) == {"loss", "lr", "grad_norm", "train_matching_proposals"}
+    assert set(progress[0].metrics) == {"loss", "lr", "grad_norm", "train_matching_proposals", "tokens_per_s"}
     # commits: step 2 (validation), 3 (cadence), 4 (last); nothing committed before step 2
     assert [e.committed_step for e in progress] == [None, 2, 3, 4]
 

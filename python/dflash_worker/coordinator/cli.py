@@ -30,6 +30,7 @@ from .store import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS, Quota
 ENV_ADDRESS = "DFLASH_COORDINATOR"  # coordinator address, HOST:PORT or http://HOST:PORT (shared with run-manager)
 ENV_ADMIN_TOKEN = "DFLASH_ADMIN_TOKEN"  # admin bearer token
 ENV_ADMIN_TOKEN_FILE = "DFLASH_ADMIN_TOKEN_FILE"  # file holding the admin token
+ENV_VIEWER_TOKEN = "DFLASH_VIEWER_TOKEN"  # serve: the status page's read-only viewer token
 ENV_TLS_CERT = "DFLASH_TLS_CERT"  # serve: TLS certificate chain (PEM)
 ENV_TLS_KEY = "DFLASH_TLS_KEY"  # serve: TLS private key (PEM, unencrypted)
 ENV_TLS_CLIENT_CA = "DFLASH_TLS_CLIENT_CA"  # serve: CA whose client certificates are required (mutual TLS)
@@ -92,6 +93,19 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", help="allow plaintext on a non-loopback --listen address (tokens travel in the clear; logs a warning)")
     p.add_argument("--auth-failure-limit", type=int, default=20, help="failed authentications a peer address may make per window before its calls are refused (default 20; 0: no limit)")
     p.add_argument("--auth-failure-window", type=float, default=60.0, help="seconds of that window (default 60)")
+    p.add_argument(
+        "--http-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the status page and Prometheus `/metrics` over HTTP here (HTTPS with --tls-cert); port 0 picks one (default: not served)",
+    )
+    p.add_argument(
+        "--viewer-token",
+        default=None,
+        help=f"the status page's read-only token (env `{ENV_VIEWER_TOKEN}`); when unset, one is generated on first start and written to --viewer-token-file",
+    )
+    p.add_argument("--viewer-token-file", type=Path, default=None, help="where a generated viewer token is written, mode 0600 (default: `viewer-token` next to --db)")
+    p.add_argument("--page-refresh", type=float, default=2.0, metavar="SECONDS", help="how often an open status page refreshes itself (default 2)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
 
 
@@ -153,6 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     rs = runs.add_parser("show", help="show one run, its jobs and their artifacts")
     rs.add_argument("run_id", help="run id (from `runs list`)")
     _client_args(rs)
+    rp = runs.add_parser(
+        "publish",
+        help="publish an export the regression gate held back (--override; recorded)",
+        description="Publish a run's export that the regression gate held back (its evaluation regressed, or there was none). "
+        "`--override` is required and the override is recorded with its time, your note and your address.",
+    )
+    rp.add_argument("run_id", help="run id (from `runs list`)")
+    rp.add_argument("--job", default="", help="job id (needed when the run has several jobs)")
+    rp.add_argument("--override", action="store_true", help="publish although the gate held the export back")
+    rp.add_argument("--note", default="", help="why (recorded with the override; at most 1,000 characters)")
+    _client_args(rp)
 
     versions = sub.add_parser("versions", help="approve native client versions").add_subparsers(dest="action", metavar="ACTION")
     va = versions.add_parser("approve", help="allow a native client version for one run", description="Allow providers launching in native mode with this native client version to lease this run's jobs.")
@@ -284,6 +309,14 @@ def _print_run(run: admin_pb2.Run) -> None:
     print(f"{run.run_id}  {run.spec.name}  client {run.spec.required_client_version}  {run.spec.checkpoint_policy}  [{states}]")
 
 
+def _publication_line(p) -> str:
+    state = "published" if p.published else "NOT published"
+    line = f"    export {state}: {p.reason}"
+    if p.override_unix:
+        line += f"\n    published by override {_when(p.override_unix)} from {p.override_peer or '?'}" + (f": {p.override_note}" if p.override_note else "")
+    return line
+
+
 def _cmd_serve(args) -> int:
     from .server import ServeConfig, serve
 
@@ -314,6 +347,10 @@ def _cmd_serve(args) -> int:
         insecure=args.insecure,
         auth_failure_limit=args.auth_failure_limit,
         auth_failure_window=args.auth_failure_window,
+        http_listen=args.http_listen,
+        viewer_token=args.viewer_token or os.environ.get(ENV_VIEWER_TOKEN) or None,
+        viewer_token_file=args.viewer_token_file,
+        page_refresh_seconds=args.page_refresh,
     )
 
     def ready(info: dict) -> None:
@@ -323,6 +360,9 @@ def _cmd_serve(args) -> int:
         where = f", admin token in `{info['admin_token_file']}`" if info["admin_token_file"] else ""
         how = "mutual TLS" if info["mtls"] else "TLS" if info["tls"] else "plaintext"
         logging.getLogger("dflash_worker.coordinator").info("serving %s on %s%s", how, info["address"], where)
+        if info.get("http_address"):
+            viewer = f", viewer token in `{info['viewer_token_file']}`" if info["viewer_token_file"] else ""
+            logging.getLogger("dflash_worker.coordinator").info("status page on %s/ and metrics on %s/metrics%s", info["http_address"], info["http_address"], viewer)
 
     asyncio.run(serve(config, on_ready=ready))
     return 0
@@ -436,8 +476,13 @@ def _cmd_admin(args) -> int:
                     print(f"  approved native versions: {', '.join(resp.run.approved_native_versions)}")
                 for j in resp.jobs:
                     print(f"  {j.job_id}  {j.state}  attempts {j.attempts}")
+                    if j.HasField("publication"):
+                        print(_publication_line(j.publication))
                     for a in finals[j.job_id]:
                         _print_artifact(a)
+        elif key == ("runs", "publish"):
+            resp = c.publish_run(args.run_id, args.job, override=args.override, note=args.note)
+            _emit_json(_msg_dict(resp)) if args.json else print(f"{resp.job_id}\n{_publication_line(resp.publication)}")
         elif key == ("artifacts", "list"):
             rows = c.list_artifacts(args.run_id, args.job, all_attempts=args.all_attempts)
             if args.json:

@@ -185,3 +185,6 @@ class AdminClient:
 
     def request_checkpoint(self, job_id: str) -> str:
         return self._call("RequestCheckpoint", admin_pb2.RequestCheckpointRequest(job_id=job_id)).job_state
+
+    def publish_run(self, run_id: str, job_id: str = "", *, override: bool = False, note: str = "") -> admin_pb2.PublishRunResponse:
+        return self._call("PublishRun", admin_pb2.PublishRunRequest(run_id=run_id, job_id=job_id, override=override, note=note))

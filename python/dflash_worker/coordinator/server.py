@@ -26,9 +26,12 @@ from ..proto.dflash.v1 import admin_pb2_grpc, provider_pb2_grpc
 from .artifacts import Staging
 from .auth import DEFAULT_FAILURE_LIMIT, DEFAULT_FAILURE_WINDOW, AuthInterceptor, FailureLimiter, Gate
 from .blobs import open_blob_store
+from .metrics import Metrics
+from .publish import PublishGate
 from .service import DEFAULT_UPLOAD_IDLE_SECONDS, AdminService, Artifacts, ProviderService, WorkSignal
 from .store import Quotas, Store, new_token
 from .tls import ServerTls, is_loopback, load_server_tls
+from .web import StatusApp, WebConfig, server_ssl_context, start_web
 
 log = logging.getLogger("dflash_worker.coordinator")
 
@@ -68,6 +71,11 @@ class ServeConfig:
     # Failed authentications per peer address allowed in a window (0: no limit).
     auth_failure_limit: int = DEFAULT_FAILURE_LIMIT
     auth_failure_window: float = DEFAULT_FAILURE_WINDOW
+    # The status page and /metrics (HTTP beside gRPC; None: not served). TLS when `tls_cert` is given.
+    http_listen: str | None = None
+    viewer_token: str | None = None
+    viewer_token_file: Path | None = None
+    page_refresh_seconds: float = 2.0
     extra_options: tuple = field(default=())
 
     def __post_init__(self):
@@ -93,6 +101,17 @@ class ServeConfig:
             )
         if self.upload_idle_seconds <= 0:
             raise ConfigError(f"`--upload-idle-timeout` must be positive, got {self.upload_idle_seconds}")
+        if self.http_listen is not None:
+            h_host, h_sep, h_port = self.http_listen.rpartition(":")
+            if not h_sep or not h_host or not h_port.isdigit() or int(h_port) > 65535:
+                raise ConfigError(f"`--http-listen` must be HOST:PORT (port 0 picks a free one), got `{self.http_listen}`")
+            if self.tls_cert is None and not self.insecure and not is_loopback(h_host.strip("[]")):
+                raise ConfigError(
+                    f"refusing to serve the status page over plain HTTP on `{self.http_listen}`, which is not a loopback address: tokens would cross the network in the clear\n"
+                    "hint: pass `--tls-cert` and `--tls-key` (the page is then HTTPS), or `--insecure` on a network you trust"
+                )
+        if not 0.2 <= self.page_refresh_seconds <= 3600:
+            raise ConfigError(f"`--page-refresh` must be 0.2-3600 seconds, got {self.page_refresh_seconds}")
         if self.auth_failure_limit < 0 or self.auth_failure_window <= 0:
             raise ConfigError("`--auth-failure-limit` must be >= 0 and `--auth-failure-window` positive")
 
@@ -107,6 +126,10 @@ class ServeConfig:
     @property
     def token_file(self) -> Path:
         return self.admin_token_file or self.db.parent / "admin-token"
+
+    @property
+    def viewer_file(self) -> Path:
+        return self.viewer_token_file or self.db.parent / "viewer-token"
 
     def load_tls(self) -> ServerTls | None:
         """The checked TLS material, or None for plaintext (warned about off loopback)."""
@@ -152,6 +175,20 @@ def ensure_admin_token(store: Store, token: str | None, token_file: Path) -> str
     return "generated"
 
 
+def ensure_viewer_token(store: Store, token: str | None, token_file: Path) -> str:
+    """Install the status page's read-only viewer token, as `ensure_admin_token` does the admin's."""
+    if token:
+        store.set_viewer_token(token)
+        return "given"
+    if store.has_viewer_token() and token_file.is_file():
+        if store.web_role(token_file.read_text().strip()) == "viewer":
+            return "file"
+    fresh = new_token()
+    _write_private(token_file, fresh + "\n")
+    store.set_viewer_token(fresh)
+    return "generated"
+
+
 async def serve(
     config: ServeConfig,
     *,
@@ -186,12 +223,17 @@ async def serve(
             *config.extra_options,
         ]
         limiter = FailureLimiter(limit=config.auth_failure_limit, window=config.auth_failure_window)
+        metrics = Metrics(store, artifacts)
         gate = Gate(store.authenticate, limiter, mtls=tls is not None and tls.mtls)
         server = grpc.aio.server(interceptors=[AuthInterceptor(gate)], options=options)
+        publisher = PublishGate(store, blobs)
         provider_pb2_grpc.add_ProviderServiceServicer_to_server(
-            ProviderService(store, artifacts, work, max_wait=config.max_wait, retry_after=config.retry_after), server
+            ProviderService(
+                store, artifacts, work, max_wait=config.max_wait, retry_after=config.retry_after, gate=publisher, heartbeat_latency=metrics.heartbeat_latency
+            ),
+            server,
         )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store, artifacts), server)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store, artifacts, publisher), server)
         try:
             port = server.add_secure_port(config.listen, tls.credentials()) if tls else server.add_insecure_port(config.listen)
         except RuntimeError as exc:
@@ -199,8 +241,20 @@ async def serve(
         if not port:
             raise ConfigError(f"cannot listen on `{config.listen}`\nhint: is another coordinator running there?")
         await server.start()
-        # Requeue whatever expired while the coordinator was down.
+        web_runner, http_address, viewer_how = None, None, None
+        if config.http_listen is not None:
+            viewer_how = ensure_viewer_token(store, config.viewer_token, config.viewer_file)
+            status_app = StatusApp(store, artifacts, metrics, limiter, WebConfig(refresh_ms=int(config.page_refresh_seconds * 1000), secure=tls is not None))
+            ssl_context = server_ssl_context(config.tls_cert, config.tls_key) if tls is not None else None
+            try:
+                web_runner, http_port = await start_web(status_app, config.http_listen, ssl_context)
+            except OSError as exc:
+                await server.stop(grace=None)
+                raise ConfigError(f"cannot listen on `{config.http_listen}` (--http-listen): {exc.strerror or exc}") from None
+            http_address = f"{'https' if tls else 'http'}://{config.http_listen.rpartition(':')[0]}:{http_port}"
+        # Requeue whatever expired while the coordinator was down; decide on exports it left undecided.
         store.expire_due()
+        await publisher.catch_up()
         host = config.listen.rpartition(":")[0]
         on_ready(
             {
@@ -213,6 +267,9 @@ async def serve(
                 "admin_token_file": None if how == "given" else str(config.token_file),
                 "tls": tls is not None,
                 "mtls": tls is not None and tls.mtls,
+                "http_address": http_address,
+                "viewer_token": viewer_how,
+                "viewer_token_file": None if viewer_how in (None, "given") else str(config.viewer_file),
             }
         )
         stop = stop or asyncio.Event()
@@ -260,6 +317,8 @@ async def serve(
             ticker.cancel()
             janitor.cancel()
             checkpointer.cancel()
+            if web_runner is not None:
+                await web_runner.cleanup()
             await server.stop(grace=1.0)
     finally:
         store.close()

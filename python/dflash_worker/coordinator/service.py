@@ -13,6 +13,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,7 +34,8 @@ from .artifacts import (
 from .auth import current_principal
 from .blobs import BlobStore
 from .policy import BACKENDS, PROTOCOL_VERSION, check_features, check_version
-from .store import Grant, LiveLease, Progress, ProviderRow, Registration, RunRow, RunSpecData, Store, Upgrade
+from .publish import PublishGate
+from .store import Grant, LiveLease, Progress, ProviderRow, PublicationRow, Registration, RunRow, RunSpecData, Store, Upgrade
 
 _LAUNCH_MODES = {provider_pb2.LAUNCH_MODE_DOCKER, provider_pb2.LAUNCH_MODE_NATIVE}
 _PHASES = set(provider_pb2.Phase.values())
@@ -72,6 +74,25 @@ def provider_pb(p: ProviderRow) -> admin_pb2.ProviderInfo:
         last_seen_unix=int(p.last_seen_unix or 0),
         identity=p.identity,
         revoked_unix=int(p.revoked_unix or 0),
+    )
+
+
+def publication_pb(p: PublicationRow | None) -> admin_pb2.Publication | None:
+    if p is None:
+        return None
+    e = p.evaluation
+    return admin_pb2.Publication(
+        published=p.published,
+        verdict=p.verdict,
+        reason=p.reason,
+        decided_unix=int(p.decided_unix),
+        override_unix=int(p.override_unix or 0),
+        override_note=p.override_note,
+        override_peer=p.override_peer,
+        tau_released=float(e.get("tau_released", 0.0)),
+        tau_trained=float(e.get("tau_trained", 0.0)),
+        split=str(e.get("split", "")),
+        tolerance=float(e.get("tolerance", 0.0)),
     )
 
 
@@ -125,6 +146,9 @@ class Artifacts:
         self.idle_seconds = idle_seconds
         # Staged files being written now, by attempt: path -> declared size.
         self._inflight: dict[str, dict[Path, int]] = {}
+        # Bytes received (staged) and sent (downloads) since start, for `metrics`.
+        self.bytes_in = 0
+        self.bytes_out = 0
         # One commit or deletion of a blob at a time, per sha256.
         self._blob_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
@@ -188,6 +212,7 @@ class Artifacts:
                 if chunk:
                     await writer.put(chunk)
                     received += len(chunk)
+                    self.bytes_in += len(chunk)
         finally:
             await writer.close(sync=received == claim.size_bytes)
         if received < claim.size_bytes:
@@ -248,6 +273,7 @@ class Artifacts:
         reader = _Reader(chunks)
         try:
             while (chunk := await reader.next()) is not None:
+                self.bytes_out += len(chunk)
                 yield provider_pb2.DownloadArtifactResponse(chunk=chunk)
         finally:
             reader.stop()
@@ -368,9 +394,14 @@ class _Reader:
 
 
 class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
-    def __init__(self, store: Store, artifacts: Artifacts, work: WorkSignal, *, max_wait: float, retry_after: int):
+    def __init__(
+        self, store: Store, artifacts: Artifacts, work: WorkSignal, *, max_wait: float, retry_after: int, gate: PublishGate | None = None, heartbeat_latency=None
+    ):
+        # `heartbeat_latency`: a prometheus Histogram observed with each heartbeat's handling time.
+        self.heartbeat_latency = heartbeat_latency
         self.store = store
         self.artifacts = artifacts
+        self.gate = gate or PublishGate(store, artifacts.blobs)
         self.work = work
         self.max_wait = max_wait
         self.retry_after = retry_after
@@ -469,7 +500,9 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
 
     async def Heartbeat(self, request_iterator, context):
         pid = self._provider_id()
+        observe = self.heartbeat_latency.observe if self.heartbeat_latency is not None else None
         async for req in request_iterator:
+            t0 = time.perf_counter()
             if req.phase not in _PHASES:
                 raise InvalidRequestError(f"`phase` {req.phase} is not a known Phase value")
             if len(req.metrics) > MAX_METRICS:
@@ -484,7 +517,10 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
                 metrics={k: (v if math.isfinite(v) else None) for k, v in req.metrics.items()},
             )
             directive, expires = self.store.heartbeat(pid, req.lease_id, progress)
-            yield provider_pb2.HeartbeatResponse(directive=_DIRECTIVES[directive], lease_expires_unix=int(expires))
+            resp = provider_pb2.HeartbeatResponse(directive=_DIRECTIVES[directive], lease_expires_unix=int(expires))
+            if observe is not None:
+                observe(time.perf_counter() - t0)
+            yield resp
 
     async def ReportArtifact(self, request, context):
         # A one-message upload: the same checks, staging and commit as UploadArtifact.
@@ -539,14 +575,20 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
         outcome = _OUTCOMES.get(request.outcome)
         if outcome is None:
             raise InvalidRequestError(f"`outcome` {request.outcome} is not SUCCEEDED, FAILED, CANCELLED or RETRYABLE")
+        lease = self.store.live_lease(pid, request.lease_id)
         state = self.store.finish(pid, request.lease_id, outcome, request.message)
+        if state == "succeeded":
+            # The regression gate decides before the provider hears back, so an admin who sees the
+            # job succeeded also sees whether its export is published.
+            await self.gate.decide_job(lease.job_id)
         return provider_pb2.FinishAttemptResponse(job_state=state)
 
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, store: Store, artifacts: Artifacts):
+    def __init__(self, store: Store, artifacts: Artifacts, gate: PublishGate | None = None):
         self.store = store
         self.artifacts = artifacts
+        self.gate = gate or PublishGate(store, artifacts.blobs)
 
     async def CreateRun(self, request, context):
         s = request.spec
@@ -572,7 +614,14 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.GetRunResponse(
             run=run_pb(run),
             jobs=[
-                admin_pb2.JobInfo(job_id=j.job_id, state=j.state, attempts=j.attempts, artifact_count=j.artifact_count, export=artifact_pb(j.export))
+                admin_pb2.JobInfo(
+                    job_id=j.job_id,
+                    state=j.state,
+                    attempts=j.attempts,
+                    artifact_count=j.artifact_count,
+                    export=artifact_pb(j.export),
+                    publication=publication_pb(j.publication),
+                )
                 for j in jobs
             ],
             next_page_token=token,
@@ -596,8 +645,19 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         name = check_name(request.name)
         sha = check_sha256(request.sha256, "sha256") if request.sha256 else ""
         record = self.store.find_record(job_id, name, sha)
+        if record.kind == "export":
+            self.store.check_published(request.run_id, job_id)
         async for msg in self.artifacts.stream(record, request.offset):
             yield msg
+
+    async def PublishRun(self, request, context):
+        job_id = self.store.job_of(request.run_id, request.job_id)
+        if self.store.publication(job_id) is None:
+            await self.gate.decide_job(job_id)  # one a stopped coordinator left undecided
+        pub = self.store.publish_override(job_id, override=request.override, note=request.note, peer=context.peer() or "")
+        if pub.override_unix is not None and request.override:
+            log.warning("export of job `%s` (run `%s`) published by admin override from %s: %s", job_id, request.run_id, pub.override_peer, pub.override_note or "(no note)")
+        return admin_pb2.PublishRunResponse(job_id=job_id, publication=publication_pb(pub))
 
     async def ApproveVersion(self, request, context):
         return admin_pb2.ApproveVersionResponse(run=run_pb(self.store.approve_version(request.run_id, request.version)))

@@ -44,6 +44,10 @@ newest `keep_checkpoints` checkpoints of a job are kept; older ones lose
 their records first and their blobs after (`take_garbage`), so no record
 points at deleted bytes.
 
+Publications (the regression gate, `publish`): one row per succeeded job with an export
+says whether the export is served by default, the verdict and why, the evaluation figures
+the status page shows, and an admin's override (time, note, address) when there was one.
+
 Schema migrations: ``meta.schema_version`` names the layout; an older database
 is upgraded in place, in one transaction, when it is opened (`_MIGRATIONS`).
 At open the database also passes SQLite's ``quick_check`` or is refused.
@@ -51,6 +55,7 @@ At open the database also passes SQLite's ``quick_check`` or is refused.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import json
@@ -87,7 +92,7 @@ from .policy import (
     local_ranks,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MAX_JOBS_PER_RUN = 10_000
 MAX_SPEC_JSON_BYTES = 1 << 20
 FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
@@ -169,9 +174,12 @@ CREATE TABLE IF NOT EXISTS attempts (
   total_steps INTEGER NOT NULL DEFAULT 0,
   committed_step INTEGER NOT NULL DEFAULT 0,
   metrics_json TEXT NOT NULL DEFAULT '{}',
-  last_heartbeat_unix REAL
+  last_heartbeat_unix REAL,
+  phase_started_unix REAL,
+  phase_started_step INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS attempts_live ON attempts(state, lease_expires_unix);
+CREATE INDEX IF NOT EXISTS attempts_by_provider ON attempts(provider_id, state);
 CREATE TABLE IF NOT EXISTS records (
   seq INTEGER PRIMARY KEY AUTOINCREMENT,
   run_id TEXT NOT NULL REFERENCES runs(run_id),
@@ -189,6 +197,20 @@ CREATE TABLE IF NOT EXISTS records (
 CREATE INDEX IF NOT EXISTS records_by_job ON records(job_id, kind, step);
 CREATE INDEX IF NOT EXISTS records_by_sha ON records(sha256);
 CREATE INDEX IF NOT EXISTS records_by_run ON records(run_id);
+CREATE TABLE IF NOT EXISTS publications (
+  job_id TEXT PRIMARY KEY REFERENCES jobs(job_id),
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
+  attempt_id TEXT NOT NULL REFERENCES attempts(attempt_id),
+  published INTEGER NOT NULL,
+  verdict TEXT NOT NULL,
+  reason TEXT NOT NULL,
+  evaluation_json TEXT NOT NULL DEFAULT '{}',
+  decided_unix REAL NOT NULL,
+  override_unix REAL,
+  override_note TEXT NOT NULL DEFAULT '',
+  override_peer TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS publications_by_run ON publications(run_id);
 """
 
 
@@ -211,8 +233,27 @@ def _migrate_2_to_3(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE artifacts RENAME TO artifacts_v2")
 
 
+PRE_GATE_REASON = "published by a coordinator without the regression gate (database schema 3)"
+
+
+def _migrate_3_to_4(db: sqlite3.Connection) -> None:
+    # Version 3 had no regression gate: every succeeded job's export was served. Those
+    # exports stay published (a user may already have fetched them), and say why.
+    # `publications` is created by _SCHEMA. Attempts learn when their current phase began
+    # (the status page's ETA); a live attempt's clock starts at its next phase change.
+    db.execute("ALTER TABLE attempts ADD COLUMN phase_started_unix REAL")
+    db.execute("ALTER TABLE attempts ADD COLUMN phase_started_step INTEGER NOT NULL DEFAULT 0")
+    db.execute(
+        "INSERT OR IGNORE INTO publications(job_id, run_id, attempt_id, published, verdict, reason, decided_unix)"
+        " SELECT j.job_id, j.run_id, a.attempt_id, 1, '', ?, a.ended_unix FROM jobs j JOIN attempts a ON a.job_id=j.job_id"
+        " WHERE j.state='succeeded' AND a.state='succeeded'"
+        " AND EXISTS (SELECT 1 FROM records r WHERE r.attempt_id=a.attempt_id AND r.kind='export')",
+        (PRE_GATE_REASON,),
+    )
+
+
 # version -> the step that upgrades a database of that version to the next one.
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4}
 
 UNKNOWN_TOKEN = "unknown bearer token\nhint: ask the coordinator's admin for a provider token"
 REVOKED_TOKEN = "this provider's token was revoked\nhint: ask the coordinator's admin for a new provider token"
@@ -341,6 +382,36 @@ class JobRow:
     # The SUCCEEDED attempt's records: how many, and its export model (if any).
     artifact_count: int = 0
     export: ArtifactRecord | None = None
+    # The regression gate's decision on the export (None: no export, or not decided yet).
+    publication: PublicationRow | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublicationRow:
+    """Whether a job's export is published (served by default), and why."""
+
+    job_id: str
+    run_id: str
+    attempt_id: str
+    published: bool
+    verdict: str  # improved / tied / regressed, or "" (no usable evaluation)
+    reason: str
+    evaluation: dict
+    decided_unix: float
+    override_unix: float | None = None
+    override_note: str = ""
+    override_peer: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateInputs:
+    """What the regression gate reads for a succeeded job: its run's spec and its evaluation report."""
+
+    job_id: str
+    run_id: str
+    attempt_id: str
+    spec_json: str
+    report: ArtifactRecord | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -487,6 +558,9 @@ class Store:
         self.garbage: set[str] = set()
         # Attempts that ended since the server last looked (their staged uploads go).
         self.ended_attempts: set[str] = set()
+        # Event counts since this process started (`metrics` exposes them): leases_granted,
+        # heartbeats, attempt_<state> for each attempt that ended.
+        self.counts: collections.Counter[str] = collections.Counter()
         self._ckpt_lock = threading.Lock()
         self._ckpt_db: sqlite3.Connection | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -518,6 +592,8 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"cannot open coordinator database `{self.path}`: {exc}") from None
         self._tokens: dict[str, _Token] = {}
+        # The status page's viewer token digest ("" when there is none; None until first read).
+        self._viewer_digest: str | None = None
         # Digests refused with a specific reason (revoked, grace ended) instead of "unknown".
         self._refused: dict[str, str] = {}
         self._load_tokens()
@@ -610,6 +686,31 @@ class Store:
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('admin_token_sha256', ?)", (hash_token(token),))
         self._load_tokens()
+
+    def has_viewer_token(self) -> bool:
+        return self.db.execute("SELECT 1 FROM meta WHERE key='viewer_token_sha256'").fetchone() is not None
+
+    def set_viewer_token(self, token: str) -> None:
+        """Replace the status page's read-only viewer token (only its hash is kept). It is never a gRPC credential."""
+        if len(token) < 16:
+            raise ConfigError("the viewer token must be at least 16 characters\nhint: leave it unset and one is generated")
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('viewer_token_sha256', ?)", (hash_token(token),))
+        self._viewer_digest = hash_token(token)
+
+    def web_role(self, token: str) -> str | None:
+        """`"admin"` or `"viewer"` for a token the status page accepts, else None (provider tokens are refused)."""
+        if not token or len(token) > 512:
+            return None
+        digest = hash_token(token)
+        viewer = self._viewer_digest
+        if viewer is None:
+            row = self.db.execute("SELECT value FROM meta WHERE key='viewer_token_sha256'").fetchone()
+            viewer = self._viewer_digest = row[0] if row else ""
+        if viewer and hmac.compare_digest(viewer, digest):
+            return "viewer"
+        p = self.principal(token)
+        return "admin" if p is not None and p.admin else None
 
     def authenticate(self, token: str) -> Principal:
         """Who `token` belongs to; raises `AuthenticationError` (saying why) for a token that is not valid now."""
@@ -719,7 +820,8 @@ class Store:
                     (final[0],),
                 ).fetchone()
                 export = None if r is None else self._record(r)
-            out.append(JobRow(job_id=job_id, run_id=run_id, state=state, attempts=attempts, artifact_count=count, export=export))
+            pub = self.publication(job_id) if export is not None else None
+            out.append(JobRow(job_id=job_id, run_id=run_id, state=state, attempts=attempts, artifact_count=count, export=export, publication=pub))
         return out, next_token(rows, size)
 
     def approve_version(self, run_id: str, version: str) -> RunRow:
@@ -909,6 +1011,7 @@ class Store:
                     "UPDATE jobs SET state='leased', attempts=?, current_attempt_id=?, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
                     (attempts + 1, attempt_id, now, job_id),
                 )
+            self.counts["leases_granted"] += 1
             return Grant(
                 lease_id=lease_id,
                 run_id=run_id,
@@ -946,6 +1049,7 @@ class Store:
         else:
             job_state = "queued"
         db.execute("UPDATE attempts SET state=?, ended_unix=?, message=? WHERE attempt_id=?", (attempt_state, now, message[:4000], attempt_id))
+        self.counts[f"attempt_{attempt_state}"] += 1
         self._drop_loose_checkpoint_files(db, attempt_id)
         self.ended_attempts.add(attempt_id)
         db.execute(
@@ -1005,11 +1109,20 @@ class Store:
         expires = now + self.lease_ttl
         # The hot path (every heartbeat of every provider): one statement in
         # autocommit mode is its own transaction; no BEGIN/COMMIT round trips.
+        self.counts["heartbeats"] += 1
+        # SET sees the row's old values: the phase clock restarts when the phase changes
+        # (the first heartbeat of an attempt starts it too), without a read first.
         self.db.execute(
-            "UPDATE attempts SET lease_expires_unix=?, phase=?, step=?, total_steps=?, committed_step=?, metrics_json=?,"
-            " last_heartbeat_unix=? WHERE attempt_id=?",
+            "UPDATE attempts SET lease_expires_unix=?,"
+            " phase_started_unix=CASE WHEN phase_started_unix IS NULL OR phase!=? THEN ? ELSE phase_started_unix END,"
+            " phase_started_step=CASE WHEN phase_started_unix IS NULL OR phase!=? THEN ? ELSE phase_started_step END,"
+            " phase=?, step=?, total_steps=?, committed_step=?, metrics_json=?, last_heartbeat_unix=? WHERE attempt_id=?",
             (
                 expires,
+                progress.phase,
+                now,
+                progress.phase,
+                progress.step,
                 progress.phase,
                 progress.step,
                 progress.total_steps,
@@ -1221,6 +1334,94 @@ class Store:
         if r is None:
             raise NotFoundError(f"job `{job_id}` has no artifact `{name[:200]}`" + (f" with sha256 `{sha256}`" if sha256 else " from a succeeded attempt"))
         return self._record(r)
+
+    # --- the regression gate (publication of exports) --------------------
+
+    _PUB_COLS = "job_id, run_id, attempt_id, published, verdict, reason, evaluation_json, decided_unix, override_unix, override_note, override_peer"
+
+    @staticmethod
+    def _publication_row(r) -> PublicationRow:
+        return PublicationRow(
+            job_id=r[0], run_id=r[1], attempt_id=r[2], published=bool(r[3]), verdict=r[4], reason=r[5], evaluation=json.loads(r[6]),
+            decided_unix=r[7], override_unix=r[8], override_note=r[9], override_peer=r[10],
+        )  # fmt: skip
+
+    def publication(self, job_id: str) -> PublicationRow | None:
+        """The gate's decision on the job's export; None when it has none (no export, or not decided yet)."""
+        r = self.db.execute(f"SELECT {self._PUB_COLS} FROM publications WHERE job_id=?", (job_id,)).fetchone()
+        return None if r is None else self._publication_row(r)
+
+    def has_final_export(self, job_id: str) -> bool:
+        final = self._succeeded_attempt(job_id)
+        return final is not None and self.db.execute("SELECT 1 FROM records WHERE attempt_id=? AND kind='export' LIMIT 1", (final[0],)).fetchone() is not None
+
+    def gate_inputs(self, job_id: str, report_name: str) -> GateInputs | None:
+        """What the gate needs to decide on a succeeded job with an export; None when there is nothing to decide."""
+        final = self._succeeded_attempt(job_id)
+        if final is None or not self.has_final_export(job_id):
+            return None
+        run_id = self.db.execute("SELECT run_id FROM jobs WHERE job_id=?", (job_id,)).fetchone()[0]
+        r = self.db.execute(f"SELECT {_REC_COLS} FROM records WHERE attempt_id=? AND name=? AND kind='report'", (final[0], report_name)).fetchone()
+        return GateInputs(job_id=job_id, run_id=run_id, attempt_id=final[0], spec_json=self._spec_json(run_id), report=None if r is None else self._record(r))
+
+    def undecided_jobs(self) -> list[str]:
+        """Succeeded jobs whose export the gate has not decided on (a coordinator stopped between the two)."""
+        return [
+            j
+            for (j,) in self.db.execute(
+                "SELECT j.job_id FROM jobs j JOIN attempts a ON a.job_id=j.job_id AND a.state='succeeded'"
+                " WHERE j.state='succeeded' AND NOT EXISTS (SELECT 1 FROM publications p WHERE p.job_id=j.job_id)"
+                " AND EXISTS (SELECT 1 FROM records r WHERE r.attempt_id=a.attempt_id AND r.kind='export') ORDER BY j.seq"
+            )
+        ]
+
+    def record_publication(self, inputs: GateInputs, *, published: bool, verdict: str, reason: str, evaluation: dict) -> PublicationRow:
+        """Store the gate's decision (once per job: a later call keeps the first, and any override)."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO publications(job_id, run_id, attempt_id, published, verdict, reason, evaluation_json, decided_unix)"
+                " VALUES (?,?,?,?,?,?,?,?)",
+                (inputs.job_id, inputs.run_id, inputs.attempt_id, int(published), verdict, reason[:4000], json.dumps(evaluation), self.clock()),
+            )
+        return self.publication(inputs.job_id)
+
+    def publish_override(self, job_id: str, *, override: bool, note: str, peer: str) -> PublicationRow:
+        """Publish a job's export the gate held back; recorded with when, the admin's note and address.
+
+        FAILED_PRECONDITION without `override`, for a job without an export, or before the gate decided.
+        Publishing a published export changes nothing.
+        """
+        pub = self.publication(job_id)
+        if pub is None:
+            if not self.has_final_export(job_id):
+                raise PolicyError(f"job `{job_id}` has no export from a succeeded attempt; there is nothing to publish")
+            raise PolicyError(f"the regression gate has not decided on job `{job_id}` yet\nhint: retry in a few seconds")
+        if pub.published:
+            return pub
+        if not override:
+            raise PolicyError(
+                f"job `{job_id}`'s export was held back by the regression gate: {pub.reason}\n"
+                "hint: `--override` publishes it anyway; the override is recorded"
+            )
+        if len(note) > 1000:
+            raise InvalidRequestError("`note` is longer than 1000 characters")
+        with self._tx() as db:
+            db.execute(
+                "UPDATE publications SET published=1, override_unix=?, override_note=?, override_peer=? WHERE job_id=?",
+                (self.clock(), note, peer[:200], job_id),
+            )
+        return self.publication(job_id)
+
+    def check_published(self, run_id: str, job_id: str) -> None:
+        """FAILED_PRECONDITION unless the job's export is published (the default download of an export)."""
+        pub = self.publication(job_id)
+        if pub is not None and pub.published:
+            return
+        why = pub.reason if pub is not None else "the regression gate has not decided on it yet"
+        raise PolicyError(
+            f"run `{run_id}`'s export (job `{job_id}`) is not published: {why}\n"
+            f"hint: `dflash-coordinator runs publish {run_id} --override` publishes it anyway (the override is recorded)"
+        )
 
     # --- admin directives -----------------------------------------------
 

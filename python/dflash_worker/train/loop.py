@@ -368,7 +368,7 @@ class BlockScores:
 
 
 VAL_KEYS = ("matching_proposals", "ce", "selector_ce", "blocks", "reached", "covered", "selected")
-PROGRESS_KEYS = ("loss", "lr", "grad_norm", "train_matching_proposals")
+PROGRESS_KEYS = ("loss", "lr", "grad_norm", "train_matching_proposals", "tokens_per_s")
 
 
 def _ignore(event: Event) -> None:

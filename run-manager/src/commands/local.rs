@@ -311,6 +311,17 @@ pub struct JobSummary {
     /// The SUCCEEDED attempt's export model, when there is one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub export: Option<ArtifactSummary>,
+    /// The coordinator's regression gate on that export: published (served by
+    /// `artifacts get`) or held back, and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub publication: Option<PublicationSummary>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PublicationSummary {
+    pub published: bool,
+    pub verdict: String,
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -392,6 +403,11 @@ impl Summary {
                 .as_ref()
                 .filter(|e| !e.name.is_empty())
                 .map(|e| ArtifactSummary::new(&j.job_id, e, 0, local)),
+            publication: j.publication.as_ref().map(|p| PublicationSummary {
+                published: p.published,
+                verdict: p.verdict.clone(),
+                reason: p.reason.clone(),
+            }),
         };
         Summary {
             run_id: run.run_id,
@@ -423,9 +439,19 @@ impl Summary {
                     Some(p) => format!(" (on this machine: `{p}`)"),
                     None => String::new(),
                 };
+                let fetch = match &j.publication {
+                    Some(p) if !p.published => format!(
+                        "note: the regression gate held it back: {}\nhint: `dflash-coordinator runs publish {} --override` publishes it (recorded); then `artifacts get` serves it",
+                        p.reason, self.run_id
+                    ),
+                    _ => format!(
+                        "hint: fetch it from the coordinator with `dflash-coordinator artifacts get {} {} -o PATH`",
+                        self.run_id, e.name
+                    ),
+                };
                 Some(format!(
-                    "job `{}` exported `{}`, sha256 {}{here}\nhint: fetch it from the coordinator with `dflash-coordinator artifacts get {} {} -o PATH`",
-                    j.job_id, e.name, e.sha256, self.run_id, e.name
+                    "job `{}` exported `{}`, sha256 {}{here}\n{fetch}",
+                    j.job_id, e.name, e.sha256
                 ))
             })
             .collect()
@@ -618,7 +644,7 @@ mod tests {
 
     #[test]
     fn summary_lists_records_with_local_paths_and_hints_at_the_export() {
-        use crate::proto::{JobInfo, Run};
+        use crate::proto::{JobInfo, Publication, Run};
         let dir = std::env::temp_dir().join(format!("rm-summary-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("mkdir");
         let model = dir.join("model.safetensors");
@@ -648,6 +674,12 @@ mod tests {
                 attempts: 2,
                 artifact_count: 2,
                 export: Some(export.clone()),
+                publication: Some(Publication {
+                    published: true,
+                    verdict: "improved".into(),
+                    reason: "improved: acceptance length 1.2 trained vs 1.0 released".into(),
+                    ..Default::default()
+                }),
             }],
             next_page_token: String::new(),
         };
@@ -685,7 +717,24 @@ mod tests {
             "{}",
             hints[0]
         );
+        assert_eq!(v["jobs"][0]["publication"]["published"], true);
         assert_eq!(summary.failed(), 0);
+        // A held-back export: the hint says why and how to publish it, not how to fetch it.
+        let mut held = resp.clone();
+        held.jobs[0].publication = Some(Publication {
+            published: false,
+            verdict: "regressed".into(),
+            reason: "regressed: acceptance length 1.0 trained vs 1.2 released".into(),
+            ..Default::default()
+        });
+        let hints = Summary::new(&held, &artifacts, &local).export_hints();
+        assert!(
+            hints[0].contains("note: the regression gate held it back: regressed: acceptance length 1.0 trained vs 1.2 released")
+                && hints[0].contains("`dflash-coordinator runs publish r1 --override`")
+                && !hints[0].contains("artifacts get r1"),
+            "{}",
+            hints[0]
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 

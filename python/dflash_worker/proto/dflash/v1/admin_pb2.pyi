@@ -87,18 +87,46 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export")
+    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export", "publication")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_COUNT_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     attempts: int
     artifact_count: int
     export: _provider_pb2.Artifact
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ...) -> None: ...
+    publication: Publication
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ...) -> None: ...
+
+class Publication(_message.Message):
+    __slots__ = ("published", "verdict", "reason", "decided_unix", "override_unix", "override_note", "override_peer", "tau_released", "tau_trained", "split", "tolerance")
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_NOTE_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_PEER_FIELD_NUMBER: _ClassVar[int]
+    TAU_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    TAU_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    published: bool
+    verdict: str
+    reason: str
+    decided_unix: int
+    override_unix: int
+    override_note: str
+    override_peer: str
+    tau_released: float
+    tau_trained: float
+    split: str
+    tolerance: float
+    def __init__(self, published: _Optional[bool] = ..., verdict: _Optional[str] = ..., reason: _Optional[str] = ..., decided_unix: _Optional[int] = ..., override_unix: _Optional[int] = ..., override_note: _Optional[str] = ..., override_peer: _Optional[str] = ..., tau_released: _Optional[float] = ..., tau_trained: _Optional[float] = ..., split: _Optional[str] = ..., tolerance: _Optional[float] = ...) -> None: ...
 
 class GetRunResponse(_message.Message):
     __slots__ = ("run", "jobs", "next_page_token")
@@ -159,6 +187,26 @@ class AdminDownloadRequest(_message.Message):
     sha256: str
     offset: int
     def __init__(self, run_id: _Optional[str] = ..., job_id: _Optional[str] = ..., name: _Optional[str] = ..., sha256: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class PublishRunRequest(_message.Message):
+    __slots__ = ("run_id", "job_id", "override", "note")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    job_id: str
+    override: bool
+    note: str
+    def __init__(self, run_id: _Optional[str] = ..., job_id: _Optional[str] = ..., override: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
+
+class PublishRunResponse(_message.Message):
+    __slots__ = ("job_id", "publication")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    publication: Publication
+    def __init__(self, job_id: _Optional[str] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ...) -> None: ...
 
 class ApproveVersionRequest(_message.Message):
     __slots__ = ("run_id", "version")

@@ -65,6 +65,11 @@ class AdminServiceStub:
                 request_serializer=dflash_dot_v1_dot_admin__pb2.ApproveVersionRequest.SerializeToString,
                 response_deserializer=dflash_dot_v1_dot_admin__pb2.ApproveVersionResponse.FromString,
                 _registered_method=True)
+        self.PublishRun = channel.unary_unary(
+                '/dflash.v1.AdminService/PublishRun',
+                request_serializer=dflash_dot_v1_dot_admin__pb2.PublishRunRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_admin__pb2.PublishRunResponse.FromString,
+                _registered_method=True)
         self.CreateProvider = channel.unary_unary(
                 '/dflash.v1.AdminService/CreateProvider',
                 request_serializer=dflash_dot_v1_dot_admin__pb2.CreateProviderRequest.SerializeToString,
@@ -132,6 +137,13 @@ class AdminServiceServicer:
 
     def ApproveVersion(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishRun(self, request, context):
+        """Publish a held-back export (see PublishRunRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -210,6 +222,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ApproveVersion,
                     request_deserializer=dflash_dot_v1_dot_admin__pb2.ApproveVersionRequest.FromString,
                     response_serializer=dflash_dot_v1_dot_admin__pb2.ApproveVersionResponse.SerializeToString,
+            ),
+            'PublishRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishRun,
+                    request_deserializer=dflash_dot_v1_dot_admin__pb2.PublishRunRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_admin__pb2.PublishRunResponse.SerializeToString,
             ),
             'CreateProvider': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateProvider,
@@ -404,6 +421,33 @@ class AdminService:
             '/dflash.v1.AdminService/ApproveVersion',
             dflash_dot_v1_dot_admin__pb2.ApproveVersionRequest.SerializeToString,
             dflash_dot_v1_dot_admin__pb2.ApproveVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.AdminService/PublishRun',
+            dflash_dot_v1_dot_admin__pb2.PublishRunRequest.SerializeToString,
+            dflash_dot_v1_dot_admin__pb2.PublishRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
