@@ -68,6 +68,10 @@ class CapturedSplit:
     def __len__(self) -> int:
         return len(self._where)
 
+    def id_of(self, i: int) -> str:
+        """The example id of sequence `i`, without reading it."""
+        return self._where[i][3]
+
     def get(self, i: int) -> Sequence:
         from safetensors import safe_open
 

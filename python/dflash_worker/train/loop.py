@@ -632,9 +632,10 @@ class Trainer:
         batch = self._micro_batches(slots)
         # the normaliser of the whole step, over every rank's micro-batches (`dist`)
         denom = dist.sum_floats(ranks, [sum(weight_total(b.valid, w.positions) for b in batch if b.anchors.numel())], dev)[0]
-        tot = {"loss": 0.0, "ce": 0.0, "selector_ce": 0.0, "positions": 0, "blocks": 0}
-        counts = []
-        for j, b in zip(slots, batch):
+        tot = {"loss": 0.0, "ce": 0.0, "selector_ce": 0.0, "positions": 0, "blocks": 0, "accepted": 0}
+        # the step's sequences in slot order, whichever rank computes them (no collective needed)
+        samples = [self.train_split.id_of(self.order(self.step * self.cfg.grad_accum + j)) for j in range(self.cfg.grad_accum)]
+        for b in batch:
             if b.anchors.numel() == 0 or denom == 0:
                 continue
             with self._qat():
@@ -643,7 +644,7 @@ class Trainer:
                 if w.selector > 0:
                     loss_sum = loss_sum + w.selector * s.selector_sum
                 (loss_sum / denom).backward()
-            counts.append((j, s.counts))
+            tot["accepted"] += sum(s.counts["accepted"])
             tot["loss"] += float(loss_sum.detach()) / denom
             tot["ce"] += float(s.ce_sum.detach()) / denom
             tot["selector_ce"] += float(s.selector_sum.detach()) / denom
@@ -651,17 +652,14 @@ class Trainer:
             tot["blocks"] += int(b.anchors.numel())
         dist.sum_gradients(ranks, self.parts.params)
         gnorm, lr = self._optimizer_step()
-        keys = ("loss", "ce", "selector_ce", "positions", "blocks")
+        keys = ("loss", "ce", "selector_ce", "positions", "blocks", "accepted")
         tokens = sum(int(b.anchors.numel()) * self.T for b in batch)
-        *sums, tokens = dist.sum_floats(ranks, [*(tot[k] for k in keys), tokens], dev)
+        *sums, tokens = dist.sum_floats(ranks, [*(tot[k] for k in keys), tokens], dev)  # one collective for the metrics
         if ranks.active:
-            tot = {k: (int(v) if k in ("positions", "blocks") else v) for k, v in zip(keys, sums)}
-        every = sorted((pair for part in dist.gather(ranks, counts) for pair in part), key=lambda p: p[0])
-        samples = [sid for part in dist.gather(ranks, [(j, b.seq.id) for j, b in zip(slots, batch)]) for sid in part]
+            tot = {k: (v if k in ("loss", "ce", "selector_ce") else int(v)) for k, v in zip(keys, sums)}
         secs = time.perf_counter() - t0
-        summary = summarize([c for _, c in every], self.T - 1)
         return {
-            "samples": [sid for _, sid in sorted(samples)],
+            "samples": samples,
             "step": self.step,
             "loss": tot["loss"],
             "ce": tot["ce"],
@@ -670,7 +668,7 @@ class Trainer:
             "grad_norm": gnorm,
             "blocks": tot["blocks"],
             "positions": tot["positions"],
-            "train_matching_proposals": summary["matching_proposals"],
+            "train_matching_proposals": tot["accepted"] / tot["blocks"] if tot["blocks"] else 0.0,
             "seconds": secs,
             "tokens_per_s": tokens / secs if secs > 0 else None,
             "world_size": ranks.world,
