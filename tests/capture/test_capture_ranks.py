@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from dflash_worker.capture import run_capture
 from dflash_worker.recipe import load_recipe
+from dflash_worker.testing.procs import children, rank_pid
 from dflash_worker.train.loop import capture_fingerprint
 
 from .conftest import payload, write_recipe
@@ -53,27 +53,8 @@ def test_two_ranks_write_the_bytes_one_rank_writes(tmp_path, targets, draft_dir,
     assert again.returncode == 0 and "already complete" in again.stderr, again.stderr[-4000:]
 
 
-def _children(pid):
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
-def _rank_pid(agent, rank):
-    for pid in _children(agent):
-        try:
-            if f"RANK={rank}".encode() in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
-                return pid
-        except OSError:
-            continue
-    return None
 
 
 def test_sigkill_of_one_rank_stops_both_and_the_rerun_resumes_by_shard(tmp_path, targets, draft_dir, prepared_dir):
@@ -87,17 +68,17 @@ def test_sigkill_of_one_rank_stops_both_and_the_rerun_resumes_by_shard(tmp_path,
     deadline, victim = time.monotonic() + 300, None
     while time.monotonic() < deadline:
         if len(list(out.glob("shard-*.json"))) >= 3:
-            victim = _rank_pid(proc.pid, 1)
+            victim = rank_pid(proc.pid, 1)
             break
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         time.sleep(0.02)
-    assert victim is not None, "no shard was committed"
+    assert victim is not None, f"no rank 1 among {children(proc.pid)} with 3 shards committed"
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-4000:]
     assert not (out / "manifest.json").exists()
     left = len(list(out.glob("shard-*.json")))
-    assert 3 <= left < one["shards_total"], left
+    assert 3 <= left < one["shards_total"], (left, err[-4000:])
 
     again = subprocess.run([*TORCHRUN, "--recipe", str(r), "--json"], capture_output=True, text=True, timeout=600, env=_env())
     assert again.returncode == 0, again.stderr[-4000:]

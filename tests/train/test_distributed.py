@@ -18,6 +18,8 @@ import torch
 from pipeline import _toml
 from safetensors.torch import load_file
 
+from dflash_worker.testing.procs import alive, children, rank_pid
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TRAIN = ["-m", "dflash_worker.cli", "train"]
 ONE_RANK = [sys.executable, *TRAIN]
@@ -106,37 +108,10 @@ def test_cpu_ranks_need_the_development_switch(pipeline):
 # --------------------------------------------------------------------------- SIGKILL and resume
 
 
-def _children(pid):
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
-def _rank_pid(agent, rank):
-    for pid in _children(agent):
-        try:
-            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return pid
-    return None
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state != "Z"
 
 
 def _kill_after_checkpoint(cmd, recipe, run, *, rank):
@@ -146,18 +121,18 @@ def _kill_after_checkpoint(cmd, recipe, run, *, rank):
     target = None
     while time.monotonic() < deadline:
         if (run / "checkpoints" / "step-00000004" / "manifest.json").exists():
-            target = proc.pid if cmd is ONE_RANK else _rank_pid(proc.pid, rank)
+            target = proc.pid if cmd is ONE_RANK else rank_pid(proc.pid, rank)
             break
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         time.sleep(0.02)
     assert target is not None, "no checkpoint at step 4"
-    others = [p for p in _children(proc.pid) if p != target]
+    others = [p for p in children(proc.pid) if p != target]
     os.kill(target, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-4000:]
     assert not (run / "selection.json").exists(), "the run finished before the kill"
     for pid in others:  # every other rank stopped with it
-        assert not _alive(pid), pid
+        assert not alive(pid), pid
     return err
 
 

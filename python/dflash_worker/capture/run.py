@@ -64,6 +64,7 @@ import os
 import struct
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -352,8 +353,8 @@ def _verify_shard(root: Path, i: int, key: str) -> ShardRecord | None:
     return record
 
 
-def _remove_from(root: Path, first: int) -> int:
-    """Delete shards and sidecars with index >= `first`, stale temporaries, and the manifest."""
+def _remove_shards(root: Path, drop: Callable[[int], bool]) -> int:
+    """Delete the shards and sidecars whose index `drop` names, stale temporaries, and the manifest."""
     removed = 0
     for p in root.iterdir():
         name = p.name
@@ -364,11 +365,16 @@ def _remove_from(root: Path, first: int) -> int:
                 idx = int(name[6:11])
             except ValueError:
                 continue
-            if idx >= first:
+            if drop(idx):
                 p.unlink(missing_ok=True)
                 removed += 1
     (root / MANIFEST).unlink(missing_ok=True)
     return removed
+
+
+def _remove_from(root: Path, first: int) -> int:
+    """Delete shards and sidecars with index >= `first`, stale temporaries, and the manifest."""
+    return _remove_shards(root, lambda idx: idx >= first)
 
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
@@ -854,18 +860,7 @@ def scan_shards(out: Path, key: str, n: int, per: int) -> tuple[dict[int, ShardR
             kept[k] = record
     if old is not None and len(kept) == total and old.get("shards_total") == total:
         return kept, old
-    for p in out.iterdir():
-        name = p.name
-        if name.startswith(".shard-") and ".tmp-" in name or name.startswith(f".{MANIFEST}.tmp-"):
-            p.unlink(missing_ok=True)
-        elif name.startswith("shard-") and name.endswith((".safetensors", ".json")):
-            try:
-                idx = int(name[6:11])
-            except ValueError:
-                continue
-            if idx not in kept:
-                p.unlink(missing_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)
+    _remove_shards(out, lambda idx: idx not in kept)
     return kept, None
 
 
