@@ -60,7 +60,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 1
-    return run_guarded(lambda: _module(args.command).run(args))
+    return run_guarded(lambda: _one_rank_unless_ranked(args.command) or _module(args.command).run(args))
+
+
+# Commands that run as several `torch.distributed` ranks (`dflash_worker.dist`); the others would
+# each do the whole work and write the same files at once.
+RANKED = ("capture", "train")
+
+
+def _one_rank_unless_ranked(command: str) -> None:
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    if command not in RANKED and world not in ("", "0", "1"):
+        from .errors import ConfigError
+
+        raise ConfigError(
+            f"`{command}` runs on one rank, but `WORLD_SIZE` is `{world}` (started by torchrun?)\n"
+            f"hint: run `{command}` as one process; {' and '.join(f'`{c}`' for c in RANKED)} run as several ranks"
+        )
 
 
 def run_guarded(command: Callable[[], int | None]) -> int:

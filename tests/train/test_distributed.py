@@ -160,3 +160,17 @@ def test_sigkill_stops_every_rank_and_the_resume_continues_exactly(pipeline, und
     assert _export_sha(run) == _export_sha(undisturbed)
     assert json.loads((run / "selection.json").read_text())["step"] == json.loads(
         (undisturbed / "selection.json").read_text())["step"]
+
+
+@pytest.mark.parametrize("command", ["evaluate", "export", "preflight"])
+def test_commands_that_run_one_rank_refuse_a_world_size(command, capsys, monkeypatch, tmp_path):
+    from dflash_worker.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flag = "--run" if command in ("evaluate", "export") else "--recipe"
+    assert main([command, flag, str(tmp_path / "absent")]) == 1
+    err = capsys.readouterr().err
+    assert f"`{command}` runs on one rank, but `WORLD_SIZE` is `2`" in err and "`capture` and `train` run as several ranks" in err
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: the command itself runs (and here fails on the missing path)
+    assert main([command, flag, str(tmp_path / "absent")]) == 1
+    assert "runs on one rank" not in capsys.readouterr().err
