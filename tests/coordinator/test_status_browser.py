@@ -50,7 +50,26 @@ def browser(chromium, tmp_path):
     b.quit()
 
 
+# The page replaces its DOM on every refresh, so an element found by Selenium can be stale by the time
+# its text is read. Reads after sign-in go through one synchronous script each: the page's own refresh
+# cannot run in the middle of it, so what it returns is one consistent view of the page.
+_READ = """
+const nodes = Array.from(document.querySelectorAll(arguments[0]));
+return nodes.map(n => arguments[1] ? n.getAttribute(arguments[1]) : n.innerText.trim());
+"""
+
+
+def read(browser, css: str, attr: str | None = None) -> list[str]:
+    return browser.execute_script(_READ, css, attr)
+
+
+def one(browser, css: str, attr: str | None = None) -> str | None:
+    found = read(browser, css, attr)
+    return found[0] if found else None
+
+
 def test_the_page_updates_live_and_shows_the_evaluation(start_coordinator, browser, tmp_path):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -64,7 +83,7 @@ def test_the_page_updates_live_and_shows_the_evaluation(start_coordinator, brows
     lease = p.acquire().lease
     hb = p.heartbeats()
     hb.send(lease.lease_id, phase=provider_pb2.PHASE_TRAIN, step=1, metrics={"loss": 2.5, "tokens_per_s": 900.0})
-    wait = WebDriverWait(browser, 20, poll_frequency=0.1)
+    wait = WebDriverWait(browser, 20, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException])
 
     # A wrong token is refused: the form says so and nothing of the status is shown.
     browser.get(base + "/")
@@ -77,22 +96,22 @@ def test_the_page_updates_live_and_shows_the_evaluation(start_coordinator, brows
     # The viewer token signs in; the run, its job's progress and the provider are listed.
     browser.find_element(By.ID, "token").send_keys(viewer)
     browser.find_element(By.ID, "sign-in").click()
-    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, f'section.run[data-run-id="{run.run_id}"]'))
+    wait.until(lambda b: read(b, f'section.run[data-run-id="{run.run_id}"]'))
     job_row = f'tr.job[data-job-id="{lease.job_id}"]'
-    assert browser.find_element(By.CSS_SELECTOR, f"{job_row} td.step").text == "1/10"
-    assert browser.find_element(By.CSS_SELECTOR, f"{job_row} td.phase").text == "train"
-    provider_row = browser.find_element(By.CSS_SELECTOR, "#providers tr.provider")
-    assert "gpu-box-1" in provider_row.text and "rig-7" in provider_row.text and lease.job_id in provider_row.text
+    assert one(browser, f"{job_row} td.step") == "1/10"
+    assert one(browser, f"{job_row} td.phase") == "train"
+    provider_row = one(browser, "#providers tr.provider")
+    assert "gpu-box-1" in provider_row and "rig-7" in provider_row and lease.job_id in provider_row
     browser.execute_script("window.__not_reloaded = 42;")
 
     # Progress advances without a reload.
-    refreshes = int(browser.find_element(By.TAG_NAME, "body").get_attribute("data-refreshes"))
+    refreshes = int(one(browser, "body", "data-refreshes"))
     hb.send(lease.lease_id, phase=provider_pb2.PHASE_TRAIN, step=6, metrics={"loss": 1.25, "tokens_per_s": 1500.0})
-    wait.until(lambda b: b.find_element(By.CSS_SELECTOR, f"{job_row} td.step").text == "6/10")
-    assert browser.find_element(By.CSS_SELECTOR, f"{job_row} td.loss").text == "1.2500"
-    assert browser.find_element(By.CSS_SELECTOR, f"{job_row} td.tps").text == "1500.0"
+    wait.until(lambda b: one(b, f"{job_row} td.step") == "6/10")
+    assert one(browser, f"{job_row} td.loss") == "1.2500"
+    assert one(browser, f"{job_row} td.tps") == "1500.0"
     assert browser.execute_script("return window.__not_reloaded") == 42
-    assert int(browser.find_element(By.TAG_NAME, "body").get_attribute("data-refreshes")) > refreshes
+    assert int(one(browser, "body", "data-refreshes")) > refreshes
 
     # The job finishes with an export and its evaluation: table, counts and plot appear, still no reload.
     p.upload(lease.lease_id, "run/export/model.safetensors", b"weights" * 100, kind="export")
@@ -100,15 +119,18 @@ def test_the_page_updates_live_and_shows_the_evaluation(start_coordinator, brows
     p.upload(lease.lease_id, PLOT_NAME, b"\x89PNG not really", kind="report")
     hb.close()
     p.finish(lease.lease_id)
-    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, f'section.run[data-run-id="{run.run_id}"][data-state="finished"]'))
-    table = wait.until(lambda b: b.find_element(By.CSS_SELECTOR, "table.evaluation"))
-    assert "acceptance length (pooled)" in table.text
-    counts = browser.find_element(By.CSS_SELECTOR, "table.counts").text
+    wait.until(lambda b: read(b, f'section.run[data-run-id="{run.run_id}"][data-state="finished"]'))
+    table = wait.until(lambda b: one(b, "table.evaluation"))
+    assert "acceptance length (pooled)" in table
+    counts = one(browser, "table.counts")
     assert "improved" in counts and "3" in counts
-    plot = browser.find_element(By.CSS_SELECTOR, "svg.plot")
-    assert len(plot.find_elements(By.CSS_SELECTOR, "polyline")) == 2 and plot.size["width"] > 100
-    assert browser.find_element(By.CSS_SELECTOR, ".publication").get_attribute("data-published") == "true"
-    links = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "a.download")]
+    plot = browser.execute_script(
+        "const s = document.querySelector('svg.plot');"
+        "return s ? [s.querySelectorAll('polyline').length, s.getBoundingClientRect().width] : null;"
+    )
+    assert plot is not None and plot[0] == 2 and plot[1] > 100, plot
+    assert one(browser, ".publication", "data-published") == "true"
+    links = browser.execute_script("return Array.from(document.querySelectorAll('a.download')).map(a => a.href);")
     assert any(h.endswith("/run/export/model.safetensors") for h in links), links
     assert browser.execute_script("return window.__not_reloaded") == 42
 
