@@ -31,6 +31,12 @@ Capture under the same launcher (`capture.run`): shard k (examples
 earlier run left before anyone starts and writes the manifest after every
 rank is done, so the shards and the manifest's payload are the bytes one
 rank writes.
+
+A coordinator job (`dflash_worker.job`) leased N local ranks runs as N processes the
+run-manager starts with this same environment (``run-manager/src/ranks.rs``). The job
+joins the group once for all its stages (`hold`), so capture and training share it;
+the stages only rank 0 runs (prepare, check) end with `publish`, which the other
+ranks `await_published` before they go on.
 """
 
 from __future__ import annotations
@@ -130,11 +136,61 @@ def init(ranks: Ranks, device: torch.device) -> None:
     dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world, timeout=TIMEOUT, **kw)
 
 
+_held = False
+
+
+def hold(ranks: Ranks, device: torch.device) -> None:
+    """Join the process group for the whole job: `shutdown` leaves it alone until `release`."""
+    global _held
+    init(ranks, device)
+    _held = ranks.active
+
+
+def release(ranks: Ranks) -> None:
+    """Leave the group `hold` joined."""
+    global _held
+    _held = False
+    shutdown(ranks)
+
+
 def shutdown(ranks: Ranks) -> None:
+    """Leave the process group (not while the job `hold`s it)."""
     import torch.distributed as dist
 
-    if ranks.active and dist.is_initialized():
+    if ranks.active and dist.is_initialized() and not _held:
         dist.destroy_process_group()
+
+
+def _store(ranks: Ranks, timeout: datetime.timedelta):
+    """A client of rank 0's rendezvous store (the `MASTER_ADDR:MASTER_PORT` every rank joined)."""
+    import torch.distributed as dist
+
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT")
+    return dist.TCPStore(host, port, ranks.world, is_master=False, timeout=timeout)
+
+
+_PUBLISHED = "dflash/job/"
+
+
+def publish(ranks: Ranks, key: str) -> None:
+    """Rank 0 marks `key` (a finished stage) for the ranks waiting in `await_published`."""
+    if ranks.active and ranks.main:
+        _store(ranks, TIMEOUT).set(_PUBLISHED + key, "done")
+
+
+def await_published(ranks: Ranks, key: str, stop=lambda: False, poll: float = 0.1) -> bool:
+    """Wait (without a time limit) until rank 0 `publish`es `key`; False when `stop()` turned true first.
+
+    No limit: rank 0's stage may take hours, and a rank 0 that dies is the run-manager's to
+    notice (it stops every rank)."""
+    import time
+
+    store = _store(ranks, TIMEOUT)
+    while not store.check([_PUBLISHED + key]):
+        if stop():
+            return False
+        time.sleep(poll)
+    return True
 
 
 def sum_floats(ranks: Ranks, values: Sequence[float], device: torch.device) -> list[float]:

@@ -12,6 +12,14 @@ JSON object per line on stdout (``progress``, ``artifact``, ``done``, ``error``,
 Signals: SIGTERM -> commit a checkpoint at the next step boundary, emit
 ``stopped`` and return 0. SIGUSR1 -> commit a checkpoint at the next step
 boundary and continue.
+
+Several local ranks (``spec.json`` ``local_ranks`` N > 1; the run-manager starts N
+processes with the `torch.distributed` environment, `dflash_worker.dist`): every rank
+joins one process group for the job and runs the stages that divide work
+(``capture``, ``train``: `RANKED_STAGES`); rank 0 alone runs the others and reports
+every event, while the other ranks wait for it (`dist.await_published`) and exit 0
+after the last ranked stage. Another rank's only event is an ``error``, which says
+why it is about to exit.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -28,6 +37,9 @@ from .worker.events import Done, Error, JsonLinesSink, Progress
 from .worker.events import Stopped as StoppedEvent
 
 log = logging.getLogger("dflash_worker.job")
+
+# Stages every rank runs (each divides its work over the ranks); rank 0 alone runs the rest.
+RANKED_STAGES = frozenset({"capture", "train"})
 
 
 class _JsonLogFormatter(logging.Formatter):
@@ -47,12 +59,58 @@ def _setup_logging() -> None:
     root.propagate = False
 
 
+def _errors_only(sink):
+    """The event sink of a rank other than 0: only its `error` reaches the run-manager."""
+
+    def emit(event) -> None:
+        if isinstance(event, Error):
+            sink(event)
+
+    return emit
+
+
+def _run_stages(ctx, stages, names: list[str]) -> None:
+    """The stage loop of the module docstring, for one rank or several."""
+    if ctx.placement.local_ranks == 1:  # (torch is imported by the stages that need it, not here)
+        for name in names:
+            log.info("stage `%s` starting", name)
+            stages[name](ctx)
+        return
+    from . import dist
+    from .worker.context import Stopped
+
+    ranks = dist.ranks_from_env()
+    ranked = [i for i, name in enumerate(names) if name in RANKED_STAGES]
+    if ranked:
+        # every rank joins once, on the device of the first stage that needs the ranks
+        device = dist.place(ranks, ctx.devices[names[ranked[0]]].torch_device)
+        dist.hold(ranks, device)
+    try:
+        for i, name in enumerate(names):
+            if not ranks.main and (not ranked or i > ranked[-1]):
+                log.info("rank %d/%d: no stage left that needs this rank; rank 0 goes on", ranks.rank, ranks.world)
+                return
+            if name in RANKED_STAGES:
+                log.info("stage `%s` starting (rank %d/%d)", name, ranks.rank, ranks.world)
+                stages[name](ctx)
+            elif ranks.main:
+                log.info("stage `%s` starting", name)
+                stages[name](ctx)
+                dist.publish(ranks, f"{i}-{name}")
+            elif not dist.await_published(ranks, f"{i}-{name}", stop=lambda: ctx.stop_requested):
+                raise Stopped(0)
+    finally:
+        dist.release(ranks)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash_worker.job", description="Run one coordinator job (stages from DIR/spec.json).")
     parser.add_argument("--job-dir", type=Path, required=True, help="job directory holding spec.json (written by run-manager)")
     args = parser.parse_args(argv)
     _setup_logging()
     emit = JsonLinesSink(sys.stdout)
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        emit = _errors_only(emit)
 
     from .worker.context import StageContext, Stopped
     from .worker.placement import Placement
@@ -77,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(Progress(phase="starting"))
         for note in placement.notes():
             log.info("%s", note)
-        for name in spec.job.stages:
-            log.info("stage `%s` starting", name)
-            STAGES[name](ctx)
+        _run_stages(ctx, STAGES, list(spec.job.stages))
         emit(Done())
         return 0
     except Stopped as stop:

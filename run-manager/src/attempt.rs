@@ -60,11 +60,12 @@ use crate::lease_lost::LeaseLost;
 use crate::paths::check_id;
 use crate::policy::{preflight, Decision, Downgrade, PolicyContext};
 use crate::proto::{AttemptOutcome, FinishAttemptRequest, HeartbeatRequest, Lease, Phase};
+use crate::ranks::RankPlan;
 use crate::resume::Fetcher;
 use crate::shutdown::{next_signal, signalled, Shutdown};
 use crate::transfer::LeaseClock;
 use crate::upload::{UploadFailure, UploadQueue, Uploader};
-use crate::worker::{self, describe_exit, WorkerCommand};
+use crate::worker::{self, WorkerCommand};
 
 /// How long events still in the pipe are read after the worker exited.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -184,8 +185,12 @@ fn admit(cfg: &AttemptConfig, lease: &Lease) -> std::result::Result<Admission, R
                 .map_err(|e| e.to_string())
         })
         .map_err(Refusal::failed)?;
-    let launcher =
-        Launcher::for_lease(&cfg.worker, cfg.docker.as_ref(), lease).map_err(Refusal::failed)?;
+    let plan = RankPlan {
+        world: local_ranks,
+        cpu: cfg.policy.capabilities.backend == "cpu",
+    };
+    let launcher = Launcher::for_lease(&cfg.worker, cfg.docker.as_ref(), lease, plan)
+        .map_err(Refusal::failed)?;
     Ok(Admission {
         spec,
         local_ranks,
@@ -587,7 +592,7 @@ impl<'a> Supervisor<'a> {
         }
         output.logs.finish(LOG_FLUSH_TIMEOUT).await;
         launch.cleanup().await;
-        let how = describe_exit(&status);
+        let how = launch.describe_exit(&status);
         tracing::info!(job_id = %self.lease.job_id, pid = launch.pid(), "worker {how}");
         Ok(self.verdict(&status, how, &run))
     }
@@ -717,7 +722,7 @@ impl<'a> Supervisor<'a> {
     }
 
     /// Act on a directive from the coordinator.
-    fn on_directive(&mut self, s: Signal, launch: &Launch, run: &mut WorkerRun) {
+    fn on_directive(&mut self, s: Signal, launch: &mut Launch, run: &mut WorkerRun) {
         let job_id = &self.lease.job_id;
         match s {
             Signal::Cancel => {

@@ -185,6 +185,12 @@ pub struct Cli {
     #[arg(long, env = env_vars::DEVICE, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
 
+    /// Test and development switch: offer N local ranks on CPU (gloo), so multi-rank jobs
+    /// (`max_local_ranks > 1`) run here as they would on an N-GPU machine. The ranks share
+    /// this machine's cores: slower than one rank, never faster. Native launch mode only.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub cpu_ranks: Option<u32>,
+
     /// Stop after this many job attempts (0: no limit).
     #[arg(long, env = env_vars::MAX_JOBS, default_value_t = 0)]
     pub max_jobs: u32,

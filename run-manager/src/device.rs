@@ -151,6 +151,19 @@ fn mps_capabilities() -> DeviceCapabilities {
     }
 }
 
+/// The feature a CPU provider started with `--cpu-ranks N` (N > 1) offers: it runs up to
+/// `device_count` gloo ranks (the coordinator's `policy.CPU_RANKS_FEATURE`).
+pub const CPU_RANKS_FEATURE: &str = "cpu_ranks";
+
+/// `caps` of a CPU provider that offers `ranks` local ranks (`--cpu-ranks`).
+pub fn with_cpu_ranks(mut caps: DeviceCapabilities, ranks: u32) -> DeviceCapabilities {
+    if caps.backend == "cpu" && ranks > 1 {
+        caps.device_count = ranks;
+        caps.features.push(CPU_RANKS_FEATURE.into());
+    }
+    caps
+}
+
 fn cpu_capabilities() -> DeviceCapabilities {
     DeviceCapabilities {
         backend: "cpu".into(),

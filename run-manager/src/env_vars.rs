@@ -110,3 +110,17 @@ pub const PYTHONHOME: &str = "PYTHONHOME";
 /// unit test writes a sample `spec.json` for the Python side's round-trip test
 /// (`tests/worker/test_rust_spec.py`); unset, it writes nothing.
 pub const SPEC_FIXTURE_OUT: &str = "DFLASH_SPEC_FIXTURE_OUT";
+
+// The standard `torch.distributed` environment each local rank gets (`crate::ranks`),
+// as `torchrun` sets it.
+pub const RANK: &str = "RANK";
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+pub const MASTER_PORT: &str = "MASTER_PORT";
+/// Threads per rank: 1 unless the provider set it (as `torchrun` does).
+pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+/// The worker's permission to run several ranks on CPU (`dflash_worker.dist.CPU_RANKS_ENV`),
+/// set for each rank of a `--cpu-ranks` provider.
+pub const CPU_RANKS: &str = "DFLASH_CPU_RANKS";

@@ -1,5 +1,6 @@
 //! How workers are started and reached: natively (the worker is our child
-//! process, in its own process group) or in a container (the child is the
+//! process, in its own process group; a job of several local ranks is that
+//! many children, `crate::ranks`) or in a container (the child is the
 //! `docker run` CLI, and signals go to the container through `docker`).
 //!
 //! The mode is decided once per attempt ([`Launcher`]); each worker start
@@ -16,6 +17,7 @@ use crate::docker::{self, Container, DockerConfig};
 use crate::error::Result;
 use crate::events::WorkerEvent;
 use crate::proto::Lease;
+use crate::ranks::{self, RankGroup, RankPlan};
 use crate::worker::{self, LogRelay, LogTags, Worker, WorkerCommand};
 use crate::worker_env;
 
@@ -26,8 +28,8 @@ const DOCKER_STOP_SLACK: Duration = Duration::from_secs(10);
 /// How this attempt starts its workers.
 #[derive(Debug, Clone)]
 pub enum Launcher {
-    /// Run this command (`--job-dir DIR` is appended).
-    Native(WorkerCommand),
+    /// Run this command (`--job-dir DIR` is appended), once per local rank.
+    Native(WorkerCommand, RankPlan),
     /// Run `image` with docker (its entrypoint is the native client).
     Docker { docker: DockerConfig, image: String },
 }
@@ -39,6 +41,8 @@ pub enum Launch {
         child: Child,
         pid: u32,
     },
+    /// Several local ranks, started natively.
+    Ranks(RankGroup),
     Container {
         /// The `docker run` CLI.
         child: Child,
@@ -54,15 +58,22 @@ pub struct WorkerOutput {
 }
 
 impl Launcher {
-    /// The launcher for `lease`: Docker when configured (the lease must name a
-    /// usable image, else the error refuses it), else the native worker command.
+    /// The launcher for `lease` with `plan.world` local ranks: Docker when configured
+    /// (the lease must name a usable image and want one rank, else the error
+    /// refuses it), else the native worker command.
     pub fn for_lease(
         worker: &WorkerCommand,
         docker: Option<&DockerConfig>,
         lease: &Lease,
+        plan: RankPlan,
     ) -> std::result::Result<Self, String> {
         match docker {
-            None => Ok(Launcher::Native(worker.clone())),
+            None => Ok(Launcher::Native(worker.clone(), plan)),
+            // This provider offers one rank in Docker mode (`setup`); a lease wanting more is a coordinator's mistake.
+            Some(_) if plan.world > 1 => Err(format!(
+                "job `{}` wants {} local ranks, but Docker launch mode runs one rank per job\nhint: run multi-rank jobs with `--launch-mode native`",
+                lease.job_id, plan.world
+            )),
             Some(d) => {
                 docker::image_for_lease(lease, &d.repository).map(|image| Launcher::Docker {
                     docker: d.clone(),
@@ -76,7 +87,7 @@ impl Launcher {
     /// The error (a pull that failed) ends the attempt RETRYABLE.
     pub async fn prepare(&self, job_id: &str) -> std::result::Result<(), String> {
         match self {
-            Launcher::Native(_) => Ok(()),
+            Launcher::Native(..) => Ok(()),
             Launcher::Docker { docker, image } => {
                 tracing::info!(job_id = %job_id, %image, "pulling the image");
                 docker::pull(docker, image).await
@@ -101,7 +112,15 @@ impl Launcher {
         };
         let job_id = &lease.job_id;
         match self {
-            Launcher::Native(command) => {
+            Launcher::Native(command, plan) if plan.world > 1 => {
+                let env = worker_env::native(std::env::vars_os());
+                let (group, events, logs) = ranks::spawn(command, job_dir, env, tags, *plan)?;
+                for (rank, pid) in group.pids().iter().enumerate() {
+                    tracing::info!(job_id = %job_id, pid, rank, restart, "worker started: rank {rank} of {}: {}", plan.world, command.program.display());
+                }
+                Ok((Launch::Ranks(group), WorkerOutput { events, logs }))
+            }
+            Launcher::Native(command, _) => {
                 let env = worker_env::native(std::env::vars_os());
                 let (child, pid, output) = split(worker::spawn(command, job_dir, env, tags)?);
                 tracing::info!(job_id = %job_id, pid, restart, "worker started: {}", command.program.display());
@@ -137,17 +156,27 @@ fn split(w: Worker) -> (Child, u32, WorkerOutput) {
 }
 
 impl Launch {
-    /// The process id of the child (the worker, or the `docker run` CLI).
+    /// The process id of the child (the worker, rank 0, or the `docker run` CLI).
     pub fn pid(&self) -> u32 {
         match self {
             Launch::Native { pid, .. } | Launch::Container { pid, .. } => *pid,
+            Launch::Ranks(group) => group.pid(),
         }
     }
 
-    /// Wait for the child to exit.
+    /// Wait for the child to exit (every rank: `RankGroup::wait`).
     pub async fn wait(&mut self) -> std::io::Result<ExitStatus> {
         match self {
             Launch::Native { child, .. } | Launch::Container { child, .. } => child.wait().await,
+            Launch::Ranks(group) => group.wait().await,
+        }
+    }
+
+    /// `killed by signal 9 (SIGKILL)`; for ranks, which rank ended the group.
+    pub fn describe_exit(&self, status: &ExitStatus) -> String {
+        match self {
+            Launch::Ranks(group) => group.describe(status),
+            _ => worker::describe_exit(status),
         }
     }
 
@@ -158,6 +187,7 @@ impl Launch {
             Launch::Native { pid, .. } => {
                 let _ = worker::signal(*pid, libc::SIGTERM);
             }
+            Launch::Ranks(group) => group.signal(libc::SIGTERM),
             Launch::Container { container, .. } => container.stop(grace),
         }
     }
@@ -165,7 +195,7 @@ impl Launch {
     /// How long after [`Launch::terminate`] the worker is killed.
     pub fn kill_after(&self, grace: Duration) -> Duration {
         match self {
-            Launch::Native { .. } => grace,
+            Launch::Native { .. } | Launch::Ranks(_) => grace,
             Launch::Container { .. } => grace + DOCKER_STOP_SLACK,
         }
     }
@@ -176,16 +206,23 @@ impl Launch {
             Launch::Native { pid, .. } => {
                 let _ = worker::signal(*pid, libc::SIGUSR1);
             }
+            Launch::Ranks(group) => group.signal(libc::SIGUSR1),
             Launch::Container { container, .. } => container.checkpoint(),
         }
     }
 
-    /// Kill the worker now (its process group; the container too).
-    pub fn kill(&self) {
-        if let Launch::Container { container, .. } = self {
-            container.kill();
+    /// Kill the worker now (its process group, every rank's; the container too).
+    pub fn kill(&mut self) {
+        match self {
+            Launch::Ranks(group) => group.kill(),
+            Launch::Container { container, .. } => {
+                container.kill();
+                let _ = worker::kill_group(self.pid());
+            }
+            Launch::Native { pid, .. } => {
+                let _ = worker::kill_group(*pid);
+            }
         }
-        let _ = worker::kill_group(self.pid());
     }
 
     /// After the child exited: remove a container that `--rm` did not (a

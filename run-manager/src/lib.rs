@@ -28,6 +28,7 @@ pub mod paths;
 pub mod policy;
 pub mod proto;
 pub mod provider;
+pub mod ranks;
 pub mod resume;
 pub mod setup;
 pub mod shutdown;

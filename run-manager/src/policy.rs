@@ -12,7 +12,9 @@
 //! - checkpoints: `ephemeral` runs are refused in native mode (their
 //!   checkpoints would live only on this machine): FAILED.
 //! - ranks: off CUDA a job runs one local rank; a job wanting more is refused: FAILED.
-//!   On CUDA a job wanting more ranks than GPUs is refused: FAILED.
+//!   On CUDA a job wanting more ranks than GPUs is refused: FAILED. A CPU
+//!   provider started with `--cpu-ranks N` (a test and development switch) runs
+//!   up to N gloo ranks, like a CUDA provider with N GPUs.
 //! - features: the backend's own name (`cuda`, `mps`, `cpu`) is a hard
 //!   requirement (refused: FAILED). The CUDA-only speed features are
 //!   downgraded when missing: `flash_attention_2` -> `sdpa`, `torch_compile`
@@ -127,10 +129,20 @@ fn check_checkpoint_policy(lease: &Lease, mode: LaunchMode) -> Result<(), Decisi
 /// The local ranks to launch: up to the CUDA device count, one elsewhere.
 fn local_ranks(lease: &Lease, caps: &DeviceCapabilities) -> Result<u32, Decision> {
     let wanted = lease.local_ranks.max(1);
-    if caps.backend == "cuda" {
+    let cpu_ranks = caps.backend == "cpu"
+        && caps
+            .features
+            .iter()
+            .any(|f| f == crate::device::CPU_RANKS_FEATURE);
+    if caps.backend == "cuda" || cpu_ranks {
         if wanted > caps.device_count {
+            let what = if cpu_ranks {
+                "CPU ranks (`--cpu-ranks`)"
+            } else {
+                "CUDA device(s)"
+            };
             return Err(refuse(format!(
-                "job `{}` wants {wanted} local ranks but this provider has {} CUDA device(s)",
+                "job `{}` wants {wanted} local ranks but this provider has {} {what}",
                 lease.job_id, caps.device_count
             )));
         }
@@ -303,6 +315,19 @@ mod tests {
             preflight(&l, &ctx("cuda")),
             Decision::Refuse { .. }
         ));
+        // `--cpu-ranks 2`: up to two gloo ranks on CPU, no more.
+        let mut cpu2 = ctx("cpu");
+        cpu2.capabilities = crate::device::with_cpu_ranks(cpu2.capabilities, 2);
+        l.local_ranks = 2;
+        assert!(matches!(
+            preflight(&l, &cpu2),
+            Decision::Run { local_ranks: 2, .. }
+        ));
+        l.local_ranks = 3;
+        let Decision::Refuse { message, .. } = preflight(&l, &cpu2) else {
+            panic!("3 ranks on `--cpu-ranks 2`")
+        };
+        assert!(message.contains("2 CPU ranks (`--cpu-ranks`)"), "{message}");
         l.local_ranks = 0;
         let Decision::Run { local_ranks, .. } = preflight(&l, &ctx("cpu")) else {
             panic!()

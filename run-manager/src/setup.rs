@@ -173,8 +173,32 @@ fn seconds(flag: &str, v: f64) -> Result<Duration> {
 
 /// Everything the provider loop needs, from the command line.
 pub fn provider_config(cli: &Cli, work_dir: &Path) -> Result<ProviderConfig> {
-    let capabilities = device::detect(cli.device)?;
+    let mut capabilities = device::detect(cli.device)?;
     let launch_mode = resolve_launch_mode(cli, &capabilities);
+    if let Some(n) = cli.cpu_ranks {
+        if capabilities.backend != "cpu" {
+            return Err(Error::Usage(format!(
+                "`--cpu-ranks {n}` is for CPU providers; this one offers `{}`\nhint: on CUDA the ranks are the GPUs; pass `--device cpu` to test CPU ranks",
+                capabilities.backend
+            )));
+        }
+        if launch_mode == LaunchMode::Docker && n > 1 {
+            return Err(Error::Usage(format!(
+                "`--cpu-ranks {n}` needs native launch mode: Docker mode runs one rank per job\nhint: pass `--launch-mode native`"
+            )));
+        }
+        capabilities = device::with_cpu_ranks(capabilities, n);
+    }
+    if launch_mode == LaunchMode::Docker && capabilities.device_count > 1 {
+        // One container runs one rank: a job leased N ranks would need N containers that
+        // rendezvous with each other, which Docker mode does not start (yet).
+        tracing::warn!(
+            gpus = capabilities.device_count,
+            "Docker launch mode runs one rank per job: offering 1 of {} GPUs (native mode runs a rank per GPU)",
+            capabilities.device_count
+        );
+        capabilities.device_count = 1;
+    }
     let (worker, worker_version, docker) = if launch_mode == LaunchMode::Docker {
         let d = docker_config(cli, &capabilities, work_dir)?;
         // The image is the run's own version (or the image its admin named):

@@ -60,18 +60,37 @@ pub struct Worker {
     pub logs: LogRelay,
 }
 
-/// The tasks reading the worker's stdout (events) and stderr (logs).
+/// The tasks reading the worker's stdout (events) and stderr (logs); one pair per
+/// rank when a job runs several (`crate::ranks`).
 pub struct LogRelay {
-    stdout_task: JoinHandle<()>,
-    stderr_task: JoinHandle<()>,
+    stdout_tasks: Vec<JoinHandle<()>>,
+    stderr_tasks: Vec<JoinHandle<()>>,
 }
 
 impl LogRelay {
+    /// One relay for the workers of several relays.
+    pub fn merge(relays: Vec<LogRelay>) -> LogRelay {
+        let (mut stdout_tasks, mut stderr_tasks) = (Vec::new(), Vec::new());
+        for r in relays {
+            stdout_tasks.extend(r.stdout_tasks);
+            stderr_tasks.extend(r.stderr_tasks);
+        }
+        LogRelay {
+            stdout_tasks,
+            stderr_tasks,
+        }
+    }
+
     /// Wait for the log relay to finish reading stderr (bounded: a grandchild
     /// holding the pipe open must not hang the run-manager).
     pub async fn finish(self, within: std::time::Duration) {
-        let _ = tokio::time::timeout(within, self.stderr_task).await;
-        self.stdout_task.abort();
+        let deadline = tokio::time::Instant::now() + within;
+        for task in self.stderr_tasks {
+            let _ = tokio::time::timeout_at(deadline, task).await;
+        }
+        for task in self.stdout_tasks {
+            task.abort();
+        }
     }
 }
 
@@ -124,8 +143,8 @@ pub fn spawn(
         pid,
         events,
         logs: LogRelay {
-            stdout_task,
-            stderr_task,
+            stdout_tasks: vec![stdout_task],
+            stderr_tasks: vec![stderr_task],
         },
     })
 }

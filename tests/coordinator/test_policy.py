@@ -115,6 +115,10 @@ def _run(**kw):
         (_run(checkpoint_policy="ephemeral"), _profile(native=True), Verdict.INCAPABLE),
         # device refusals win over version: no point asking to upgrade for a job the box cannot run
         (_run(max_local_ranks=2), _profile(backend="mps", client_version="0.1.0"), Verdict.INCAPABLE),
+        (_run(max_local_ranks=2), _profile(backend="cpu", device_count=2), Verdict.INCAPABLE),
+        # `run-manager --cpu-ranks 2`; the feature means nothing on MPS
+        (_run(max_local_ranks=2), _profile(backend="cpu", device_count=2, features=frozenset({"cpu_ranks"})), Verdict.ELIGIBLE),
+        (_run(max_local_ranks=2), _profile(backend="mps", device_count=2, features=frozenset({"cpu_ranks"})), Verdict.INCAPABLE),
         (_run(required_features=("mps",)), _profile(backend="mps"), Verdict.ELIGIBLE),
     ],
 )
@@ -126,3 +130,5 @@ def test_local_ranks():
     assert local_ranks(_run(max_local_ranks=8), _profile(device_count=4)) == 4
     assert local_ranks(_run(max_local_ranks=8), _profile(backend="mps", device_count=4)) == 1
     assert local_ranks(_run(max_local_ranks=1), _profile(device_count=4)) == 1
+    assert local_ranks(_run(max_local_ranks=8), _profile(backend="cpu", device_count=2)) == 1
+    assert local_ranks(_run(max_local_ranks=8), _profile(backend="cpu", device_count=2, features=frozenset({"cpu_ranks"}))) == 2

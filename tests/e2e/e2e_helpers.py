@@ -364,6 +364,10 @@ def pipeline_spec(world, *, stages: list[str] | None = None) -> dict:
     # Validate only at the last step, so the selected (exported) checkpoint is the
     # final one: an export hash then covers every step of training, not an early best.
     spec["recipe"]["train"]["val_every"] = STEPS
+    # Two micro-batches per step and several capture shards, so that a job of two local ranks
+    # divides both, and its export still equals one rank's byte for byte (test_e2e_ranks).
+    spec["recipe"]["train"]["grad_accum"] = 2
+    spec["recipe"]["capture"]["shard_examples"] = 4
     spec["recipe"]["evaluate"] = {"max_new_tokens": 8}
     spec["evaluate"] = {"split": "test", "max_prompts": 2}
     return spec

@@ -108,12 +108,6 @@ def test_cpu_ranks_need_the_development_switch(pipeline):
 # --------------------------------------------------------------------------- SIGKILL and resume
 
 
-
-
-
-
-
-
 def _kill_after_checkpoint(cmd, recipe, run, *, rank):
     """Start a run, SIGKILL one of its ranks (or the only process) once step 4 is committed."""
     proc = subprocess.Popen(_argv(cmd, recipe), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())

@@ -124,13 +124,23 @@ def test_placement_pins_auto_to_the_provider_and_records_downgrades(tmp_path):
     assert provenance(choice)["notes"] == list(choice.notes)
 
 
-def test_placement_refuses_what_the_provider_cannot_run(tmp_path):
+def test_placement_refuses_what_the_provider_cannot_run(tmp_path, monkeypatch):
     job = (tmp_path / "job").resolve()
     placement = Placement.from_spec(load(tmp_path, rust_doc(job)))
     with pytest.raises(ConfigError, match=r"`\[capture\].device` is `cuda` but this provider runs `cpu`"):
         placement.device_for("capture", "cuda")
-    with pytest.raises(ConfigError, match="grants 2 local ranks"):
+    # A lease of 2 ranks runs as 2 processes the run-manager starts (`WORLD_SIZE=2`), not as one.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=r"grants 2 local rank\(s\), but this process was started as one of 1 \(`WORLD_SIZE`\)"):
         Placement.from_spec(load(tmp_path, rust_doc(job, local_ranks=2)))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert Placement.from_spec(load(tmp_path, rust_doc(job, local_ranks=2))).local_ranks == 2
+    with pytest.raises(ConfigError, match=r"grants 1 local rank\(s\), but this process was started as one of 2"):
+        Placement.from_spec(load(tmp_path, rust_doc(job)))
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="`WORLD_SIZE` is `two`, not an integer"):
+        Placement.from_spec(load(tmp_path, rust_doc(job)))
+    monkeypatch.delenv("WORLD_SIZE")
     unknown = [{"feature": "xformers", "replacement": "sdpa", "reason": "r"}]
     with pytest.raises(ConfigError, match="downgrades `xformers`, which this worker does not know"):
         Placement.from_spec(load(tmp_path, rust_doc(job, downgrades=unknown)))

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-json", help="job spec JSON given inline")
     rc.add_argument("--client-version", required=True, help="client version providers must run (semver)")
     rc.add_argument("--checkpoint-policy", choices=("durable", "ephemeral"), default="durable", help="durable: checkpoints are uploaded; ephemeral: they stay on the provider (never leased to native providers)")
-    rc.add_argument("--max-local-ranks", type=int, default=1, help="ranks per job; more than 1 only on CUDA providers (default 1)")
+    rc.add_argument("--max-local-ranks", type=int, default=1, help="ranks per job; more than 1 only on CUDA providers and `run-manager --cpu-ranks` CPU providers (default 1)")
     rc.add_argument("--feature", action="append", default=[], metavar="NAME", help="device feature a provider must offer (repeatable), e.g. `cuda`, `flash_attention_2`")
     rc.add_argument("--image", default="", help="container image (tag or digest) for Docker launch mode")
     rc.add_argument("--jobs", type=int, default=1, help="number of jobs to queue (default 1)")

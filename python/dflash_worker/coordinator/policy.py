@@ -10,7 +10,9 @@ the device checks before launching, as a second line of defence):
   anything else earns ``UpgradeRequired``;
 - ``ephemeral`` runs are never leased to native providers (their checkpoints
   would live only on a machine the coordinator cannot resume from);
-- runs with ``max_local_ranks > 1`` go only to CUDA providers;
+- runs with ``max_local_ranks > 1`` go only to CUDA providers, and to CPU providers
+  that offer ``cpu_ranks`` (``run-manager --cpu-ranks N``, a test and development
+  switch: N gloo ranks on one machine's cores);
 - every required feature must be offered (the backend name counts as one).
 """
 
@@ -25,6 +27,8 @@ from ..errors import InvalidRequestError
 PROTOCOL_VERSION = "dflash.v1"
 CHECKPOINT_POLICIES = ("durable", "ephemeral")
 BACKENDS = ("cuda", "mps", "cpu")
+# Offered by a CPU provider started with `run-manager --cpu-ranks N`: it runs up to `device_count` ranks.
+CPU_RANKS_FEATURE = "cpu_ranks"
 # What workers announce, plus `checkpoint_file`: a file a checkpoint manifest lists, which the
 # run-manager uploads before the manifest itself.
 ARTIFACT_KINDS = ("checkpoint", "export", "manifest", "report", "metrics", "capture", "checkpoint_file")
@@ -91,8 +95,11 @@ def decide(run: RunRequirements, provider: ProviderProfile) -> tuple[Verdict, st
     """Return the verdict and a lowercase reason for leasing `run` to `provider`."""
     if provider.native and run.checkpoint_policy == "ephemeral":
         return Verdict.INCAPABLE, "ephemeral runs are not leased to native providers"
-    if run.max_local_ranks > 1 and provider.backend != "cuda":
-        return Verdict.INCAPABLE, f"run wants {run.max_local_ranks} local ranks; only cuda providers run more than one"
+    if run.max_local_ranks > 1 and not _runs_ranks(provider):
+        return Verdict.INCAPABLE, (
+            f"run wants {run.max_local_ranks} local ranks; only cuda providers (and cpu providers started with "
+            "`--cpu-ranks`) run more than one"
+        )
     offered = provider.features | {provider.backend}
     missing = [f for f in run.required_features if f not in offered]
     if missing:
@@ -111,8 +118,13 @@ def decide(run: RunRequirements, provider: ProviderProfile) -> tuple[Verdict, st
     )
 
 
+def _runs_ranks(provider: ProviderProfile) -> bool:
+    return provider.backend == "cuda" or (provider.backend == "cpu" and CPU_RANKS_FEATURE in provider.features)
+
+
 def local_ranks(run: RunRequirements, provider: ProviderProfile) -> int:
-    """Ranks a leased job gets: up to the run's maximum on CUDA, 1 anywhere else."""
-    if provider.backend != "cuda":
+    """Ranks a leased job gets: up to the run's maximum on CUDA (a rank per device) and on a
+    `--cpu-ranks` CPU provider, 1 anywhere else."""
+    if not _runs_ranks(provider):
         return 1
     return max(1, min(run.max_local_ranks, provider.device_count or 1))

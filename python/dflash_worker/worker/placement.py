@@ -9,8 +9,10 @@ features are downgraded and which refused); the worker applies the result here:
   on whatever torch happens to find; a section that names the provider's backend
   runs as asked; one that names another backend is refused (the coordinator leased
   the job to a provider that cannot run it as written).
-- **local_ranks**: this worker runs one rank; a lease granting more is refused with
-  a clear error rather than silently using one GPU of many.
+- **local_ranks**: a lease granting N ranks runs as N processes, which the run-manager
+  starts with the `torch.distributed` environment (``WORLD_SIZE`` = N, ``RANK``, ...;
+  `dflash_worker.dist`); a process whose ``WORLD_SIZE`` is not the lease's N is refused
+  (it was not started as one of the lease's ranks).
 - **downgrades**: the stand-ins ``policy.rs`` names (``DOWNGRADES`` there):
   ``torch_compile -> eager`` turns off the compiled flex-attention kernel of the
   draft's training forward (it uses SDPA instead); ``flash_attention_2 -> sdpa`` and
@@ -25,6 +27,7 @@ as the recipe says (``auto`` is whatever torch finds).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +46,16 @@ _EFFECT = {
     "torch_compile": "draft training attention uses sdpa instead of compiled flex attention",
     "liger": "no change: this worker's kernels are plain torch",
 }
+
+
+def _started_world() -> int:
+    """`WORLD_SIZE` of this process (1 when unset), read without importing torch."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable `WORLD_SIZE` is `{raw}`, not an integer") from None
+    return max(world, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,10 +77,11 @@ class Placement:
                 )
             if d.replacement != want:
                 raise ConfigError(f"spec.json downgrades `{d.feature}` to `{d.replacement}`; this worker replaces it with `{want}`")
-        if spec.local_ranks != 1:
+        world = _started_world()
+        if spec.local_ranks != world:
             raise ConfigError(
-                f"the lease grants {spec.local_ranks} local ranks, but this worker runs a single rank\n"
-                "hint: create the run with `--max-local-ranks 1`"
+                f"the lease grants {spec.local_ranks} local rank(s), but this process was started as one of {world} "
+                f"(`WORLD_SIZE`)\nhint: let run-manager start the job; it starts one process per rank"
             )
         return cls(backend=spec.device.backend if spec.device else None, local_ranks=spec.local_ranks, downgrades=spec.downgrades)
 

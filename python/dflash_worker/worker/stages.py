@@ -91,6 +91,7 @@ def run_capture_stage(ctx: StageContext) -> None:
 
 
 def run_train(ctx: StageContext) -> None:
+    from .. import dist
     from ..train import checkpoint as ckpt
     from ..train import train
     from ..train.export_run import SELECTION
@@ -99,14 +100,18 @@ def run_train(ctx: StageContext) -> None:
     recipe = ctx.spec.job.require_recipe()
     recipe.require("train")
     run_dir = ctx.job_dir / RUN_DIR
-    resume_from = ctx.spec.resume_checkpoint
-    if resume_from is not None and not resume_from.is_file():
-        log.warning("resume checkpoint `%s` is gone; training starts from its own directory or fresh", resume_from)
-    elif resume_from is not None:
-        seeded = ckpt.seed(run_dir, resume_from)
-        if seeded is not None:
-            log.info("seeded run from resume checkpoint `%s` (step %d)", resume_from, seeded)
-    resume = ckpt.latest(run_dir) is not None or (run_dir / SELECTION).is_file()
+    ranks = dist.ranks_from_env()
+    resume = False
+    if ranks.main:  # one rank seeds the shared run directory; the others learn what it found
+        resume_from = ctx.spec.resume_checkpoint
+        if resume_from is not None and not resume_from.is_file():
+            log.warning("resume checkpoint `%s` is gone; training starts from its own directory or fresh", resume_from)
+        elif resume_from is not None:
+            seeded = ckpt.seed(run_dir, resume_from)
+            if seeded is not None:
+                log.info("seeded run from resume checkpoint `%s` (step %d)", resume_from, seeded)
+        resume = ckpt.latest(run_dir) is not None or (run_dir / SELECTION).is_file()
+    resume = dist.broadcast(ranks, resume)  # (the job holds the process group: `dflash_worker.job`)
     flags = StopFlags()
 
     def on_event(e: Event) -> None:

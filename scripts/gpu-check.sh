@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The one prepared check for a machine with NVIDIA GPUs (docs/testing.md, "GPU check").
+#
+#   scripts/gpu-check.sh            # under 10 minutes on one H200-class GPU
+#   GPU_CHECK_BENCH_ARGS="--layers 8" scripts/gpu-check.sh   # a smaller target
+#
+# 1. installs the project (`make install`; torch's CUDA wheels from PyPI);
+# 2. `pytest -m cuda`: the tests of the CUDA paths (placement per LOCAL_RANK, compiled flex
+#    attention against SDPA, CUDA against CPU, exact resume on CUDA, two NCCL ranks against one
+#    when there are two GPUs), which are skipped on machines without a GPU;
+# 3. `bench/gpu.py`: capture, training and speculative generation on a full-width random Qwen3
+#    target (hidden 4096, 36 layers, bf16) with a DFlash2 draft of the released geometry, on 1 GPU
+#    and on every GPU: absolute throughput, peak memory and the scaling ratio.
+# Exit status: 0 when every step passed; 3 when this machine has no NVIDIA GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu-check: no NVIDIA GPU here (nvidia-smi missing or lists none); this check is for GPU machines" >&2
+    exit 3
+fi
+start=$(date +%s)
+echo "== machine"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+echo "cpus: $(nproc); load: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+echo "== install"
+make install
+
+echo "== pytest -m cuda"
+.venv/bin/python -m pytest -q -m cuda -p no:cacheprovider tests
+
+echo "== bench/gpu.py"
+# shellcheck disable=SC2086  # the extra arguments are meant to split
+.venv/bin/python bench/gpu.py --device cuda ${GPU_CHECK_BENCH_ARGS:-}
+
+echo "== gpu-check passed in $(( $(date +%s) - start )) s"
