@@ -16,7 +16,7 @@ Phases, each through the real CLI (`dflash-worker capture | train | evaluate`; N
 4. evaluate the N-rank run: real speculative generation with the released and the trained draft,
    pooled acceptance length, and the committed tokens over the command's wall time.
 
-On CPU it runs too, with small sizes and `DFLASH_CPU_RANKS=1` (`tests/bench/test_gpu_bench_smoke.py`).
+On CPU it runs too, with small sizes and `DFLASH_CPU_RANKS=1` (`--device cpu --ranks 2 --hidden 64 --layers 2 ...`).
 
 Usage: .venv/bin/python bench/gpu.py [--device cuda] [--ranks N] [--hidden 4096] [--layers 36] ...
 """

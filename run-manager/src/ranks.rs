@@ -311,6 +311,18 @@ mod tests {
         vec![("PATH".into(), std::env::var_os("PATH").unwrap_or_default())]
     }
 
+    /// Two CPU ranks of `sh -c script` in `dir`.
+    fn two_ranks(
+        script: &str,
+        dir: &std::path::Path,
+    ) -> (RankGroup, mpsc::Receiver<WorkerEvent>, LogRelay) {
+        let plan = RankPlan {
+            world: 2,
+            cpu: true,
+        };
+        spawn(&sh(script), dir, env(), tags(), plan).expect("spawn")
+    }
+
     fn job_dir(name: &str) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("rm-ranks-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&d).expect("mkdir");
@@ -361,17 +373,7 @@ mod tests {
         let dir = job_dir("events");
         // Every rank prints an event and an error event, then exits 0.
         let script = r#"echo "{\"event\":\"progress\",\"phase\":\"train\",\"step\":$((RANK + 1))}"; echo "{\"event\":\"error\",\"message\":\"rank $RANK\",\"retryable\":true}""#;
-        let (mut g, mut events, logs) = spawn(
-            &sh(script),
-            &dir,
-            env(),
-            tags(),
-            RankPlan {
-                world: 2,
-                cpu: true,
-            },
-        )
-        .expect("spawn");
+        let (mut g, mut events, logs) = two_ranks(script, &dir);
         let st = g.wait().await.expect("wait");
         assert!(st.success(), "{}", g.describe(&st));
         assert_eq!(g.describe(&st), "exited with code 0 (rank 0 of 2)");
@@ -406,17 +408,7 @@ mod tests {
         let dir = job_dir("death");
         // Rank 1 is SIGKILLed by itself; rank 0 would wait forever for it.
         let script = r#"if [ "$RANK" = 1 ]; then kill -9 $$; fi; exec sleep 60"#;
-        let (mut g, _events, _logs) = spawn(
-            &sh(script),
-            &dir,
-            env(),
-            tags(),
-            RankPlan {
-                world: 2,
-                cpu: true,
-            },
-        )
-        .expect("spawn");
+        let (mut g, _events, _logs) = two_ranks(script, &dir);
         let pids = g.pids().to_vec();
         let st = tokio::time::timeout(Duration::from_secs(20), g.wait())
             .await
@@ -440,17 +432,7 @@ mod tests {
         let dir = job_dir("early");
         // Rank 1 exits at once; rank 0 works on, then exits 3: the group's exit is rank 0's.
         let script = r#"if [ "$RANK" = 1 ]; then exit 0; fi; sleep 0.3; exit 3"#;
-        let (mut g, _events, _logs) = spawn(
-            &sh(script),
-            &dir,
-            env(),
-            tags(),
-            RankPlan {
-                world: 2,
-                cpu: true,
-            },
-        )
-        .expect("spawn");
+        let (mut g, _events, _logs) = two_ranks(script, &dir);
         let st = g.wait().await.expect("wait");
         assert_eq!(st.code(), Some(3));
         assert_eq!(g.describe(&st), "rank 0 of 2 exited with code 3");
@@ -463,17 +445,7 @@ mod tests {
         // Each rank writes a marker when SIGTERM arrives, then exits 0.
         let script =
             r#"trap 'echo term > "$2/term-$RANK"; exit 0' TERM; while :; do sleep 0.05; done"#;
-        let (mut g, _events, _logs) = spawn(
-            &sh(script),
-            &dir,
-            env(),
-            tags(),
-            RankPlan {
-                world: 2,
-                cpu: true,
-            },
-        )
-        .expect("spawn");
+        let (mut g, _events, _logs) = two_ranks(script, &dir);
         tokio::time::sleep(Duration::from_millis(300)).await;
         g.signal(libc::SIGTERM);
         let st = tokio::time::timeout(Duration::from_secs(20), g.wait())
