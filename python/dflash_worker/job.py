@@ -96,7 +96,8 @@ def _run_stages(ctx, stages, names: list[str]) -> None:
             elif ranks.main:
                 log.info("stage `%s` starting", name)
                 stages[name](ctx)
-                dist.publish(ranks, f"{i}-{name}")
+                if ranked and i < ranked[-1]:  # another rank waits for it (and the held group's store exists)
+                    dist.publish(ranks, f"{i}-{name}")
             elif not dist.await_published(ranks, f"{i}-{name}", stop=lambda: ctx.stop_requested):
                 raise Stopped(0)
     finally:
