@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # Commands that run as several `torch.distributed` ranks (`dflash_worker.dist`); the others would
 # each do the whole work and write the same files at once.
-RANKED = ("capture", "train")
+RANKED = ("capture", "train", "evaluate")
 
 
 def _one_rank_unless_ranked(command: str) -> None:
@@ -75,7 +75,7 @@ def _one_rank_unless_ranked(command: str) -> None:
 
         raise ConfigError(
             f"`{command}` runs on one rank, but `WORLD_SIZE` is `{world}` (started by torchrun?)\n"
-            f"hint: run `{command}` as one process; {' and '.join(f'`{c}`' for c in RANKED)} run as several ranks"
+            f"hint: run `{command}` as one process; {', '.join(f'`{c}`' for c in RANKED)} run as several ranks"
         )
 
 

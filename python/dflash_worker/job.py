@@ -16,9 +16,11 @@ boundary and continue.
 Several local ranks (``spec.json`` ``local_ranks`` N > 1; the run-manager starts N
 processes with the `torch.distributed` environment, `dflash_worker.dist`): every rank
 joins one process group for the job and runs the stages that divide work
-(``capture``, ``train``: `RANKED_STAGES`); rank 0 alone runs the others and reports
+(``capture``, ``train``, ``evaluate``: `RANKED_STAGES`); rank 0 alone runs the others and reports
 every event, while the other ranks wait for it (`dist.await_published`) and exit 0
-after the last ranked stage. Another rank's only event is an ``error``, which says
+after the last ranked stage. Every stage before the last ranked one ends with rank 0's
+`publish`, so no rank starts a stage before rank 0 has finished the one before it (the
+end of a ranked stage is rank 0's: capture's manifest, train's selection and export). Another rank's only event is an ``error``, which says
 why it is about to exit.
 """
 
@@ -39,7 +41,7 @@ from .worker.events import Stopped as StoppedEvent
 log = logging.getLogger("dflash_worker.job")
 
 # Stages every rank runs (each divides its work over the ranks); rank 0 alone runs the rest.
-RANKED_STAGES = frozenset({"capture", "train"})
+RANKED_STAGES = frozenset({"capture", "train", "evaluate"})
 
 
 class _JsonLogFormatter(logging.Formatter):
@@ -96,8 +98,12 @@ def _run_stages(ctx, stages, names: list[str]) -> None:
             elif ranks.main:
                 log.info("stage `%s` starting", name)
                 stages[name](ctx)
-                if ranked and i < ranked[-1]:  # another rank waits for it (and the held group's store exists)
-                    dist.publish(ranks, f"{i}-{name}")
+            if not ranked or i >= ranked[-1]:
+                continue
+            # a later stage needs every rank: it starts once rank 0 has finished this one (a ranked
+            # stage ends with rank 0's own work: train's selection and export, capture's manifest)
+            if ranks.main:
+                dist.publish(ranks, f"{i}-{name}")
             elif not dist.await_published(ranks, f"{i}-{name}", stop=lambda: ctx.stop_requested):
                 raise Stopped(0)
     finally:

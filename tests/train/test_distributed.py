@@ -156,15 +156,35 @@ def test_sigkill_stops_every_rank_and_the_resume_continues_exactly(pipeline, und
         (undisturbed / "selection.json").read_text())["step"]
 
 
-@pytest.mark.parametrize("command", ["evaluate", "export", "preflight"])
+def test_evaluate_split_over_two_ranks_writes_the_one_rank_report(pipeline, undisturbed):
+    # 5 prompts (of the train split: the held-out ones are 4): rank 0 generates prompts 0, 2, 4 and rank 1
+    # prompts 1, 3; the rows go back in prompt order
+    def evaluate(cmd, out):
+        argv = [*cmd, "-m", "dflash_worker.cli", "evaluate", "--run-dir", str(undisturbed), "--split", "train",
+                "--max-prompts", "5", "--output", str(out)]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=_env())
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
+
+    one = evaluate([sys.executable], pipeline.root / "dist-eval-1")
+    two = evaluate(TORCHRUN, pipeline.root / "dist-eval-2")
+    assert sorted(one) == ["acceptance.png", "report.json", "report.md"]
+    report = json.loads(one["report.json"])
+    assert report["prompts"] == 5 and report["lossless"] is True
+    for name in one:  # byte for byte: report.json, report.md and the plot
+        assert hashlib.sha256(two[name]).hexdigest() == hashlib.sha256(one[name]).hexdigest(), name
+
+
+@pytest.mark.parametrize("command", ["export", "preflight"])
 def test_commands_that_run_one_rank_refuse_a_world_size(command, capsys, monkeypatch, tmp_path):
     from dflash_worker.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    flag = "--run" if command in ("evaluate", "export") else "--recipe"
+    flag = "--run" if command == "export" else "--recipe"
     assert main([command, flag, str(tmp_path / "absent")]) == 1
     err = capsys.readouterr().err
-    assert f"`{command}` runs on one rank, but `WORLD_SIZE` is `2`" in err and "`capture` and `train` run as several ranks" in err
+    assert f"`{command}` runs on one rank, but `WORLD_SIZE` is `2`" in err
+    assert "`capture`, `train`, `evaluate` run as several ranks" in err
     monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: the command itself runs (and here fails on the missing path)
     assert main([command, flag, str(tmp_path / "absent")]) == 1
     assert "runs on one rank" not in capsys.readouterr().err

@@ -8,7 +8,9 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="DIR", help="run directory of a completed `dflash-worker train`")
+    # `--run-dir` is the spelling under torchrun, whose own `--run-path` makes `--run` ambiguous to its parser
+    parser.add_argument("--run", "--run-dir", dest="run", required=True, metavar="DIR",
+                        help="run directory of a completed `dflash-worker train` (`--run-dir` is the same)")
     parser.add_argument("--data", metavar="DIR", default=None,
                         help="prepared data directory whose prompts are scored (default: the run's own `[data].dir`)")
     parser.add_argument("--split", choices=("train", "val", "test"), default=None,
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         nonlocal bar
         if bar is None:
             bar = tqdm(total=e.total_steps, unit="prompt", disable=not sys.stderr.isatty())
-        bar.update(1)
+        bar.update(e.step - bar.n)  # (several ranks: rank 0's count of prompts done over all ranks)
 
     try:
         report = evaluate_run(args.run, split=args.split, out_dir=args.output, max_prompts=args.max_prompts, on_event=on_event,

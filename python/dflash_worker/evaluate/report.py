@@ -33,6 +33,14 @@ checkpoint through the same conversion the export used.
 
 Outputs in the report directory: ``report.json``, ``report.md`` and
 ``acceptance.png`` (matplotlib, Agg backend).
+
+Several ranks (``WORLD_SIZE`` N > 1, started by ``torchrun`` or by the run-manager for a
+job leased N local ranks; `dflash_worker.dist`): rank r generates the prompts whose index
+i has ``i % N == r``, each rank holding the teacher and both drafts on its own device.
+Every prompt's row depends only on the prompt, its index (the sampling seed) and the
+models, so rank 0 gathers the rows, puts them back in prompt order and writes the
+same report one rank writes (tested byte for byte). Rank 0 alone reports progress:
+when it finishes prompt i, about ``i + N`` prompts are done over all ranks.
 """
 
 from __future__ import annotations
@@ -191,24 +199,38 @@ def evaluate_run(
     gets a `Progress` (phase `evaluate`) after each prompt; `device`, when given, is where to run
     (the job runner's placement), else `[evaluate].device` is resolved here.
     """
-    import torch
-
-    from ..data import load_tokenizer
-    from ..device import provenance, resolve_device
-    from ..model import load_draft
+    from .. import dist
+    from ..device import resolve_device
     from ..recipe import EvaluateConfig
-    from ..stop_tokens import stop_token_ids
     from ..train.export_run import read_selection, recipe_from_state
-    from ..weights import load_model
 
-    emit = on_event or (lambda e: None)
+    ranks = dist.ranks_from_env()
+    emit = (on_event or (lambda e: None)) if ranks.main else (lambda e: None)
     run_dir = Path(run_dir)
     selection = read_selection(run_dir)
     recipe = recipe_from_state(run_dir, selection)
     ecfg = recipe.evaluate or EvaluateConfig()
     split = split or ecfg.split
     choice = device or resolve_device(ecfg.device)
-    dev = choice.torch_device
+    dev = dist.place(ranks, choice.torch_device)
+    dist.init(ranks, dev)  # (a no-op under a job, which holds the group: `dflash_worker.job`)
+    try:
+        return _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir)
+    finally:
+        dist.shutdown(ranks)
+
+
+def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir):
+    """`evaluate_run` once the device is placed: this rank's prompts, then rank 0's report (module docstring)."""
+    import torch
+
+    from .. import dist
+    from ..data import load_tokenizer
+    from ..device import provenance
+    from ..model import load_draft
+    from ..stop_tokens import stop_token_ids
+    from ..weights import load_model
+
     data = Path(data_dir) if data_dir is not None else Path(recipe.data.dir)
 
     tokenizer = load_tokenizer(recipe.model.target)
@@ -220,10 +242,15 @@ def evaluate_run(
                      ecfg, stop, dev)
     T = models.block_size
 
-    rows = []
-    for i, (pid, ids) in enumerate(prompts):
-        rows.append(_evaluate_prompt(models, i, pid, ids))
-        emit(Progress(phase="evaluate", step=i + 1, total_steps=len(prompts)))
+    mine = [i for i in range(len(prompts)) if i % ranks.world == ranks.rank]
+    local = []
+    for i in mine:
+        pid, ids = prompts[i]
+        local.append((i, _evaluate_prompt(models, i, pid, ids)))
+        emit(Progress(phase="evaluate", step=min(i + ranks.world, len(prompts)), total_steps=len(prompts)))
+    rows = [row for _, row in sorted((pair for part in dist.gather(ranks, local) for pair in part), key=lambda p: p[0])]
+    if len(rows) != len(prompts):  # (a rank that lost prompts is a bug, not a smaller report)
+        raise RuntimeError(f"evaluation gathered {len(rows)} rows for {len(prompts)} prompts over {ranks.world} ranks")
 
     base_o, tr_o = summarize(rows, "baseline", T), summarize(rows, "trained", T)
     report = {
@@ -256,7 +283,8 @@ def evaluate_run(
         "device": provenance(choice),
     }
     out = Path(out_dir) if out_dir is not None else run_dir / f"evaluate-{split}"
-    write_report(report, out)
+    if ranks.main:
+        write_report(report, out)
     return report
 
 

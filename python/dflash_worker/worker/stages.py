@@ -151,6 +151,7 @@ def run_export(ctx: StageContext) -> None:
 
 
 def run_evaluate(ctx: StageContext) -> None:
+    from .. import dist
     from ..evaluate.report import evaluate_run
 
     opts = ctx.spec.job.evaluate
@@ -163,6 +164,8 @@ def run_evaluate(ctx: StageContext) -> None:
         on_event=lambda e: _relay(ctx, e),
         device=ctx.devices["evaluate"],
     )
+    if not dist.ranks_from_env().main:  # rank 0 wrote the report (its prompts and everyone's rows) and reports it
+        return
     ctx.report_all(out, kind="report")
     n = int(report["prompts"])
     b, t = report["baseline"], report["trained"]
