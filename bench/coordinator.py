@@ -20,8 +20,10 @@ against plaintext at each offered rate. `page`: plaintext with the status page
 served (`--http-listen`); each rate runs on the same coordinator alternately
 with no page open and with `--pages` status pages open (`--page-repeats`
 times each, latencies pooled per side), each page fetching the refreshed part
-(`/status.html`) every `--page-refresh` seconds as the browser does; the
-closing lines print heartbeat p99 with the pages open against without.
+(`/status.html`) every `--page-refresh` seconds as the browser does, from a
+process at nice 19 (a browser runs on the viewer's machine, not the
+coordinator's); the closing lines print heartbeat p99 with the pages open
+against without.
 
     .venv/bin/python bench/coordinator.py [--providers 1000] [--procs 2] [--rates 1.1,1.5,2] [--seconds 10] [--modes plaintext,tls,page] [--pages 4] [--page-refresh 1]
 """
@@ -177,9 +179,14 @@ def client_process(address: str, tokens: list[str], conn, channels: int, ca_pem:
 
 
 def page_process(url: str, token: str, pages: int, refresh: float, conn) -> None:
-    """`pages` open status pages: each fetches `url` every `refresh` seconds until told to stop."""
+    """`pages` open status pages: each fetches `url` every `refresh` seconds until told to stop.
+
+    At the lowest priority (nice 19): a viewer's browser runs on the viewer's machine, and what is
+    measured is the page's cost to the coordinator, not this process's share of the bench's cores."""
     import threading
     import urllib.request
+
+    os.nice(19)
 
     stop = threading.Event()
     lat: list[float] = []

@@ -29,6 +29,7 @@ from .blobs import open_blob_store
 from .metrics import Metrics
 from .publish import PublishGate
 from .service import DEFAULT_UPLOAD_IDLE_SECONDS, AdminService, Artifacts, ProviderService, WorkSignal
+from .snapshot_proc import SnapshotProcess
 from .store import Quotas, Store, new_token
 from .tls import ServerTls, is_loopback, load_server_tls
 from .web import StatusApp, WebConfig, server_ssl_context, start_web
@@ -244,7 +245,9 @@ async def serve(
         web_runner, http_address, viewer_how = None, None, None
         if config.http_listen is not None:
             viewer_how = ensure_viewer_token(store, config.viewer_token, config.viewer_file)
-            status_app = StatusApp(store, artifacts, metrics, limiter, WebConfig(refresh_ms=int(config.page_refresh_seconds * 1000), secure=tls is not None))
+            snapshots = SnapshotProcess(config.db)
+            status_app = StatusApp(store, artifacts, metrics, limiter, WebConfig(refresh_ms=int(config.page_refresh_seconds * 1000), secure=tls is not None),
+                                   snapshots=snapshots)  # fmt: skip
             ssl_context = server_ssl_context(config.tls_cert, config.tls_key) if tls is not None else None
             try:
                 web_runner, http_port = await start_web(status_app, config.http_listen, ssl_context)
@@ -319,6 +322,7 @@ async def serve(
             checkpointer.cancel()
             if web_runner is not None:
                 await web_runner.cleanup()
+                await snapshots.close()
             await server.stop(grace=1.0)
     finally:
         store.close()

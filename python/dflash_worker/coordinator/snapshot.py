@@ -22,7 +22,7 @@ from typing import Any
 
 from ..proto.dflash.v1 import provider_pb2
 from .publish import PLOT_NAME, REPORT_NAME
-from .store import Store
+from .store import StoreReader
 
 MAX_RUNS = 50
 MAX_JOBS = 50
@@ -56,7 +56,7 @@ def _progress(row: tuple, now: float) -> dict[str, Any]:
     }
 
 
-def _job(store: Store, run_id: str, job_id: str, state: str, attempts: int, current: str | None, now: float) -> dict[str, Any]:
+def _job(store: StoreReader, run_id: str, job_id: str, state: str, attempts: int, current: str | None, now: float) -> dict[str, Any]:
     db = store.db
     job: dict[str, Any] = {"job_id": job_id, "state": state, "attempts": attempts, "progress": None, "publication": None, "artifacts": []}
     if current is not None:
@@ -95,7 +95,7 @@ def _job(store: Store, run_id: str, job_id: str, state: str, attempts: int, curr
     return job
 
 
-def _providers(store: Store, now: float) -> Iterator[None | list[dict[str, Any]]]:
+def _providers(store: StoreReader, now: float) -> Iterator[None | list[dict[str, Any]]]:
     db = store.db
     rows = db.execute(
         "SELECT provider_id, identity, name, client_version, native_client_version, backend, device_count, capabilities, last_seen_unix, revoked_unix"
@@ -131,7 +131,7 @@ def _providers(store: Store, now: float) -> Iterator[None | list[dict[str, Any]]
     yield out
 
 
-def _steps(store: Store, now: float) -> Iterator[None | dict[str, Any]]:
+def _steps(store: StoreReader, now: float) -> Iterator[None | dict[str, Any]]:
     """The snapshot's work in slices: yields None between slices (a job, or 25 providers), the result last."""
     db = store.db
     runs = []
@@ -170,13 +170,13 @@ def _steps(store: Store, now: float) -> Iterator[None | dict[str, Any]]:
     yield {"now_unix": now, "runs": runs, "runs_total": total_runs, "providers": providers}
 
 
-def snapshot(store: Store, *, now: float | None = None) -> dict[str, Any]:
+def snapshot(store: StoreReader, *, now: float | None = None) -> dict[str, Any]:
     """The status page's data (bounded; see the module docstring), in one go."""
     *_, result = _steps(store, time.time() if now is None else now)
     return result
 
 
-async def snapshot_async(store: Store) -> dict[str, Any]:
+async def snapshot_async(store: StoreReader) -> dict[str, Any]:
     """`snapshot`, giving the event loop back between slices (a job, 25 providers), so a heartbeat
     never waits behind a whole page. Rows may change between slices: each job is consistent, the
     page as a whole is as of the last few milliseconds."""

@@ -526,7 +526,42 @@ class Progress:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class Store:
+class StoreReader:
+    """The queries the status page makes (`snapshot`), over `db`. `Store` is one; so is a
+    read-only connection of another process (`StoreReader.open`, `snapshot_proc`)."""
+
+    db: sqlite3.Connection
+
+    @classmethod
+    def open(cls, path: Path) -> StoreReader:
+        """A read-only connection to the coordinator database at `path` (SQLite `mode=ro`: it writes nothing)."""
+        from urllib.parse import quote
+
+        reader = cls.__new__(cls)
+        try:
+            reader.db = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, isolation_level=None)
+            reader.db.execute("PRAGMA busy_timeout=5000")
+            reader.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise ConfigError(f"cannot open coordinator database `{path}` to read: {exc}") from None
+        return reader
+
+    _PUB_COLS = "job_id, run_id, attempt_id, published, verdict, reason, evaluation_json, decided_unix, override_unix, override_note, override_peer"
+
+    @staticmethod
+    def _publication_row(r) -> PublicationRow:
+        return PublicationRow(
+            job_id=r[0], run_id=r[1], attempt_id=r[2], published=bool(r[3]), verdict=r[4], reason=r[5], evaluation=json.loads(r[6]),
+            decided_unix=r[7], override_unix=r[8], override_note=r[9], override_peer=r[10],
+        )  # fmt: skip
+
+    def publication(self, job_id: str) -> PublicationRow | None:
+        """The gate's decision on the job's export; None when it has none (no export, or not decided yet)."""
+        r = self.db.execute(f"SELECT {self._PUB_COLS} FROM publications WHERE job_id=?", (job_id,)).fetchone()
+        return None if r is None else self._publication_row(r)
+
+
+class Store(StoreReader):
     """SQLite-backed coordinator state. Not thread-safe: use it from one thread."""
 
     def __init__(
@@ -1336,20 +1371,6 @@ class Store:
         return self._record(r)
 
     # --- the regression gate (publication of exports) --------------------
-
-    _PUB_COLS = "job_id, run_id, attempt_id, published, verdict, reason, evaluation_json, decided_unix, override_unix, override_note, override_peer"
-
-    @staticmethod
-    def _publication_row(r) -> PublicationRow:
-        return PublicationRow(
-            job_id=r[0], run_id=r[1], attempt_id=r[2], published=bool(r[3]), verdict=r[4], reason=r[5], evaluation=json.loads(r[6]),
-            decided_unix=r[7], override_unix=r[8], override_note=r[9], override_peer=r[10],
-        )  # fmt: skip
-
-    def publication(self, job_id: str) -> PublicationRow | None:
-        """The gate's decision on the job's export; None when it has none (no export, or not decided yet)."""
-        r = self.db.execute(f"SELECT {self._PUB_COLS} FROM publications WHERE job_id=?", (job_id,)).fetchone()
-        return None if r is None else self._publication_row(r)
 
     def has_final_export(self, job_id: str) -> bool:
         final = self._succeeded_attempt(job_id)

@@ -1,13 +1,13 @@
 """The coordinator's read-only HTTP side: the status page, its JSON, artifact downloads and `/metrics`.
 
-Why aiohttp in the coordinator's own process and event loop (not a second process, nor a
-thread): the page reads the same `Store` the gRPC services write, on the one thread that
-owns its SQLite connection, so it needs no second connection, no locking and no copy of
-the state; each request is a few bounded queries (`snapshot`), the same kind of work a
-heartbeat is. aiohttp is an asyncio HTTP/1.1 server with the limits a public endpoint
-needs (request line and header sizes, header counts: over them a request is refused 400
-before a handler runs). `bench/coordinator.py --modes page` measures what the page costs
-heartbeats.
+Why aiohttp in the coordinator's own process and event loop: the routes need its state
+(the token store and the failure limiter shared with gRPC, the metrics, the artifact
+store), and aiohttp is an asyncio HTTP/1.1 server with the limits a public endpoint needs
+(request line and header sizes, header counts: over them a request is refused 400 before a
+handler runs). The one heavy piece, the page's snapshot and its rendering, runs in a child
+process on a read-only connection (`snapshot_proc`), so a refresh costs the event loop one
+pipe round trip, whatever the page shows; one snapshot serves every open page for up to a
+second. `bench/coordinator.py --modes page` measures what the page costs heartbeats.
 
 Every route but the login form and the two static files needs a token: the admin token or
 the read-only **viewer token** (`serve --viewer-token`, or generated into `viewer-token`
@@ -39,6 +39,7 @@ from .artifacts import CHUNK_BYTES, check_name
 from .auth import FailureLimiter, peer_key
 from .metrics import CONTENT_TYPE, Metrics
 from .snapshot import snapshot_async
+from .snapshot_proc import SnapshotProcess, SnapshotUnavailable
 from .store import Store
 
 log = logging.getLogger("dflash_worker.coordinator")
@@ -77,35 +78,41 @@ def _peer(request: web.Request) -> str:
 class StatusApp:
     """The aiohttp application over one coordinator's store, artifact service and metrics."""
 
-    def __init__(self, store: Store, artifacts, metrics: Metrics, limiter: FailureLimiter, config: WebConfig = WebConfig()):
+    def __init__(self, store: Store, artifacts, metrics: Metrics, limiter: FailureLimiter, config: WebConfig = WebConfig(),
+                 snapshots: SnapshotProcess | None = None):
         self.store = store
         self.artifacts = artifacts
         self.metrics = metrics
         self.limiter = limiter
         self.config = config
+        # Where snapshots are built: a process of their own (`snapshot_proc`; the coordinator
+        # serves the page that way), or this event loop in slices when None.
+        self.snapshots = snapshots
         # One snapshot (and its rendered HTML) serves every open page for `max_age` seconds, so
-        # the page's cost on the event loop does not grow with the number of people watching.
+        # the page's cost does not grow with the number of people watching.
         self.max_age = min(1.0, config.refresh_ms / 2000)
-        self._cached: tuple[float, dict, list] | None = None  # (monotonic time, snapshot, [html or None])
+        self._cached: tuple[float, bytes, str] | None = None  # (monotonic time, snapshot JSON, fragment HTML)
         self._lock = asyncio.Lock()
 
-    async def _snapshot(self) -> tuple[dict, list]:
+    async def _snapshot(self) -> tuple[bytes, str]:
+        """(snapshot JSON, fragment HTML), at most `max_age` old; `SnapshotUnavailable` when the process fails."""
         loop = asyncio.get_running_loop()
         async with self._lock:
             if self._cached is None or loop.time() - self._cached[0] > self.max_age:
-                snap = await snapshot_async(self.store)
-                self._cached = (loop.time(), snap, [None])
+                if self.snapshots is not None:
+                    snap_json, html = await self.snapshots.take()
+                    self._cached = (loop.time(), snap_json, html.decode())
+                else:
+                    snap = await snapshot_async(self.store)
+                    parts = []
+                    for part in page.status_parts(snap):
+                        parts.append(part)
+                        await asyncio.sleep(0)  # one run (or 25 providers) at a time on the loop
+                    self._cached = (loop.time(), json.dumps(snap, sort_keys=True).encode(), "".join(parts))
             return self._cached[1], self._cached[2]
 
     async def _fragment(self) -> str:
-        snap, html = await self._snapshot()
-        if html[0] is None:
-            parts = []
-            for part in page.status_parts(snap):
-                parts.append(part)
-                await asyncio.sleep(0)  # one run (or 25 providers) at a time on the loop
-            html[0] = "".join(parts)
-        return html[0]
+        return (await self._snapshot())[1]
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._headers, self._auth], client_max_size=64 * 1024)
@@ -129,6 +136,9 @@ class StatusApp:
             resp = await handler(request)
         except web.HTTPException as exc:  # aiohttp's own: no route (404), wrong method (405), ...
             resp = web.Response(status=exc.status, text=f"{exc.status} {exc.reason}\n", content_type="text/plain")
+        except SnapshotUnavailable as exc:
+            log.warning("%s", exc)
+            resp = web.Response(status=503, text=f"{exc}\n", content_type="text/plain", headers={"Retry-After": "1"})
         for k, v in _HEADERS.items():
             resp.headers.setdefault(k, v)
         return resp
@@ -176,8 +186,8 @@ class StatusApp:
         return web.Response(text=await self._fragment(), content_type="text/html")
 
     async def api_status(self, request: web.Request) -> web.Response:
-        snap, _ = await self._snapshot()
-        return web.Response(text=json.dumps(snap, sort_keys=True), content_type="application/json")
+        snap_json, _ = await self._snapshot()
+        return web.Response(body=snap_json, content_type="application/json")
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         resp = web.Response(body=self.metrics.exposition())
