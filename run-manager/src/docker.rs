@@ -17,9 +17,16 @@
 //!   `manifest.json`) is mounted read-only at its own path.
 //! - Hardening: no `--privileged`, `--cap-drop ALL`, `--security-opt
 //!   no-new-privileges`, `--read-only` root filesystem; writable are only the
-//!   job directory and a tmpfs scratch directory (`/tmp`, also `HOME`). The
-//!   container runs as the run-manager's own uid:gid so files it writes to the
-//!   job directory belong to the provider.
+//!   job directory and a tmpfs scratch directory (`/tmp`, also `HOME`); every
+//!   cache and temp variable (`XDG_CACHE_HOME`, `TORCH_HOME`, `TRITON_CACHE_DIR`,
+//!   `HF_HOME`, `MPLCONFIGDIR`, `TMPDIR`) points into the tmpfs, and `USER` /
+//!   `LOGNAME` are set, since the container's uid may have no passwd entry
+//!   (`getpass.getuser()`, which torch's compile caches call, fails without one).
+//!   `/dev/shm` is [`SHM_SIZE`]. Never root: the container runs as the
+//!   run-manager's own uid:gid, so files it writes to the job directory belong to
+//!   the provider; a run-manager running as root runs it as [`CONTAINER_UID`]
+//!   instead and hands the job directory to that uid before each start
+//!   ([`prepare_job_dir`]).
 //! - Signals go to the container, never to the `docker` CLI (`--sig-proxy=false`):
 //!   CANCEL / shutdown -> `docker stop --time <grace>`, CHECKPOINT_NOW ->
 //!   `docker kill --signal USR1`, a stale lease -> `docker rm -f`. The
@@ -48,6 +55,11 @@ pub const SCRATCH_DIR: &str = "/tmp";
 /// `/dev/shm` size: PyTorch data loaders pass batches through shared memory,
 /// and Docker's 64 MiB default is too small for them.
 pub const SHM_SIZE: &str = "8g";
+/// The uid (and gid) a container runs as when the run-manager is root: the image's
+/// `dflash` user (docker/Dockerfile). Root in the container is never used.
+pub const CONTAINER_UID: u32 = 10001;
+/// The user name the container's `USER` / `LOGNAME` say.
+pub const CONTAINER_USER: &str = "dflash";
 /// Longest image reference accepted from a lease (the coordinator allows 512).
 const MAX_IMAGE_CHARS: usize = 512;
 /// How long a `docker stop` / `kill` / `rm` call may take beyond the grace period.
@@ -64,6 +76,9 @@ pub struct DockerConfig {
     pub gpus: bool,
     /// `uid:gid` the container runs as.
     pub user: String,
+    /// `(uid, gid)` to hand the job directory to before each start: set when
+    /// the run-manager is root and the container runs as [`CONTAINER_UID`].
+    pub chown: Option<(u32, u32)>,
     /// Host directories mounted read-only at the same path (models, datasets).
     pub ro_mounts: Vec<PathBuf>,
 }
@@ -180,6 +195,57 @@ pub fn image_for_lease(lease: &Lease, repository: &str) -> std::result::Result<S
     Ok(image)
 }
 
+/// The container's user for a run-manager running as `uid:gid`: the same ids,
+/// except that root becomes [`CONTAINER_UID`], whose job directory then needs
+/// handing over (the second value).
+pub fn container_user(uid: u32, gid: u32) -> (String, Option<(u32, u32)>) {
+    if uid == 0 {
+        let id = CONTAINER_UID;
+        (format!("{id}:{id}"), Some((id, id)))
+    } else {
+        (format!("{uid}:{gid}"), None)
+    }
+}
+
+/// Hand `job_dir` and everything in it to `cfg.chown` (when set): the
+/// run-manager, as root, wrote `spec.json` and any downloaded checkpoint there,
+/// and the container's non-root user must be able to write beside and over them.
+/// Symlinks are changed themselves, never followed.
+pub fn prepare_job_dir(cfg: &DockerConfig, job_dir: &Path) -> std::io::Result<()> {
+    let Some((uid, gid)) = cfg.chown else {
+        return Ok(());
+    };
+    let mut stack = vec![job_dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        std::os::unix::fs::lchown(&p, Some(uid), Some(gid))?;
+        if std::fs::symlink_metadata(&p)?.is_dir() {
+            for entry in std::fs::read_dir(&p)? {
+                stack.push(entry?.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The container's environment (`--env` pairs): scratch, caches and the user
+/// name, nothing taken from the run-manager's own environment.
+pub fn container_env() -> Vec<(&'static str, String)> {
+    let under = |p: &str| format!("{SCRATCH_DIR}/{p}");
+    vec![
+        ("HOME", SCRATCH_DIR.to_string()),
+        ("TMPDIR", SCRATCH_DIR.to_string()),
+        ("USER", CONTAINER_USER.to_string()),
+        ("LOGNAME", CONTAINER_USER.to_string()),
+        ("PYTHONUNBUFFERED", "1".to_string()),
+        ("XDG_CACHE_HOME", under(".cache")),
+        ("TORCH_HOME", under(".cache/torch")),
+        ("TORCHINDUCTOR_CACHE_DIR", under(".cache/torchinductor")),
+        ("TRITON_CACHE_DIR", under(".cache/triton")),
+        ("HF_HOME", under(".cache/huggingface")),
+        ("MPLCONFIGDIR", under(".cache/matplotlib")),
+    ]
+}
+
 /// Deterministic container name for one worker start of one attempt:
 /// `dflash-<job_id>-a<attempt>-r<restart>` (job ids are `[A-Za-z0-9._-]`).
 pub fn container_name(job_id: &str, attempt: u32, restart: u32) -> String {
@@ -241,12 +307,7 @@ pub fn run_args(cfg: &DockerConfig, req: &RunRequest<'_>) -> Vec<OsString> {
     push(SHM_SIZE);
     push("--user");
     push(&cfg.user);
-    for (k, v) in [
-        ("HOME", SCRATCH_DIR),
-        ("TMPDIR", SCRATCH_DIR),
-        ("PYTHONUNBUFFERED", "1"),
-        ("MPLCONFIGDIR", "/tmp/matplotlib"),
-    ] {
+    for (k, v) in container_env() {
         push("--env");
         push(&format!("{k}={v}"));
     }
@@ -455,6 +516,7 @@ mod tests {
             repository: DEFAULT_IMAGE_REPOSITORY.into(),
             gpus: true,
             user: "1000:1000".into(),
+            chown: None,
             ro_mounts: vec!["/models".into()],
         };
         let req = RunRequest {
@@ -501,10 +563,25 @@ mod tests {
             [
                 "HOME=/tmp",
                 "TMPDIR=/tmp",
+                "USER=dflash",
+                "LOGNAME=dflash",
                 "PYTHONUNBUFFERED=1",
-                "MPLCONFIGDIR=/tmp/matplotlib"
+                "XDG_CACHE_HOME=/tmp/.cache",
+                "TORCH_HOME=/tmp/.cache/torch",
+                "TORCHINDUCTOR_CACHE_DIR=/tmp/.cache/torchinductor",
+                "TRITON_CACHE_DIR=/tmp/.cache/triton",
+                "HF_HOME=/tmp/.cache/huggingface",
+                "MPLCONFIGDIR=/tmp/.cache/matplotlib",
             ]
         );
+        // Every writable path the environment names is in the tmpfs scratch.
+        for pair in &env[..2] {
+            assert!(pair.ends_with("=/tmp"), "{pair}");
+        }
+        for pair in env.iter().filter(|p| p.contains('/')) {
+            assert!(pair.split_once('=').expect("pair").1.starts_with("/tmp"), "{pair}");
+        }
+        assert!(joined.contains("--shm-size 8g"), "{joined}");
         let cpu = DockerConfig { gpus: false, ..cfg };
         let joined: Vec<OsString> = run_args(&cpu, &req);
         assert!(!joined.iter().any(|a| a == "--gpus"));
@@ -526,6 +603,47 @@ mod tests {
         assert!(err.to_string().contains("hint:"), "{err}");
     }
 
+    #[test]
+    fn root_runs_the_container_as_the_image_user_and_hands_it_the_job_dir() {
+        assert_eq!(container_user(1000, 1001), ("1000:1001".into(), None));
+        assert_eq!(
+            container_user(0, 0),
+            ("10001:10001".into(), Some((10001, 10001)))
+        );
+        // Handing over: every entry, symlinks themselves (never their targets).
+        // Only root may give files away; elsewhere the plain case (no chown) is checked.
+        let dir = std::env::temp_dir().join(format!("rm-docker-chown-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("job/run/checkpoints")).expect("mkdir");
+        std::fs::write(dir.join("job/spec.json"), "{}").expect("write");
+        std::fs::write(dir.join("outside"), "x").expect("write");
+        std::os::unix::fs::symlink(dir.join("outside"), dir.join("job/link")).expect("symlink");
+        let mut cfg = DockerConfig {
+            program: "docker".into(),
+            repository: "r".into(),
+            gpus: false,
+            user: "1:1".into(),
+            chown: None,
+            ro_mounts: vec![],
+        };
+        prepare_job_dir(&cfg, &dir.join("job")).expect("no-op");
+        // SAFETY: getuid cannot fail and has no preconditions.
+        if unsafe { libc::getuid() } == 0 {
+            use std::os::unix::fs::MetadataExt;
+            cfg.chown = Some((CONTAINER_UID, CONTAINER_UID));
+            prepare_job_dir(&cfg, &dir.join("job")).expect("chown");
+            for p in ["job", "job/run", "job/run/checkpoints", "job/spec.json"] {
+                let m = std::fs::metadata(dir.join(p)).expect("stat");
+                assert_eq!((m.uid(), m.gid()), (CONTAINER_UID, CONTAINER_UID), "{p}");
+            }
+            let link = std::fs::symlink_metadata(dir.join("job/link")).expect("lstat");
+            assert_eq!(link.uid(), CONTAINER_UID);
+            let target = std::fs::metadata(dir.join("outside")).expect("stat");
+            assert_eq!(target.uid(), 0, "the symlink's target was changed");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[tokio::test]
     async fn pull_falls_back_to_a_local_image_only_when_present() {
         use std::os::unix::fs::PermissionsExt;
@@ -545,6 +663,7 @@ mod tests {
             repository: "r".into(),
             gpus: false,
             user: "0:0".into(),
+            chown: None,
             ro_mounts: vec![],
         };
         assert_eq!(pull(&cfg, "local:1").await, Ok(()));

@@ -131,6 +131,10 @@ impl Launcher {
                     docker_command(docker, image, lease, job_dir, restart, resume);
                 // A container of this name left by a run-manager that died would block the start.
                 container.remove().await;
+                docker::prepare_job_dir(docker, job_dir).map_err(crate::error::Error::io(
+                    "cannot hand the job directory to the container's user",
+                    job_dir,
+                ))?;
                 // The CLI, not the worker: the container's environment is its `--env` pairs.
                 let env = worker_env::without_secrets(std::env::vars_os());
                 let (child, pid, output) = split(worker::spawn(&command, job_dir, env, tags)?);
@@ -315,6 +319,7 @@ mod tests {
             repository: docker::DEFAULT_IMAGE_REPOSITORY.into(),
             gpus: false,
             user: "1000:1000".into(),
+            chown: None,
             ro_mounts: vec![],
         };
         let lease = Lease {

@@ -7,9 +7,9 @@
 //! need to find Python, the GPUs and their caches) and nothing else; a name that
 //! looks like a secret ([`is_secret`]) is dropped even if a list names it.
 //!
-//! Docker mode: the container's environment is only the `--env` pairs that
-//! `docker::run_args` writes (HOME, TMPDIR, PYTHONUNBUFFERED, MPLCONFIGDIR) and
-//! the image's own. The `docker run` CLI process itself gets this machine's
+//! Docker mode: the container's environment is only the `--env` pairs of
+//! `docker::container_env` (HOME, TMPDIR, USER, LOGNAME, the cache directories,
+//! all in the tmpfs scratch) and the image's own. The `docker run` CLI process itself gets this machine's
 //! environment without the secrets ([`without_secrets`]): it needs the
 //! provider's Docker settings (`DOCKER_HOST`, `DOCKER_CONFIG`, ...), never
 //! forwards its environment into the container, and never needs a token.
