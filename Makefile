@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dflash-worker/cargo-target
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness
+.PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness docker-image-cpu
 
 install:
 	@scripts/setup-env.sh
@@ -23,8 +23,19 @@ install:
 demo: install
 	@scripts/demo.sh
 
+# The CPU image for the Docker-mode e2e tests is built in the background first (minutes cold,
+# seconds cached), overlapping the lint and the other tests; tests/e2e/test_e2e_docker.py asks
+# the same script for it and waits for this build (one build at a time). Without a Docker
+# engine here the script exits 3 and those tests skip with the reason.
+DOCKER_IMAGE_LOG := $(VENV)/docker-image-cpu.log
 test: install
+	@echo "make: building the CPU image in the background (log: $(DOCKER_IMAGE_LOG))"
+	@scripts/build-cpu-image.sh >$(DOCKER_IMAGE_LOG) 2>&1 </dev/null &
 	@$(MAKE) --no-print-directory lint test-python test-rust fuzz
+
+# The CPU flavor of docker/Dockerfile, built offline (scripts/build-cpu-image.sh); prints its reference.
+docker-image-cpu: install
+	@scripts/build-cpu-image.sh
 
 # Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml;
 # rustfmt, and clippy with the workspace's lint levels ([workspace.lints]) as errors.

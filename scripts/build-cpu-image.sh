@@ -46,6 +46,11 @@ hint: install the buildx plugin, or Debian's docker.io (its /usr/bin/docker has 
 export DOCKER_BUILDKIT=1
 
 cache=${DFLASH_CACHE_DIR:-$HOME/.cache/dflash-worker}
+mkdir -p "$cache"
+# One build at a time (`make test` starts one in the background and the tests ask again):
+# the second waits for the first and then finds everything cached.
+exec 9>"$cache/build-cpu-image.lock"
+flock 9
 lock=requirements/lock.txt
 lock_key=$(sha256sum "$lock" | cut -c1-16)
 image=${DFLASH_CPU_IMAGE:-dflash-worker-cpu:$lock_key}
@@ -57,14 +62,18 @@ base_key=$(printf '%s\n' bookworm "$base_packages" | sha256sum | cut -c1-12)
 base=dflash-debian-base:bookworm-$base_key
 if ! "$docker" image inspect "$base" >/dev/null 2>&1; then
   if ! command -v mmdebstrap >/dev/null 2>&1; then
-    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || die "mmdebstrap is missing (hint: apt-get install mmdebstrap)"
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+      die "mmdebstrap is missing (hint: apt-get install mmdebstrap)"
+    fi
     log "installing mmdebstrap (apt-get)"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >&2
   fi
   log "making the base root filesystem with mmdebstrap (bookworm, minbase + $base_packages)"
   t0=$(date +%s)
-  # The tarball goes straight into `docker import`; apt's lists and caches are left out.
+  # The tarball goes straight into `docker import`; apt's lists and caches are left out
+  # (mmdebstrap expands "$1", the root directory, in the hook; hence the single quotes).
+  # shellcheck disable=SC2016
   mmdebstrap --quiet --variant=minbase --include="$base_packages" \
       --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*' \
       bookworm - http://deb.debian.org/debian \

@@ -1,7 +1,8 @@
 """docker/Dockerfile installs exactly the pins of requirements/lock.txt (which agree with pyproject.toml).
 
-No Docker engine is available where these tests run, so the image is never
-built here: these tests read the Dockerfile as text and check what it would do.
+These tests read the Dockerfile as text and check what each flavor would do. The CPU flavor is
+built and run for real by tests/e2e/test_e2e_docker.py; the CUDA flavor needs PyPI, a CUDA base
+image and a GPU (scripts/gpu-check-docker.sh).
 """
 
 from __future__ import annotations
@@ -101,8 +102,11 @@ def test_dockerfile_installs_exactly_the_lock():
     assert from_lock, installs
     for args in installs:
         if args in from_lock:
-            # No extra package names beside the lock, no constraint or index overrides.
-            extra = [a for a in args if not a.startswith("-") and a not in lock_dests]
+            # No extra package names beside the lock, no constraint or index overrides; the offline
+            # CPU flavor reads the same pins from a directory of wheels instead of an index.
+            links = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--find-links"}
+            assert not links or "--no-index" in args, args
+            extra = [a for a in args if not a.startswith("-") and a not in lock_dests and a not in links]
             assert not extra, args
             assert not {"-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-U", "--upgrade"} & set(args), args
             continue
@@ -128,7 +132,17 @@ def test_dockerfile_shape():
     ins = instructions(text)
     base = re.search(r"^ARG CUDA_IMAGE=(\S+)$", text, re.M)
     assert base and re.fullmatch(r"nvidia/cuda:[0-9.]+-runtime-ubuntu[0-9.]+", base.group(1)), base
-    assert all(rest.split()[0] in ("${CUDA_IMAGE}", "python") for w, rest in ins if w == "FROM")
+    debian = re.search(r"^ARG DEBIAN_IMAGE=(\S+)$", text, re.M)
+    assert debian and debian.group(1).startswith("dflash-debian-base:"), debian
+    assert re.search(r"^ARG FLAVOR=cuda$", text, re.M), "the default flavor must be the CUDA image"
+    stages = {rest.split()[-1] for w, rest in ins if w == "FROM" and " AS " in rest}
+    froms = [rest.split()[0] for w, rest in ins if w == "FROM"]
+    assert all(f in ("${CUDA_IMAGE}", "${DEBIAN_IMAGE}", "scratch", "deps-${FLAVOR}", "dist-${FLAVOR}") or f in stages for f in froms), froms
+    # Each flavor has the stages `deps-${FLAVOR}` and `dist-${FLAVOR}` name, and the default target is the runtime.
+    assert {"deps-cuda", "dist-cuda", "deps-cpu", "dist-cpu", "runtime"} <= stages, stages
+    assert [rest for w, rest in ins if w == "FROM"][-1] == "deps AS runtime"
+    # No `# syntax=` frontend: BuildKit would pull it, and the CPU build is offline.
+    assert not re.search(r"^#\s*syntax=", text, re.M | re.I)
     assert "python3.11" in text
     # The runtime stage runs as a non-root user with the native client as entrypoint.
     last_stage = text[text.rindex("\nFROM ") :]

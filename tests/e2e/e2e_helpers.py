@@ -230,11 +230,15 @@ class Coordinator:
 class RunManager:
     """`run-manager` as a child process; stderr JSON lines collected as they come."""
 
-    def __init__(self, work_dir: Path, *args: str, heartbeat: float = 0.3, extra_env: dict[str, str] | None = None):
-        """`extra_env` joins the clean environment (e.g. credentials a test wants the run-manager to hold)."""
+    def __init__(
+        self, work_dir: Path, *args: str, heartbeat: float = 0.3, extra_env: dict[str, str] | None = None, native_client: bool = True
+    ):
+        """`extra_env` joins the clean environment (e.g. credentials a test wants the run-manager to hold);
+        `native_client=False` leaves out `--native-client` (Docker launch mode refuses it)."""
         self.work_dir = work_dir
+        native = ["--native-client", str(NATIVE_CLIENT)] if native_client else []
         cmd = [
-            str(RUN_MANAGER), "--work-dir", str(work_dir), "--native-client", str(NATIVE_CLIENT),
+            str(RUN_MANAGER), "--work-dir", str(work_dir), *native,
             "--device", "cpu", "--log-format", "json", "--heartbeat-interval", str(heartbeat),
             "--restart-backoff-ms", "100", "--rpc-backoff-ms", "100", "--rpc-backoff-max-ms", "500",
             "--rpc-retries", "60", "--poll-wait", "2", *args,
