@@ -579,7 +579,10 @@ mod tests {
             assert!(pair.ends_with("=/tmp"), "{pair}");
         }
         for pair in env.iter().filter(|p| p.contains('/')) {
-            assert!(pair.split_once('=').expect("pair").1.starts_with("/tmp"), "{pair}");
+            assert!(
+                pair.split_once('=').expect("pair").1.starts_with("/tmp"),
+                "{pair}"
+            );
         }
         assert!(joined.contains("--shm-size 8g"), "{joined}");
         let cpu = DockerConfig { gpus: false, ..cfg };

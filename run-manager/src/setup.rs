@@ -122,11 +122,15 @@ pub fn docker_config(
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
     let (user, chown) = docker::container_user(uid, gid);
     if chown.is_some() {
-        tracing::info!("running as root: containers run as uid {user}, which is handed each job directory");
+        tracing::info!(
+            "running as root: containers run as uid {user}, which is handed each job directory"
+        );
         // That uid reads a `--docker-mount` as "other": say so now, not as a worker's permission error.
         use std::os::unix::fs::PermissionsExt;
         for m in &ro_mounts {
-            let mode = std::fs::metadata(m).map(|md| md.permissions().mode()).unwrap_or(0);
+            let mode = std::fs::metadata(m)
+                .map(|md| md.permissions().mode())
+                .unwrap_or(0);
             if mode & 0o005 != 0o005 {
                 tracing::warn!("`--docker-mount {}` (mode {:o}) is not readable by the container's uid {user}\nhint: chmod -R a+rX it", m.display(), mode & 0o7777);
             }

@@ -1551,7 +1551,19 @@ fn check_no_secrets(run: &[String], state: &Path) {
         .collect();
     assert_eq!(
         names,
-        ["HOME", "TMPDIR", "PYTHONUNBUFFERED", "MPLCONFIGDIR"],
+        [
+            "HOME",
+            "TMPDIR",
+            "USER",
+            "LOGNAME",
+            "PYTHONUNBUFFERED",
+            "XDG_CACHE_HOME",
+            "TORCH_HOME",
+            "TORCHINDUCTOR_CACHE_DIR",
+            "TRITON_CACHE_DIR",
+            "HF_HOME",
+            "MPLCONFIGDIR"
+        ],
         "{run:?}"
     );
     let cli_env = std::fs::read_to_string(state.join("run-env.log")).expect("run-env.log");
