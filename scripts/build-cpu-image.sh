@@ -15,7 +15,7 @@
 #      project wheel; the dependency layers are cached by content, so a code change
 #      rebuilds only the last layer.
 #
-# Prints the image reference (dflash-worker-cpu:<lock hash>) on stdout, logs on stderr.
+# Prints the image reference (dflash-worker-cpu:<hash of the lock and extra wheels>) on stdout, logs on stderr.
 # Environment: DFLASH_CPU_IMAGE (the reference to build; default above), DFLASH_DOCKER
 # (the docker CLI; one that can use BuildKit: `docker buildx` or a CLI before 23),
 # CARGO_TARGET_DIR (the image's wheel is built in "$CARGO_TARGET_DIR-image").
@@ -52,7 +52,11 @@ mkdir -p "$cache"
 exec 9>"$cache/build-cpu-image.lock"
 flock 9
 lock=requirements/lock.txt
-lock_key=$(sha256sum "$lock" | cut -c1-16)
+# The lock leaves out setuptools (pip-compile's "unsafe" packages), yet grpcio-tools requires
+# setuptools>=77.0.1: installing from an index fetches the newest, offline it must be among the
+# wheels. Pinned to the version `make install` resolved.
+extra_wheels="setuptools==84.2.1"
+lock_key=$( (cat "$lock"; echo "$extra_wheels") | sha256sum | cut -c1-16)
 image=${DFLASH_CPU_IMAGE:-dflash-worker-cpu:$lock_key}
 host_python=/usr/bin/python3.11
 
@@ -89,6 +93,9 @@ if [ ! -f "$wheels/.complete" ]; then
   rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
   "$host_python" -m pip download --disable-pip-version-check -q --no-deps --only-binary :all: \
       -r "$lock" -d "$wheels.tmp" >&2
+  # shellcheck disable=SC2086  # a list of requirement specifiers
+  "$host_python" -m pip download --disable-pip-version-check -q --no-deps --only-binary :all: \
+      $extra_wheels -d "$wheels.tmp" >&2
   touch "$wheels.tmp/.complete"
   rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
 fi
