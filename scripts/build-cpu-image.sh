@@ -125,4 +125,6 @@ t0=$(date +%s)
 "$docker" build --network none -f docker/Dockerfile --build-arg FLAVOR=cpu --build-arg DEBIAN_IMAGE="$base" \
   --label dflash.lock="$lock_key" -t "$image" "$ctx" >&2
 log "built $image in $(( $(date +%s) - t0 )) s"
+# The image this one replaced (same tag, older project wheel) shares all but its last layers.
+"$docker" image prune -f --filter label=dflash.lock >/dev/null || true
 echo "$image"
