@@ -2,7 +2,8 @@
 # Build the CPU flavor of the worker image (docker/Dockerfile, FLAVOR=cpu) offline,
 # for CPU machines and CI (the Docker-mode e2e tests: tests/e2e/test_e2e_docker.py).
 #
-#   1. a Docker engine (scripts/ensure-docker.sh; exit 3 when none can be had here);
+#   1. a Docker engine (scripts/ensure-docker.sh; exit 3 when none can be had here, 4 when
+#      starting one failed where it should not have);
 #   2. the base: a Debian bookworm root filesystem made with `mmdebstrap` (installed with
 #      apt-get when missing) holding python3.11, then `docker import`ed as
 #      dflash-debian-base:bookworm-<hash of this script> (once; kept between runs);
@@ -26,7 +27,10 @@ cd "$root"
 log() { echo "build-cpu-image: $*" >&2; }
 die() { log "$*"; exit "${2:-1}"; }
 
-scripts/ensure-docker.sh || exit 3
+# Exit 3: no engine can be had here (callers skip); 4: one should have been and was not.
+rc=0
+scripts/ensure-docker.sh || rc=$?
+[ "$rc" = 0 ] || exit "$rc"
 
 # BuildKit is needed (it builds only the stages FLAVOR=cpu uses). The docker CLI since 23
 # needs the buildx plugin for it; Debian's docker.io CLI (20.10) has BuildKit built in.

@@ -6,6 +6,8 @@
 # script started (`dockerd`, installing Debian's `docker.io` with apt-get when there is
 # no `dockerd`). Exit 3 with the reason on stderr when no engine can be had here (not
 # root, no apt-get, a Mac without Docker Desktop running), so callers can skip and say why.
+# Exit 4 when one should have been had and was not (root on Linux, yet the install failed
+# or the started `dockerd` never answered): a failure, never a reason to skip.
 #
 # A `dockerd` started here logs to ${DFLASH_DOCKERD_LOG:-/tmp/dflash-dockerd.log} and keeps
 # running after this script (the next call finds it); stop it with `kill $(cat /var/run/docker.pid)`.
@@ -33,8 +35,10 @@ if ! command -v dockerd >/dev/null 2>&1 || ! command -v containerd >/dev/null 2>
   fi
   echo "ensure-docker: installing Debian's docker.io (apt-get)" >&2
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >&2
-  apt-get install -y -qq --no-install-recommends docker.io >&2
+  if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends docker.io; } >&2; then
+    echo "ensure-docker: installing Debian's docker.io failed (output above)" >&2
+    exit 4
+  fi
 fi
 if [ -S /var/run/docker.sock ] && ! pgrep -x dockerd >/dev/null 2>&1; then
   rm -f /var/run/docker.sock /var/run/docker.pid
@@ -52,4 +56,4 @@ for _ in $(seq 1 60); do
 done
 echo "ensure-docker: dockerd did not answer within 60 s; the end of $log:" >&2
 tail -n 20 "$log" >&2 || true
-exit 3
+exit 4

@@ -391,3 +391,16 @@ def test_sigkilled_container_restarts_from_its_checkpoint_to_the_same_export(pro
     undisturbed = export_model(docker_run["summary"]["jobs"][0])["sha256"]
     assert model["sha256"] == undisturbed, "the restarted container's export differs from the undisturbed run's"
     assert metrics_steps(job_dir / "run") == list(range(1, STEPS + 1))
+
+
+def test_ensure_docker_exits_3_with_the_reason_where_no_engine_can_be_had(tmp_path):
+    """The one case the tests skip for (exit 3): not root and no engine answering. Runs without the image."""
+    env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-such.sock"}
+    cmd = ["bash", str(REPO / "scripts" / "ensure-docker.sh")]
+    if os.getuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without `setpriv` to drop to another uid")
+        cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 3, (p.returncode, p.stderr)
+    assert "no Docker engine answers" in p.stderr and "not root" in p.stderr, p.stderr
