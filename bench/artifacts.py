@@ -8,13 +8,17 @@ directory), leases a job to one provider and, for each size in `--sizes`
   filesystem, then an fsync of the copy (the coordinator fsyncs what it stages);
   beside it, the same copy through user space (1 MiB reads and writes, fsync):
   `cp` copies inside the kernel (`copy_file_range`), a server cannot;
+- **grpc sink**: the same 1 MiB messages into a Python grpc server that
+  drops them (no auth, disk or sha256): the transport's own cost here;
 - **upload**: UploadArtifact in 1 MiB chunks from a client process (Python
   grpc; the run-manager's Rust client streams the same messages), through
   staging, sha256 verification and the commit into the blob store;
 - **download**: DownloadArtifact back to a file, sha256 checked.
 
-Printed: seconds and MiB/s of each, the ratio of upload and download
-throughput to `cp`'s (goal >= 0.5), and the peak RSS (VmHWM) of the
+Each size runs `--repeats` rounds (fresh bytes each, so no blob is
+deduplicated); printed: each round's seconds, then the medians in seconds and
+MiB/s, the ratio of the median upload and download throughput to `cp`'s
+(goal >= 0.5), and the peak RSS (VmHWM) of the
 coordinator and of the client process, each over its own baseline before the
 transfer (goal: the same for every size, under 64 MiB).
 
@@ -31,6 +35,7 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,6 +117,79 @@ def timed_user_copy(src: Path, dst: Path) -> float:
     return time.perf_counter() - t
 
 
+# --- the transport's floor -------------------------------------------------
+
+
+def _sink_server(conn) -> None:
+    """A grpc.aio server whose one stream-unary method counts the UploadArtifactRequest chunks it receives and drops them."""
+    import asyncio
+
+    import grpc
+
+    from dflash_worker.proto.dflash.v1 import provider_pb2
+
+    async def main():
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * MiB)])
+
+        async def sink(request_iterator, context):
+            n = 0
+            async for m in request_iterator:
+                n += len(m.chunk)
+            return provider_pb2.UploadOffsetResponse(offset=n)
+
+        method = grpc.stream_unary_rpc_method_handler(
+            sink,
+            request_deserializer=provider_pb2.UploadArtifactRequest.FromString,
+            response_serializer=provider_pb2.UploadOffsetResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Sink", {"Upload": method}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def timed_grpc_sink(src: Path, size: int, ctx) -> float:
+    """The same file as the same 1 MiB UploadArtifactRequest messages into a Python grpc server that drops them.
+
+    No auth, no disk, no sha256: what Python grpc alone costs on this machine, client
+    and server on the same cores. Printed beside `cp` so the upload's ratio can be read
+    against what its transport allows here.
+    """
+    import grpc
+
+    from dflash_worker.proto.dflash.v1 import provider_pb2
+
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_sink_server, args=(child,), daemon=True)
+    server.start()
+    try:
+        port = parent.recv()
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 4 * MiB)]) as ch:
+            upload = ch.stream_unary(
+                "/bench.Sink/Upload",
+                request_serializer=provider_pb2.UploadArtifactRequest.SerializeToString,
+                response_deserializer=provider_pb2.UploadOffsetResponse.FromString,
+            )
+
+            def requests():
+                with open(src, "rb") as f:
+                    while chunk := f.read(MiB):
+                        yield provider_pb2.UploadArtifactRequest(chunk=chunk)
+
+            t = time.perf_counter()
+            got = upload(requests(), timeout=3600).offset
+            took = time.perf_counter() - t
+        if got != size:
+            raise SystemExit(f"bench: the grpc sink counted {got} bytes of {size}")
+        return took
+    finally:
+        server.terminate()
+        server.join(10)
+
+
 # --- client process ---------------------------------------------------------
 
 
@@ -159,6 +237,7 @@ def main() -> int:
     ap.add_argument("--heartbeats", type=int, default=1000, help="providers heartbeating at 1/s during the upload phase (0: skip; default 1000)")
     ap.add_argument("--hb-size", default="1G", help="size of the upload that runs during the heartbeat phase (default 1G)")
     ap.add_argument("--hb-seconds", type=float, default=10.0, help="length of each heartbeat phase (default 10)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds per size (fresh bytes each); ratios compare medians (default 3)")
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one; needs room for 4x the largest size)")
     args = ap.parse_args()
 
@@ -192,32 +271,53 @@ def main() -> int:
             ctx = mp.get_context("spawn")
             rows = []
             for i, size in enumerate(sizes):
-                src = work / f"src-{i}.bin"
-                sha = make_file(src, size)
-                cp_s = timed_cp(src, work / f"cp-{i}.bin")
-                (work / f"cp-{i}.bin").unlink()
-                user_s = timed_user_copy(src, work / f"cp-{i}.bin")
-                (work / f"cp-{i}.bin").unlink()
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=transfer, args=(address, up_token, up_lease, str(src), sha, size, f"bench/{i}.bin", str(work / f"down-{i}.bin"), child))
-                p.start()
-                time.sleep(1.0)
-                reset_hwm(proc.pid)
-                server_base = hwm_kib(proc.pid)
-                parent.send("go")
-                up, down, ok, client_up, client_down = parent.recv()
-                p.join(60)
-                server_peak = hwm_kib(proc.pid) - server_base
                 mib = size / MiB
-                print(f"\n== {mib:.0f} MiB ({'sha256 verified' if ok else 'SHA256 MISMATCH'})")
-                print(f"cp + fsync (baseline)     {cp_s:7.2f} s  {mib / cp_s:8.1f} MiB/s")
+                # Each round: fresh bytes (a new blob, so nothing is deduplicated), then cp, the
+                # user-space copy, the upload and the download, back to back; the ratios compare
+                # medians over the rounds, since single disk timings on a shared VM swing 2-4x.
+                cp_t, user_t, sink_t, up_t, down_t, ok_all, server_peaks, client_peaks = [], [], [], [], [], True, [], []
+                print(f"\n== {mib:.0f} MiB, {args.repeats} rounds")
+                for r in range(args.repeats):
+                    src = work / f"src-{i}-{r}.bin"
+                    sha = make_file(src, size)
+                    cp_s = timed_cp(src, work / f"cp-{i}.bin")
+                    (work / f"cp-{i}.bin").unlink()
+                    user_s = timed_user_copy(src, work / f"cp-{i}.bin")
+                    (work / f"cp-{i}.bin").unlink()
+                    sink_s = timed_grpc_sink(src, size, ctx)
+                    parent, child = ctx.Pipe()
+                    p = ctx.Process(target=transfer, args=(address, up_token, up_lease, str(src), sha, size, f"bench/{i}-{r}.bin", str(work / f"down-{i}.bin"), child))
+                    p.start()
+                    time.sleep(1.0)
+                    reset_hwm(proc.pid)
+                    server_base = hwm_kib(proc.pid)
+                    parent.send("go")
+                    up, down, ok, client_up, client_down = parent.recv()
+                    p.join(60)
+                    server_peaks.append((hwm_kib(proc.pid) - server_base) / 1024)
+                    client_peaks.append(max(client_up, client_down) / 1024)
+                    cp_t.append(cp_s)
+                    user_t.append(user_s)
+                    sink_t.append(sink_s)
+                    up_t.append(up)
+                    down_t.append(down)
+                    ok_all = ok_all and ok
+                    print(
+                        f"round {r + 1}: cp {cp_s:5.2f} s  user-space copy {user_s:5.2f} s  grpc sink {sink_s:5.2f} s  upload {up:5.2f} s  download {down:5.2f} s"
+                        f"  ({'sha256 verified' if ok else 'SHA256 MISMATCH'})"
+                    )
+                    for f in (src, work / f"down-{i}.bin"):
+                        f.unlink()
+                cp_s, user_s, sink_s, up, down = (statistics.median(t) for t in (cp_t, user_t, sink_t, up_t, down_t))
+                server_peak, client_peak = max(server_peaks), max(client_peaks)
+                print(f"median of {args.repeats} rounds ({'sha256 verified' if ok_all else 'SHA256 MISMATCH'}):")
+                print(f"cp + fsync (baseline)     {cp_s:7.2f} s  {mib / cp_s:8.1f} MiB/s   (rounds {min(cp_t):.2f}-{max(cp_t):.2f} s)")
                 print(f"user-space copy + fsync   {user_s:7.2f} s  {mib / user_s:8.1f} MiB/s   x{cp_s / user_s:.2f} of cp")
+                print(f"grpc sink (no disk, hash) {sink_s:7.2f} s  {mib / sink_s:8.1f} MiB/s   x{cp_s / sink_s:.2f} of cp")
                 print(f"upload                    {up:7.2f} s  {mib / up:8.1f} MiB/s   x{cp_s / up:.2f} of cp   x{user_s / up:.2f} of the user-space copy")
                 print(f"download                  {down:7.2f} s  {mib / down:8.1f} MiB/s   x{cp_s / down:.2f} of cp   x{user_s / down:.2f} of the user-space copy")
-                print(f"peak RSS over baseline    coordinator {server_peak / 1024:6.1f} MiB   client {max(client_up, client_down) / 1024:6.1f} MiB")
-                rows.append((size, cp_s / up, cp_s / down, server_peak / 1024, max(client_up, client_down) / 1024, ok))
-                for f in (src, work / f"down-{i}.bin"):
-                    f.unlink()
+                print(f"peak RSS over baseline    coordinator {server_peak:6.1f} MiB   client {client_peak:6.1f} MiB   (highest of the rounds)")
+                rows.append((size, cp_s / up, cp_s / down, server_peak, client_peak, ok_all))
             print("\nsize        upload/cp  download/cp  coord peak MiB  client peak MiB")
             for size, ru, rd, sp, cpk, ok in rows:
                 print(f"{size / MiB:>7.0f} MiB  x{ru:8.2f}  x{rd:10.2f}  {sp:14.1f}  {cpk:15.1f}" + ("" if ok else "  SHA MISMATCH"))

@@ -47,14 +47,18 @@ def test_coordinator_bench_page_mode_compares_p99_with_and_without_pages_open():
 @pytest.mark.slow
 def test_artifacts_bench_moves_bytes_both_ways_and_prints_every_figure():
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "artifacts.py"), "--sizes", "3M", "--heartbeats", "10", "--hb-size", "4M", "--hb-seconds", "1"],
+        [sys.executable, str(REPO / "bench" / "artifacts.py"), "--sizes", "3M", "--repeats", "2", "--heartbeats", "10", "--hb-size", "4M", "--hb-seconds", "1"],
         capture_output=True, text=True, timeout=300, env=subprocess_env(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    assert "== 3 MiB (sha256 verified)" in text, text
+    assert "== 3 MiB, 2 rounds" in text and "median of 2 rounds (sha256 verified):" in text, text
+    rounds = re.findall(r"^round (\d): cp +\d+\.\d\d s +user-space copy +\d+\.\d\d s +grpc sink +\d+\.\d\d s +upload +\d+\.\d\d s +download +\d+\.\d\d s +\(sha256 verified\)$", text, re.M)
+    assert rounds == ["1", "2"], text
+    assert re.search(r"^cp \+ fsync \(baseline\) +\d+\.\d\d s .* \(rounds \d+\.\d\d-\d+\.\d\d s\)$", text, re.M), text
+    assert re.search(r"^grpc sink \(no disk, hash\) +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M), text
     assert re.search(r"^user-space copy \+ fsync +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M), text
     for way in ("upload", "download"):
         assert re.search(rf"^{way} +\d+\.\d\d s .* x\d+\.\d\d of cp +x\d+\.\d\d of the user-space copy$", text, re.M), text
-    assert re.search(r"^peak RSS over baseline +coordinator +\d+\.\d MiB +client +\d+\.\d MiB$", text, re.M), text
+    assert re.search(r"^peak RSS over baseline +coordinator +\d+\.\d MiB +client +\d+\.\d MiB +\(highest of the rounds\)$", text, re.M), text
     assert re.search(r"^heartbeat, during upload .* errors 0$", text, re.M) and "sha256 ok" in text, text
