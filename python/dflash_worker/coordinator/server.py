@@ -246,8 +246,8 @@ async def serve(
         if config.http_listen is not None:
             viewer_how = ensure_viewer_token(store, config.viewer_token, config.viewer_file)
             snapshots = SnapshotProcess(config.db)
-            status_app = StatusApp(store, artifacts, metrics, limiter, WebConfig(refresh_ms=int(config.page_refresh_seconds * 1000), secure=tls is not None),
-                                   snapshots=snapshots)  # fmt: skip
+            web_config = WebConfig(refresh_ms=int(config.page_refresh_seconds * 1000), secure=tls is not None)
+            status_app = StatusApp(store, artifacts, metrics, limiter, snapshots, web_config)
             ssl_context = server_ssl_context(config.tls_cert, config.tls_key) if tls is not None else None
             try:
                 web_runner, http_port = await start_web(status_app, config.http_listen, ssl_context)

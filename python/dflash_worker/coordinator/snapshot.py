@@ -4,8 +4,8 @@
 `MAX_JOBS` jobs: state, attempts, the live attempt's progress and ETA, the export's
 publication and evaluation, and the final attempt's artifacts, up to `MAX_ARTIFACTS`), and
 up to `MAX_PROVIDERS` providers, newest first (device, versions, last heartbeat, current lease).
-The bounds keep one page refresh a fixed amount of work on the event loop however large the
-history, and `snapshot_async` hands the loop back between jobs.
+The bounds keep one page refresh a fixed amount of work however large the history; the
+coordinator builds it in a process of its own (`snapshot_proc`), off its event loop.
 
 ETA is the current phase's: steps left times the seconds per step since the phase began
 (`attempts.phase_started_unix`), so a fast `prepare` does not make `train` look quick.
@@ -13,7 +13,6 @@ ETA is the current phase's: steps left times the seconds per step since the phas
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
@@ -173,15 +172,4 @@ def _steps(store: StoreReader, now: float) -> Iterator[None | dict[str, Any]]:
 def snapshot(store: StoreReader, *, now: float | None = None) -> dict[str, Any]:
     """The status page's data (bounded; see the module docstring), in one go."""
     *_, result = _steps(store, time.time() if now is None else now)
-    return result
-
-
-async def snapshot_async(store: StoreReader) -> dict[str, Any]:
-    """`snapshot`, giving the event loop back between slices (a job, 25 providers), so a heartbeat
-    never waits behind a whole page. Rows may change between slices: each job is consistent, the
-    page as a whole is as of the last few milliseconds."""
-    result: Any = None
-    for result in _steps(store, time.time()):
-        if result is None:
-            await asyncio.sleep(0)
     return result

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import ssl
 from dataclasses import dataclass
@@ -38,7 +37,6 @@ from . import page
 from .artifacts import CHUNK_BYTES, check_name
 from .auth import FailureLimiter, peer_key
 from .metrics import CONTENT_TYPE, Metrics
-from .snapshot import snapshot_async
 from .snapshot_proc import SnapshotProcess, SnapshotUnavailable
 from .store import Store
 
@@ -78,15 +76,13 @@ def _peer(request: web.Request) -> str:
 class StatusApp:
     """The aiohttp application over one coordinator's store, artifact service and metrics."""
 
-    def __init__(self, store: Store, artifacts, metrics: Metrics, limiter: FailureLimiter, config: WebConfig = WebConfig(),
-                 snapshots: SnapshotProcess | None = None):
+    def __init__(self, store: Store, artifacts, metrics: Metrics, limiter: FailureLimiter, snapshots: SnapshotProcess, config: WebConfig = WebConfig()):
         self.store = store
         self.artifacts = artifacts
         self.metrics = metrics
         self.limiter = limiter
         self.config = config
-        # Where snapshots are built: a process of their own (`snapshot_proc`; the coordinator
-        # serves the page that way), or this event loop in slices when None.
+        # Snapshots are built in a process of their own (`snapshot_proc`), never on this event loop.
         self.snapshots = snapshots
         # One snapshot (and its rendered HTML) serves every open page for `max_age` seconds, so
         # the page's cost does not grow with the number of people watching.
@@ -99,16 +95,8 @@ class StatusApp:
         loop = asyncio.get_running_loop()
         async with self._lock:
             if self._cached is None or loop.time() - self._cached[0] > self.max_age:
-                if self.snapshots is not None:
-                    snap_json, html = await self.snapshots.take()
-                    self._cached = (loop.time(), snap_json, html.decode())
-                else:
-                    snap = await snapshot_async(self.store)
-                    parts = []
-                    for part in page.status_parts(snap):
-                        parts.append(part)
-                        await asyncio.sleep(0)  # one run (or 25 providers) at a time on the loop
-                    self._cached = (loop.time(), json.dumps(snap, sort_keys=True).encode(), "".join(parts))
+                snap_json, html = await self.snapshots.take()
+                self._cached = (loop.time(), snap_json, html.decode())
             return self._cached[1], self._cached[2]
 
     async def _fragment(self) -> str:
