@@ -682,6 +682,7 @@ mod tests {
                     reason: "improved: acceptance length 1.2 trained vs 1.0 released".into(),
                     ..Default::default()
                 }),
+                ..Default::default()
             }],
             next_page_token: String::new(),
         };
