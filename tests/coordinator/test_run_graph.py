@@ -162,6 +162,33 @@ def test_a_failed_capture_fails_its_dependents_and_the_run(store):
     assert store.get_run(run.run_id).job_states == {"succeeded": 1, "failed": 6}
 
 
+def test_a_job_needing_more_inputs_than_a_lease_names_fails(store, monkeypatch):
+    from dflash_worker.coordinator import store as store_mod
+
+    monkeypatch.setattr(store_mod, "MAX_LEASE_INPUTS", 1)
+    pid = _provider(store)
+    run, jobs = _graph(store, n=2, m=1)
+    store.finish(pid, _lease(store, pid).lease_id, "succeeded", "")
+    for _ in range(2):
+        c = _lease(store, pid)
+        _record(store, pid, c, f"capture/shard-{c.shard_index}.safetensors")
+        store.finish(pid, c.lease_id, "succeeded", "")
+    # Train needs 2 input artifacts, more than a lease may name: it fails instead of being leased short.
+    assert _lease(store, pid) is None
+    by_kind = {j.kind: j for j in store.run_jobs(run.run_id)[0]}
+    assert by_kind["train"].state == "failed" and "more than 1 final artifacts" in by_kind["train"].reason
+    assert by_kind["evaluate"].state == "failed" and "train" in store.get_run(run.run_id).failure
+
+
+def test_a_provider_s_message_reaches_the_failure_without_control_characters(store):
+    pid = _provider(store)
+    run, _ = _graph(store, n=1)
+    g = _lease(store, pid)
+    store.finish(pid, g.lease_id, "failed", "bad\x1b[31m red\x07 " + "x" * 2000)
+    failure = store.get_run(run.run_id).failure
+    assert "\x1b" not in failure and "\x07" not in failure and "bad?[31m red? " in failure and len(failure) < 700
+
+
 def test_a_train_out_of_attempts_fails_the_evaluations(tmp_path):
     store = Store(tmp_path / "c.db", max_attempts=1)
     try:

@@ -109,8 +109,11 @@ SCHEMA_VERSION = 5
 JOB_KINDS = ("pipeline", "prepare", "capture", "train", "evaluate")
 # Capture / evaluate shards per graph run (each one job).
 MAX_SHARDS = 1024
-# Input artifacts one lease names at most (a train job's: every capture shard's final records).
+# Input artifacts one lease names at most (a train job's: every capture shard's final records),
+# and their size in the Lease message, so a lease stays well inside the 16 MiB message limit
+# that server and run-manager share. A job needing more fails (never a lease missing inputs).
 MAX_LEASE_INPUTS = 20_000
+MAX_LEASE_INPUT_BYTES = 8 << 20
 MAX_JOBS_PER_RUN = 10_000
 MAX_SPEC_JSON_BYTES = 1 << 20
 FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
@@ -1159,6 +1162,12 @@ class Store(StoreReader):
                 if row is None:
                     continue
                 job_id, attempts, kind, shard_index, shard_count = row
+                inputs = self.inputs(job_id)
+                too_many = self._too_many_inputs(inputs)
+                if too_many:
+                    db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE job_id=?", (too_many, now, job_id))
+                    self._fail_graph_run(db, job_id, "failed", too_many, now)
+                    continue
                 attempt_id, lease_id = _new_id("att"), _new_id("lease")
                 db.execute(
                     "INSERT INTO attempts(attempt_id, job_id, number, provider_id, lease_id, state, lease_expires_unix, started_unix)"
@@ -1186,18 +1195,30 @@ class Store(StoreReader):
                 kind=kind,
                 shard_index=shard_index,
                 shard_count=shard_count,
-                inputs=self.inputs(job_id),
+                inputs=inputs,
             )
         return upgrade
 
+    @staticmethod
+    def _too_many_inputs(inputs: tuple[ArtifactRecord, ...]) -> str:
+        """Why a lease cannot name `inputs` (too many, or too large a message), or ""."""
+        size = sum(len(a.name) + len(a.uri) + len(a.kind) + 100 for a in inputs)
+        if len(inputs) <= MAX_LEASE_INPUTS and size <= MAX_LEASE_INPUT_BYTES:
+            return ""
+        return (
+            f"the jobs this one needs have {'more than ' if len(inputs) > MAX_LEASE_INPUTS else ''}{min(len(inputs), MAX_LEASE_INPUTS)} final artifacts"
+            f" (about {size} bytes of names); a lease names at most {MAX_LEASE_INPUTS} ({MAX_LEASE_INPUT_BYTES} bytes)\n"
+            "hint: have each capture shard commit fewer, larger files"
+        )
+
     def inputs(self, job_id: str) -> tuple[ArtifactRecord, ...]:
         """The final artifacts of the jobs `job_id` needs (their SUCCEEDED attempts' records, checkpoints
-        aside: those are a job's own), in the needed jobs' order; at most MAX_LEASE_INPUTS."""
+        aside: those are a job's own), in the needed jobs' order; at most MAX_LEASE_INPUTS + 1 (one more says "too many")."""
         rows = self.db.execute(
             f"SELECT {', '.join('r.' + c.strip() for c in _REC_COLS.split(','))} FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
             " JOIN attempts a ON a.job_id=n.job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
             " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') ORDER BY n.seq, r.seq LIMIT ?",
-            (job_id, MAX_LEASE_INPUTS),
+            (job_id, MAX_LEASE_INPUTS + 1),
         ).fetchall()
         return tuple(self._record(r) for r in rows)
 
@@ -1261,7 +1282,9 @@ class Store(StoreReader):
         if kind == "pipeline":
             return
         what = f"{kind} shard {index + 1}/{count}" if count > 1 else kind
-        why = f"job `{job_id}` ({what}) {job_state}" + (f": {message[:500]}" if message else "")
+        # The message is a provider's text and reaches the admin's terminal (`runs show`): no control characters.
+        message = "".join(c if c == "\n" or not (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) else "?" for c in message[:500])
+        why = f"job `{job_id}` ({what}) {job_state}" + (f": {message}" if message else "")
         db.execute("UPDATE runs SET failure=? WHERE run_id=? AND failure=''", (why, run_id))
         why = db.execute("SELECT failure FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
         db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE run_id=? AND state='queued'", (f"run failed: {why}", now, run_id))
