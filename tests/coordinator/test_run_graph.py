@@ -271,7 +271,8 @@ def test_a_version_4_database_is_migrated(tmp_path):
     # What a schema-4 coordinator left: no job_deps, no kind/shard/reason columns, no run shard columns.
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("DROP TABLE job_deps")
-    for col in ("kind", "shard_index", "shard_count", "reason"):
+    db.execute("DROP INDEX jobs_ready")
+    for col in ("kind", "shard_index", "shard_count", "reason", "pending_deps"):
         db.execute(f"ALTER TABLE jobs DROP COLUMN {col}")
     for col in ("capture_shards", "eval_shards", "failure"):
         db.execute(f"ALTER TABLE runs DROP COLUMN {col}")
@@ -286,6 +287,8 @@ def test_a_version_4_database_is_migrated(tmp_path):
         assert [(j.kind, j.shard_count, j.needs, j.state) for j in jobs] == [("pipeline", 1, (), "leased"), ("pipeline", 1, (), "queued")]
         r = store.get_run(run.run_id)
         assert (r.spec.capture_shards, r.spec.eval_shards, r.failure) == (0, 0, "")
+        assert store.db.execute("SELECT COUNT(*) FROM jobs WHERE pending_deps != 0").fetchone() == (0,)
+        assert store.db.execute("SELECT 1 FROM sqlite_master WHERE type='index' AND name='jobs_ready'").fetchone() == (1,)
         # The old lease is still live; the other job leases as a pipeline job; failing it fails nothing else.
         assert store.finish(pid, leased.lease_id, "succeeded", "") == "succeeded"
         g = _lease(store, pid)

@@ -182,7 +182,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   kind TEXT NOT NULL DEFAULT 'pipeline',
   shard_index INTEGER NOT NULL DEFAULT 0,
   shard_count INTEGER NOT NULL DEFAULT 1,
-  reason TEXT NOT NULL DEFAULT ''
+  reason TEXT NOT NULL DEFAULT '',
+  pending_deps INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, run_id, seq);
 CREATE INDEX IF NOT EXISTS jobs_by_run ON jobs(run_id, seq);
@@ -247,6 +248,11 @@ CREATE TABLE IF NOT EXISTS job_deps (
 CREATE INDEX IF NOT EXISTS job_deps_by_needed ON job_deps(needs_job_id);
 """
 
+# Indexes on columns a migration adds: created once the database has them.
+_SCHEMA_AFTER_MIGRATIONS = """
+CREATE INDEX IF NOT EXISTS jobs_ready ON jobs(state, run_id, pending_deps, seq);
+"""
+
 
 def _migrate_1_to_2(db: sqlite3.Connection) -> None:
     # Version 1 had no token lifecycle and kept only the registered name, which
@@ -294,6 +300,7 @@ def _migrate_4_to_5(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE jobs ADD COLUMN shard_index INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE jobs ADD COLUMN shard_count INTEGER NOT NULL DEFAULT 1")
     db.execute("ALTER TABLE jobs ADD COLUMN reason TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE jobs ADD COLUMN pending_deps INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE runs ADD COLUMN capture_shards INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE runs ADD COLUMN eval_shards INTEGER NOT NULL DEFAULT 0")
     db.execute("ALTER TABLE runs ADD COLUMN failure TEXT NOT NULL DEFAULT ''")
@@ -310,8 +317,10 @@ GRACE_ENDED = "this token was replaced by `providers rotate` and its grace perio
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1_000
 _REC_COLS = "name, kind, sha256, size_bytes, step, run_id, job_id, attempt"
-# A queued job `j` is leasable when no job it needs is short of SUCCEEDED (pipeline jobs need none).
-_READY = "NOT EXISTS (SELECT 1 FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id WHERE d.job_id=j.job_id AND n.state!='succeeded')"
+# A queued job `j` is leasable when every job it needs has SUCCEEDED (pipeline jobs need none):
+# `pending_deps` counts those that have not (a succeeded job never changes state again), so
+# finding a leasable job is an index lookup (`jobs_ready`), however many jobs wait.
+_READY = "j.pending_deps=0"
 
 
 def page(page_size: int, page_token: str) -> tuple[int, int]:
@@ -722,6 +731,7 @@ class Store(StoreReader):
                         "hint: this is not a database this coordinator wrote, or it was edited by hand"
                     ) from None
                 self._migrate(version)
+            self.db.executescript(_SCHEMA_AFTER_MIGRATIONS)
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"cannot open coordinator database `{self.path}`: {exc}") from None
         self._tokens: dict[str, _Token] = {}
@@ -893,8 +903,8 @@ class Store(StoreReader):
                 graph = spec.graph()
                 ids = [_new_id("job") for _ in graph]
                 db.executemany(
-                    "INSERT INTO jobs(job_id, run_id, state, updated_unix, kind, shard_index, shard_count) VALUES (?, ?, 'queued', ?, ?, ?, ?)",
-                    [(ids[i], run_id, now, kind, index, count) for i, (kind, index, count, _) in enumerate(graph)],
+                    "INSERT INTO jobs(job_id, run_id, state, updated_unix, kind, shard_index, shard_count, pending_deps) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?)",
+                    [(ids[i], run_id, now, kind, index, count, len(needs)) for i, (kind, index, count, needs) in enumerate(graph)],
                 )
                 db.executemany(
                     "INSERT INTO job_deps(job_id, needs_job_id) VALUES (?, ?)",
@@ -1271,6 +1281,8 @@ class Store(StoreReader):
             "UPDATE jobs SET state=?, current_attempt_id=NULL, checkpoint_requested=0, reason=?, updated_unix=? WHERE job_id=?",
             (job_state, f"run failed: {failure}" if failure else "", now, job_id),
         )
+        if job_state == "succeeded":
+            db.execute("UPDATE jobs SET pending_deps=pending_deps-1 WHERE job_id IN (SELECT job_id FROM job_deps WHERE needs_job_id=?)", (job_id,))
         if job_state in ("failed", "cancelled") and not failure:
             self._fail_graph_run(db, job_id, job_state, message, now)
         return job_state
