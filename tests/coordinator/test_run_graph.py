@@ -7,6 +7,7 @@ shard and inputs, downloading an input, `runs show`, hostile shard counts).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sqlite3
 
@@ -15,6 +16,7 @@ import pytest
 from coordinator_helpers import run_spec
 
 from dflash_worker.coordinator.artifacts import Claim
+from dflash_worker.coordinator.policy import JOB_GRAPH_FEATURE
 from dflash_worker.coordinator.store import MAX_SHARDS, SCHEMA_VERSION, Grant, Registration, RunSpecData, Store
 from dflash_worker.errors import InvalidRequestError, NotFoundError
 from dflash_worker.proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2
@@ -26,7 +28,7 @@ REG = Registration(
     native=False,
     backend="cpu",
     device_count=1,
-    features=(),
+    features=(JOB_GRAPH_FEATURE,),
     capabilities=b"",
     name="box",
 )
@@ -212,6 +214,20 @@ def test_cancelling_a_queued_job_fails_the_graph_run(store):
     assert r.job_states == {"cancelled": 1, "failed": 4}
 
 
+def test_graph_jobs_go_only_to_providers_that_run_graph_jobs(store):
+    """Today's run-manager offers no `job_graph` feature: a graph job is never leased to it (it would run the whole pipeline)."""
+    old = dataclasses.replace(REG, features=("flash_attention_2",))
+    pid, _ = store.create_provider("old")
+    store.register(pid, old)
+    run, jobs = _graph(store, n=2)
+    assert JOB_GRAPH_FEATURE in store.get_run(run.run_id).spec.required_features
+    assert _lease(store, pid) is None
+    # The same provider still gets pipeline jobs; one that offers the feature gets the graph's first job.
+    store.create_run(RunSpecData(name="plain", spec_json="{}", required_client_version="0.1.0"))
+    assert _lease(store, pid).kind == "pipeline"
+    assert _lease(store, _provider(store, "new")).job_id == jobs[0].job_id
+
+
 def test_pipeline_runs_are_unchanged(store):
     pid = _provider(store)
     run = store.create_run(RunSpecData(name="p", spec_json="{}", required_client_version="0.1.0", num_jobs=3))
@@ -308,9 +324,10 @@ def test_graph_run_over_grpc(coordinator, provider_factory, capsys):
     from dflash_worker.coordinator.cli import main as cli_main
 
     p = provider_factory()
-    p.register()
+    p.register(features=("flash_attention_2", JOB_GRAPH_FEATURE))
     with coordinator.admin() as admin:
         run = admin.create_run(run_spec("graph", capture_shards=2, eval_shards=1))
+        assert JOB_GRAPH_FEATURE in run.spec.required_features
         assert (run.spec.num_jobs, run.spec.capture_shards, run.spec.eval_shards) == (5, 2, 1)
         prep = p.acquire().lease
         assert (prep.kind, prep.shard_index, prep.shard_count, list(prep.inputs)) == ("prepare", 0, 1, [])

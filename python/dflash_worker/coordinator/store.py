@@ -95,6 +95,7 @@ from ..strict_json import no_duplicate_keys
 from .artifacts import ArtifactRecord, Claim, artifact_uri, checkpoint_dir, name_conflict
 from .policy import (
     CHECKPOINT_POLICIES,
+    JOB_GRAPH_FEATURE,
     ProviderProfile,
     RunRequirements,
     Verdict,
@@ -423,6 +424,8 @@ class RunSpecData:
                     f"{self.capture_shards} capture, train, {self.eval_shards} evaluate)\nhint: leave `--jobs` out with `--capture-shards`"
                 )
             object.__setattr__(self, "num_jobs", total)
+            if JOB_GRAPH_FEATURE not in self.required_features:
+                object.__setattr__(self, "required_features", (*self.required_features, JOB_GRAPH_FEATURE))
         if not 1 <= self.num_jobs <= MAX_JOBS_PER_RUN:
             raise InvalidRequestError(f"`spec.num_jobs` must be 1-{MAX_JOBS_PER_RUN}, got {self.num_jobs}")
 
