@@ -211,6 +211,11 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
     db.execute("DROP TABLE publications")
     db.execute("ALTER TABLE attempts DROP COLUMN phase_started_unix")
     db.execute("ALTER TABLE attempts DROP COLUMN phase_started_step")
+    # Nor what schema 5 added (job graphs).
+    db.execute("DROP TABLE job_deps")
+    db.execute("DROP INDEX jobs_ready")
+    for table, col in [("jobs", "kind"), ("jobs", "shard_index"), ("jobs", "shard_count"), ("jobs", "reason"), ("jobs", "pending_deps"), ("runs", "capture_shards"), ("runs", "eval_shards"), ("runs", "failure")]:
+        db.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
     db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
     db.close()
 

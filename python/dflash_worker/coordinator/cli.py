@@ -24,7 +24,7 @@ from ..cli import run_guarded
 from ..errors import ConfigError
 from ..proto.dflash.v1 import admin_pb2, provider_pb2
 from .service import DEFAULT_UPLOAD_IDLE_SECONDS
-from .store import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS, Quotas
+from .store import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS, MAX_SHARDS, Quotas
 
 # Environment variables (flags take precedence over them).
 ENV_ADDRESS = "DFLASH_COORDINATOR"  # coordinator address, HOST:PORT or http://HOST:PORT (shared with run-manager)
@@ -138,6 +138,17 @@ def _grace(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """A shard count: checked here because a value past uint32 would not even reach the coordinator."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SHARDS:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {MAX_SHARDS}, got `{text}`")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-coordinator",
@@ -161,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--feature", action="append", default=[], metavar="NAME", help="device feature a provider must offer (repeatable), e.g. `cuda`, `flash_attention_2`")
     rc.add_argument("--image", default="", help="container image (tag or digest) for Docker launch mode")
     rc.add_argument("--jobs", type=int, default=1, help="number of jobs to queue (default 1)")
+    rc.add_argument(
+        "--capture-shards", type=_count, default=0, metavar="N",
+        help=f"make the run a job graph: prepare, N capture shards, train, evaluate (at most {MAX_SHARDS}; default 0: --jobs pipeline jobs)",
+    )  # fmt: skip
+    rc.add_argument("--eval-shards", type=_count, default=0, metavar="M", help="evaluate shards of a job graph (default 1; needs --capture-shards)")
     _client_args(rc)
     rl = runs.add_parser("list", help="list runs with job counts by state")
     _client_args(rl)
@@ -309,6 +325,21 @@ def _print_run(run: admin_pb2.Run) -> None:
     print(f"{run.run_id}  {run.spec.name}  client {run.spec.required_client_version}  {run.spec.checkpoint_policy}  [{states}]")
 
 
+def _job_label(j) -> str:
+    """`capture 2/4  ` for a job of a graph run; nothing for a pipeline job (as before graphs)."""
+    if j.kind in ("", "pipeline"):
+        return ""
+    return f"{j.kind} {j.shard_index + 1}/{j.shard_count}  " if j.shard_count > 1 else f"{j.kind}  "
+
+
+def _waits(j) -> str:
+    if not j.waiting_for or j.state != "queued":
+        return ""
+    if len(j.waiting_for) == 1:
+        return f"  waits for {j.waiting_for[0]}"
+    return f"  waits for {len(j.waiting_for)} of {len(j.needs)} jobs it needs"
+
+
 def _publication_line(p) -> str:
     state = "published" if p.published else "NOT published"
     line = f"    export {state}: {p.reason}"
@@ -451,6 +482,8 @@ def _cmd_admin(args) -> int:
                 required_features=args.feature,
                 image=args.image,
                 num_jobs=args.jobs,
+                capture_shards=args.capture_shards,
+                eval_shards=args.eval_shards,
             )
             run = c.create_run(spec)
             _emit_json(_msg_dict(run)) if args.json else _print_run(run)
@@ -474,8 +507,12 @@ def _cmd_admin(args) -> int:
                 _print_run(resp.run)
                 if resp.run.approved_native_versions:
                     print(f"  approved native versions: {', '.join(resp.run.approved_native_versions)}")
+                if resp.run.failure:
+                    print(f"  run failed: {resp.run.failure}")
                 for j in resp.jobs:
-                    print(f"  {j.job_id}  {j.state}  attempts {j.attempts}")
+                    print(f"  {j.job_id}  {_job_label(j)}{j.state}  attempts {j.attempts}{_waits(j)}")
+                    if j.reason:
+                        print(f"    {j.reason}")
                     if j.HasField("publication"):
                         print(_publication_line(j.publication))
                     for a in finals[j.job_id]:

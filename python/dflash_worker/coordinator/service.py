@@ -109,10 +109,13 @@ def run_pb(run: RunRow) -> admin_pb2.Run:
             required_features=list(s.required_features),
             image=s.image,
             num_jobs=s.num_jobs,
+            capture_shards=s.capture_shards,
+            eval_shards=s.eval_shards,
         ),
         approved_native_versions=list(run.approved_native_versions),
         created_unix=int(run.created_unix),
         job_states=run.job_states,
+        failure=run.failure,
     )
 
 
@@ -496,6 +499,10 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
             required_features=list(g.required_features),
             required_client_version=g.required_client_version,
             image=g.image,
+            kind=g.kind,
+            shard_index=g.shard_index,
+            shard_count=g.shard_count,
+            inputs=[artifact_pb(a) for a in g.inputs],
         )
 
     async def Heartbeat(self, request_iterator, context):
@@ -566,7 +573,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
         lease = self.store.live_lease(pid, request.lease_id)
         name = check_name(request.name)
         sha = check_sha256(request.sha256, "sha256")
-        record = self.store.find_record(lease.job_id, name, sha)
+        record = self.store.find_input(lease.job_id, name, sha)
         async for msg in self.artifacts.stream(record, request.offset):
             yield msg
 
@@ -601,6 +608,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             required_features=tuple(s.required_features),
             image=s.image,
             num_jobs=s.num_jobs or 1,
+            capture_shards=s.capture_shards,
+            eval_shards=s.eval_shards,
         )
         return admin_pb2.CreateRunResponse(run=run_pb(self.store.create_run(spec)))
 
@@ -621,6 +630,12 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     artifact_count=j.artifact_count,
                     export=artifact_pb(j.export),
                     publication=publication_pb(j.publication),
+                    kind=j.kind,
+                    shard_index=j.shard_index,
+                    shard_count=j.shard_count,
+                    needs=list(j.needs),
+                    waiting_for=list(j.waiting_for),
+                    reason=j.reason,
                 )
                 for j in jobs
             ],

@@ -14,6 +14,18 @@ is ``live``, it is its job's ``current_attempt_id`` and it has not expired.
 Job states: ``queued`` -> ``leased`` (-> ``cancelling``) -> ``succeeded`` |
 ``failed`` | ``cancelled``, or back to ``queued`` when an attempt expires or
 ends retryable (at most ``max_attempts`` attempts, then ``failed``).
+
+Job graphs: a job has a ``kind``. A run created as today has ``num_jobs``
+independent ``pipeline`` jobs (the worker runs every stage). A graph run
+(``capture_shards`` N > 0) has ``prepare`` -> ``capture`` x N (shard i of N)
+-> ``train`` -> ``evaluate`` x M, with the edges in ``job_deps``. A queued job
+is leasable only once every job it needs has succeeded; its lease names the
+needed jobs' final artifacts (``Grant.inputs``), which the provider may
+download. When a job of a graph run ends ``failed`` or ``cancelled`` the run
+fails: ``runs.failure`` names that job, and every queued job of the run
+(its dependents among them) is failed with that reason, so no more of the
+run's work is leased; attempts already running finish, but a job whose
+attempt is requeued after that fails instead.
 Attempt states: ``live``, ``succeeded``, ``failed``, ``cancelled``,
 ``retryable``, ``expired``, ``revoked`` (its provider was revoked; the job is
 requeued like an expired one).
@@ -83,6 +95,7 @@ from ..strict_json import no_duplicate_keys
 from .artifacts import ArtifactRecord, Claim, artifact_uri, checkpoint_dir, name_conflict
 from .policy import (
     CHECKPOINT_POLICIES,
+    JOB_GRAPH_FEATURE,
     ProviderProfile,
     RunRequirements,
     Verdict,
@@ -92,7 +105,16 @@ from .policy import (
     local_ranks,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+# Job kinds: `pipeline` (every stage in one job: runs without a graph) and the graph's stages.
+JOB_KINDS = ("pipeline", "prepare", "capture", "train", "evaluate")
+# Capture / evaluate shards per graph run (each one job).
+MAX_SHARDS = 1024
+# Input artifacts one lease names at most (a train job's: every capture shard's final records),
+# and their size in the Lease message, so a lease stays well inside the 16 MiB message limit
+# that server and run-manager share. A job needing more fails (never a lease missing inputs).
+MAX_LEASE_INPUTS = 20_000
+MAX_LEASE_INPUT_BYTES = 8 << 20
 MAX_JOBS_PER_RUN = 10_000
 MAX_SPEC_JSON_BYTES = 1 << 20
 FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
@@ -112,7 +134,10 @@ CREATE TABLE IF NOT EXISTS runs (
   required_features TEXT NOT NULL,
   image TEXT NOT NULL,
   num_jobs INTEGER NOT NULL,
-  created_unix REAL NOT NULL
+  created_unix REAL NOT NULL,
+  capture_shards INTEGER NOT NULL DEFAULT 0,
+  eval_shards INTEGER NOT NULL DEFAULT 0,
+  failure TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS approved_versions (
   run_id TEXT NOT NULL REFERENCES runs(run_id),
@@ -154,7 +179,12 @@ CREATE TABLE IF NOT EXISTS jobs (
   current_attempt_id TEXT,
   cancel_requested INTEGER NOT NULL DEFAULT 0,
   checkpoint_requested INTEGER NOT NULL DEFAULT 0,
-  updated_unix REAL NOT NULL
+  updated_unix REAL NOT NULL,
+  kind TEXT NOT NULL DEFAULT 'pipeline',
+  shard_index INTEGER NOT NULL DEFAULT 0,
+  shard_count INTEGER NOT NULL DEFAULT 1,
+  reason TEXT NOT NULL DEFAULT '',
+  pending_deps INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, run_id, seq);
 CREATE INDEX IF NOT EXISTS jobs_by_run ON jobs(run_id, seq);
@@ -211,6 +241,17 @@ CREATE TABLE IF NOT EXISTS publications (
   override_peer TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS publications_by_run ON publications(run_id);
+CREATE TABLE IF NOT EXISTS job_deps (
+  job_id TEXT NOT NULL REFERENCES jobs(job_id),
+  needs_job_id TEXT NOT NULL REFERENCES jobs(job_id),
+  PRIMARY KEY (job_id, needs_job_id)
+);
+CREATE INDEX IF NOT EXISTS job_deps_by_needed ON job_deps(needs_job_id);
+"""
+
+# Indexes on columns a migration adds: created once the database has them.
+_SCHEMA_AFTER_MIGRATIONS = """
+CREATE INDEX IF NOT EXISTS jobs_ready ON jobs(state, run_id, pending_deps, seq);
 """
 
 
@@ -252,8 +293,22 @@ def _migrate_3_to_4(db: sqlite3.Connection) -> None:
     )
 
 
+def _migrate_4_to_5(db: sqlite3.Connection) -> None:
+    # Version 4 had no job graphs: every job ran the whole pipeline, which is what the
+    # defaults say (`pipeline`, shard 0 of 1, no dependencies; runs without shards).
+    # `job_deps` is created by _SCHEMA.
+    db.execute("ALTER TABLE jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'pipeline'")
+    db.execute("ALTER TABLE jobs ADD COLUMN shard_index INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE jobs ADD COLUMN shard_count INTEGER NOT NULL DEFAULT 1")
+    db.execute("ALTER TABLE jobs ADD COLUMN reason TEXT NOT NULL DEFAULT ''")
+    db.execute("ALTER TABLE jobs ADD COLUMN pending_deps INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE runs ADD COLUMN capture_shards INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE runs ADD COLUMN eval_shards INTEGER NOT NULL DEFAULT 0")
+    db.execute("ALTER TABLE runs ADD COLUMN failure TEXT NOT NULL DEFAULT ''")
+
+
 # version -> the step that upgrades a database of that version to the next one.
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4}
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4, 4: _migrate_4_to_5}
 
 UNKNOWN_TOKEN = "unknown bearer token\nhint: ask the coordinator's admin for a provider token"
 REVOKED_TOKEN = "this provider's token was revoked\nhint: ask the coordinator's admin for a new provider token"
@@ -263,6 +318,10 @@ GRACE_ENDED = "this token was replaced by `providers rotate` and its grace perio
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1_000
 _REC_COLS = "name, kind, sha256, size_bytes, step, run_id, job_id, attempt"
+# A queued job `j` is leasable when every job it needs has SUCCEEDED (pipeline jobs need none):
+# `pending_deps` counts those that have not (a succeeded job never changes state again), so
+# finding a leasable job is an index lookup (`jobs_ready`), however many jobs wait.
+_READY = "j.pending_deps=0"
 
 
 def page(page_size: int, page_token: str) -> tuple[int, int]:
@@ -327,6 +386,11 @@ class RunSpecData:
     required_features: tuple[str, ...] = ()
     image: str = ""
     num_jobs: int = 1
+    # A job graph instead of `num_jobs` pipeline jobs when > 0: prepare -> capture x
+    # `capture_shards` -> train -> evaluate x `eval_shards` (0: 1). `num_jobs` is then
+    # the graph's job count (1 or that count may be given).
+    capture_shards: int = 0
+    eval_shards: int = 0
 
     def __post_init__(self):
         if not self.name or len(self.name) > 200 or any(ord(c) < 0x20 for c in self.name):
@@ -342,8 +406,39 @@ class RunSpecData:
         check_features(self.required_features, "spec.required_features")
         if len(self.image) > 512:
             raise InvalidRequestError("`spec.image` is longer than 512 characters")
+        for k in ("capture_shards", "eval_shards"):
+            if not 0 <= getattr(self, k) <= MAX_SHARDS:
+                raise InvalidRequestError(f"`spec.{k}` must be 0-{MAX_SHARDS}, got {getattr(self, k)}")
+        if self.capture_shards == 0:
+            if self.eval_shards:
+                raise InvalidRequestError(
+                    "`spec.eval_shards` needs `spec.capture_shards`: evaluate jobs exist only in a job graph\n"
+                    "hint: give `--capture-shards N` too, or leave `--eval-shards` out"
+                )
+        else:
+            object.__setattr__(self, "eval_shards", self.eval_shards or 1)
+            total = 2 + self.capture_shards + self.eval_shards
+            if self.num_jobs not in (1, total):
+                raise InvalidRequestError(
+                    f"`spec.num_jobs` {self.num_jobs} does not apply to a job graph ({total} jobs: prepare, "
+                    f"{self.capture_shards} capture, train, {self.eval_shards} evaluate)\nhint: leave `--jobs` out with `--capture-shards`"
+                )
+            object.__setattr__(self, "num_jobs", total)
+            if JOB_GRAPH_FEATURE not in self.required_features:
+                object.__setattr__(self, "required_features", (*self.required_features, JOB_GRAPH_FEATURE))
         if not 1 <= self.num_jobs <= MAX_JOBS_PER_RUN:
             raise InvalidRequestError(f"`spec.num_jobs` must be 1-{MAX_JOBS_PER_RUN}, got {self.num_jobs}")
+
+    def graph(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """The run's jobs in creation order: `(kind, shard_index, shard_count, needs)`, `needs` indexing this list."""
+        if not self.capture_shards:
+            return [("pipeline", 0, 1, ())] * self.num_jobs
+        n, m = self.capture_shards, self.eval_shards
+        jobs = [("prepare", 0, 1, ())]
+        jobs += [("capture", i, n, (0,)) for i in range(n)]
+        jobs.append(("train", 0, 1, tuple(range(1, n + 1))))
+        jobs += [("evaluate", i, m, (n + 1,)) for i in range(m)]
+        return jobs
 
     @classmethod
     def stored(cls, **fields) -> RunSpecData:
@@ -362,6 +457,8 @@ class RunRow:
     approved_native_versions: tuple[str, ...]
     created_unix: float
     job_states: dict[str, int]
+    # Why a graph run failed (names the job), "" while it has not.
+    failure: str = ""
 
     def requirements(self) -> RunRequirements:
         return RunRequirements(
@@ -384,6 +481,14 @@ class JobRow:
     export: ArtifactRecord | None = None
     # The regression gate's decision on the export (None: no export, or not decided yet).
     publication: PublicationRow | None = None
+    kind: str = "pipeline"
+    shard_index: int = 0
+    shard_count: int = 1
+    # The jobs this one needs, and those of them that have not succeeded yet.
+    needs: tuple[str, ...] = ()
+    waiting_for: tuple[str, ...] = ()
+    # Why the job failed without an attempt of its own failing ("" otherwise).
+    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -500,6 +605,11 @@ class Grant:
     required_features: tuple[str, ...]
     required_client_version: str
     image: str
+    kind: str = "pipeline"
+    shard_index: int = 0
+    shard_count: int = 1
+    # The final (SUCCEEDED attempt's) artifacts of the jobs this one needs, to download before it starts.
+    inputs: tuple[ArtifactRecord, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -624,6 +734,7 @@ class Store(StoreReader):
                         "hint: this is not a database this coordinator wrote, or it was edited by hand"
                     ) from None
                 self._migrate(version)
+            self.db.executescript(_SCHEMA_AFTER_MIGRATIONS)
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"cannot open coordinator database `{self.path}`: {exc}") from None
         self._tokens: dict[str, _Token] = {}
@@ -775,7 +886,8 @@ class Store(StoreReader):
             with self._tx() as db:
                 db.execute(
                     "INSERT INTO runs(run_id, name, spec_json, required_client_version, checkpoint_policy,"
-                    " max_local_ranks, required_features, image, num_jobs, created_unix) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    " max_local_ranks, required_features, image, num_jobs, created_unix, capture_shards, eval_shards)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         run_id,
                         spec.name,
@@ -787,11 +899,19 @@ class Store(StoreReader):
                         spec.image,
                         spec.num_jobs,
                         now,
+                        spec.capture_shards,
+                        spec.eval_shards,
                     ),
                 )
+                graph = spec.graph()
+                ids = [_new_id("job") for _ in graph]
                 db.executemany(
-                    "INSERT INTO jobs(job_id, run_id, state, updated_unix) VALUES (?, ?, 'queued', ?)",
-                    [(_new_id("job"), run_id, now) for _ in range(spec.num_jobs)],
+                    "INSERT INTO jobs(job_id, run_id, state, updated_unix, kind, shard_index, shard_count, pending_deps) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?)",
+                    [(ids[i], run_id, now, kind, index, count, len(needs)) for i, (kind, index, count, needs) in enumerate(graph)],
+                )
+                db.executemany(
+                    "INSERT INTO job_deps(job_id, needs_job_id) VALUES (?, ?)",
+                    [(ids[i], ids[n]) for i, (_, _, _, needs) in enumerate(graph) for n in needs],
                 )
         except sqlite3.IntegrityError:
             raise ConflictError(f"a run named `{spec.name}` already exists\nhint: pick another `--name`") from None
@@ -811,10 +931,15 @@ class Store(StoreReader):
             required_features=tuple(json.loads(r[6])),
             image=r[7],
             num_jobs=r[8],
+            capture_shards=r[10],
+            eval_shards=r[11],
         )
-        return RunRow(run_id=run_id, spec=spec, approved_native_versions=approved, created_unix=r[9], job_states=states)
+        return RunRow(run_id=run_id, spec=spec, approved_native_versions=approved, created_unix=r[9], job_states=states, failure=r[12])
 
-    _RUN_COLS = "run_id, name, spec_json, required_client_version, checkpoint_policy, max_local_ranks, required_features, image, num_jobs, created_unix"
+    _RUN_COLS = (
+        "run_id, name, spec_json, required_client_version, checkpoint_policy, max_local_ranks, required_features, image, num_jobs, created_unix,"
+        " capture_shards, eval_shards, failure"
+    )
 
     def _run_for_lease(self, run_id: str) -> RunRow:
         # Like get_run without counting job states (O(jobs) per AcquireLease otherwise) and
@@ -842,10 +967,14 @@ class Store(StoreReader):
         self.get_run(run_id)
         size, after = page(page_size, page_token)
         rows = self.db.execute(
-            "SELECT seq, job_id, state, attempts FROM jobs WHERE run_id=? AND seq > ? ORDER BY seq LIMIT ?", (run_id, after, size + 1)
+            "SELECT seq, job_id, state, attempts, kind, shard_index, shard_count, reason FROM jobs WHERE run_id=? AND seq > ? ORDER BY seq LIMIT ?",
+            (run_id, after, size + 1),
         ).fetchall()
         out = []
-        for _, job_id, state, attempts in rows[:size]:
+        for _, job_id, state, attempts, kind, shard_index, shard_count, reason in rows[:size]:
+            deps = self.db.execute(
+                "SELECT d.needs_job_id, n.state FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id WHERE d.job_id=? ORDER BY n.seq", (job_id,)
+            ).fetchall()
             final = self._succeeded_attempt(job_id)
             count, export = 0, None
             if final is not None:
@@ -856,7 +985,13 @@ class Store(StoreReader):
                 ).fetchone()
                 export = None if r is None else self._record(r)
             pub = self.publication(job_id) if export is not None else None
-            out.append(JobRow(job_id=job_id, run_id=run_id, state=state, attempts=attempts, artifact_count=count, export=export, publication=pub))
+            out.append(
+                JobRow(
+                    job_id=job_id, run_id=run_id, state=state, attempts=attempts, artifact_count=count, export=export, publication=pub,
+                    kind=kind, shard_index=shard_index, shard_count=shard_count, reason=reason,
+                    needs=tuple(d for d, _ in deps), waiting_for=tuple(d for d, st in deps if st != "succeeded"),
+                )  # fmt: skip
+            )
         return out, next_token(rows, size)
 
     def approve_version(self, run_id: str, version: str) -> RunRow:
@@ -1015,11 +1150,12 @@ class Store(StoreReader):
         now = self.clock()
         self.db.execute("UPDATE providers SET last_seen_unix=? WHERE provider_id=?", (now, provider_id))
         upgrade: Upgrade | None = None
-        # EXISTS over the (state, run_id) index: O(runs), not O(queued jobs).
+        # EXISTS over the (state, run_id) index: O(runs), not O(queued jobs). A run whose queued
+        # jobs all wait for others has nothing to lease (and so asks no provider to upgrade).
         run_ids = [
             r
             for (r,) in self.db.execute(
-                "SELECT r.run_id FROM runs r WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.state='queued' AND j.run_id=r.run_id) ORDER BY r.seq"
+                f"SELECT r.run_id FROM runs r WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.state='queued' AND j.run_id=r.run_id AND {_READY}) ORDER BY r.seq"
             )
         ]
         for run_id in run_ids:
@@ -1032,10 +1168,19 @@ class Store(StoreReader):
             if verdict is Verdict.INCAPABLE:
                 continue
             with self._tx() as db:
-                row = db.execute("SELECT job_id, attempts FROM jobs WHERE run_id=? AND state='queued' ORDER BY seq LIMIT 1", (run_id,)).fetchone()
+                row = db.execute(
+                    f"SELECT job_id, attempts, kind, shard_index, shard_count FROM jobs j WHERE run_id=? AND state='queued' AND {_READY} ORDER BY seq LIMIT 1",
+                    (run_id,),
+                ).fetchone()
                 if row is None:
                     continue
-                job_id, attempts = row
+                job_id, attempts, kind, shard_index, shard_count = row
+                inputs = self.inputs(job_id)
+                too_many = self._too_many_inputs(inputs)
+                if too_many:
+                    db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE job_id=?", (too_many, now, job_id))
+                    self._fail_graph_run(db, job_id, "failed", too_many, now)
+                    continue
                 attempt_id, lease_id = _new_id("att"), _new_id("lease")
                 db.execute(
                     "INSERT INTO attempts(attempt_id, job_id, number, provider_id, lease_id, state, lease_expires_unix, started_unix)"
@@ -1060,8 +1205,50 @@ class Store(StoreReader):
                 required_features=run.spec.required_features,
                 required_client_version=run.spec.required_client_version,
                 image=run.spec.image,
+                kind=kind,
+                shard_index=shard_index,
+                shard_count=shard_count,
+                inputs=inputs,
             )
         return upgrade
+
+    @staticmethod
+    def _too_many_inputs(inputs: tuple[ArtifactRecord, ...]) -> str:
+        """Why a lease cannot name `inputs` (too many, or too large a message), or ""."""
+        size = sum(len(a.name) + len(a.uri) + len(a.kind) + 100 for a in inputs)
+        if len(inputs) <= MAX_LEASE_INPUTS and size <= MAX_LEASE_INPUT_BYTES:
+            return ""
+        return (
+            f"the jobs this one needs have {'more than ' if len(inputs) > MAX_LEASE_INPUTS else ''}{min(len(inputs), MAX_LEASE_INPUTS)} final artifacts"
+            f" (about {size} bytes of names); a lease names at most {MAX_LEASE_INPUTS} ({MAX_LEASE_INPUT_BYTES} bytes)\n"
+            "hint: have each capture shard commit fewer, larger files"
+        )
+
+    def inputs(self, job_id: str) -> tuple[ArtifactRecord, ...]:
+        """The final artifacts of the jobs `job_id` needs (their SUCCEEDED attempts' records, checkpoints
+        aside: those are a job's own), in the needed jobs' order; at most MAX_LEASE_INPUTS + 1 (one more says "too many")."""
+        rows = self.db.execute(
+            f"SELECT {', '.join('r.' + c.strip() for c in _REC_COLS.split(','))} FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
+            " JOIN attempts a ON a.job_id=n.job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
+            " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') ORDER BY n.seq, r.seq LIMIT ?",
+            (job_id, MAX_LEASE_INPUTS + 1),
+        ).fetchall()
+        return tuple(self._record(r) for r in rows)
+
+    def find_input(self, job_id: str, name: str, sha256: str) -> ArtifactRecord:
+        """A record a lease of `job_id` may download: its own job's (`find_record`), or one of its `inputs`."""
+        try:
+            return self.find_record(job_id, name, sha256)
+        except NotFoundError:
+            r = self.db.execute(
+                f"SELECT {', '.join('r.' + c.strip() for c in _REC_COLS.split(','))} FROM job_deps d"
+                " JOIN attempts a ON a.job_id=d.needs_job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
+                " WHERE d.job_id=? AND r.name=? AND r.sha256=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') LIMIT 1",
+                (job_id, name, sha256),
+            ).fetchone()
+            if r is None:
+                raise
+            return self._record(r)
 
     def last_checkpoint(self, job_id: str) -> ArtifactRecord | None:
         """The job's newest committed checkpoint, by any attempt (highest step, then latest recorded)."""
@@ -1083,15 +1270,39 @@ class Store(StoreReader):
             job_state = "failed"
         else:
             job_state = "queued"
+        failure = ""
+        if job_state == "queued":
+            # A graph run that failed meanwhile leases nothing more.
+            failure = db.execute("SELECT r.failure FROM runs r JOIN jobs j ON j.run_id=r.run_id WHERE j.job_id=?", (job_id,)).fetchone()[0]
+            if failure:
+                job_state = "failed"
         db.execute("UPDATE attempts SET state=?, ended_unix=?, message=? WHERE attempt_id=?", (attempt_state, now, message[:4000], attempt_id))
         self.counts[f"attempt_{attempt_state}"] += 1
         self._drop_loose_checkpoint_files(db, attempt_id)
         self.ended_attempts.add(attempt_id)
         db.execute(
-            "UPDATE jobs SET state=?, current_attempt_id=NULL, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
-            (job_state, now, job_id),
+            "UPDATE jobs SET state=?, current_attempt_id=NULL, checkpoint_requested=0, reason=?, updated_unix=? WHERE job_id=?",
+            (job_state, f"run failed: {failure}" if failure else "", now, job_id),
         )
+        if job_state == "succeeded":
+            db.execute("UPDATE jobs SET pending_deps=pending_deps-1 WHERE job_id IN (SELECT job_id FROM job_deps WHERE needs_job_id=?)", (job_id,))
+        if job_state in ("failed", "cancelled") and not failure:
+            self._fail_graph_run(db, job_id, job_state, message, now)
         return job_state
+
+    def _fail_graph_run(self, db, job_id: str, job_state: str, message: str, now: float) -> None:
+        """A job of a graph run ended `job_state` (failed or cancelled): the run fails, naming it, and
+        its queued jobs (the job's dependents among them) fail with that reason. Pipeline runs: nothing."""
+        run_id, kind, index, count = db.execute("SELECT run_id, kind, shard_index, shard_count FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if kind == "pipeline":
+            return
+        what = f"{kind} shard {index + 1}/{count}" if count > 1 else kind
+        # The message is a provider's text and reaches the admin's terminal (`runs show`): no control characters.
+        message = "".join(c if c == "\n" or not (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) else "?" for c in message[:500])
+        why = f"job `{job_id}` ({what}) {job_state}" + (f": {message}" if message else "")
+        db.execute("UPDATE runs SET failure=? WHERE run_id=? AND failure=''", (why, run_id))
+        why = db.execute("SELECT failure FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
+        db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE run_id=? AND state='queued'", (f"run failed: {why}", now, run_id))
 
     def expire_due(self) -> int:
         """Expire every live lease past its TTL; their jobs are requeued (or failed/cancelled). Returns the count."""
@@ -1461,6 +1672,7 @@ class Store(StoreReader):
         with self._tx() as db:
             if current is None:
                 db.execute("UPDATE jobs SET state='cancelled', cancel_requested=1, updated_unix=? WHERE job_id=?", (self.clock(), job_id))
+                self._fail_graph_run(db, job_id, "cancelled", "cancelled by an admin", self.clock())
                 return "cancelled"
             db.execute("UPDATE jobs SET state='cancelling', cancel_requested=1, updated_unix=? WHERE job_id=?", (self.clock(), job_id))
             return "cancelling"

@@ -125,6 +125,8 @@ impl RunSpecFile {
             required_features: self.required_features.clone(),
             image: self.image.clone().unwrap_or_default(),
             num_jobs: self.num_jobs.unwrap_or(1),
+            // No job graph: the local harness queues pipeline jobs.
+            ..Default::default()
         })
     }
 }
@@ -680,6 +682,7 @@ mod tests {
                     reason: "improved: acceptance length 1.2 trained vs 1.0 released".into(),
                     ..Default::default()
                 }),
+                ..Default::default()
             }],
             next_page_token: String::new(),
         };

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunSpec(_message.Message):
-    __slots__ = ("name", "spec_json", "required_client_version", "checkpoint_policy", "max_local_ranks", "required_features", "image", "num_jobs")
+    __slots__ = ("name", "spec_json", "required_client_version", "checkpoint_policy", "max_local_ranks", "required_features", "image", "num_jobs", "capture_shards", "eval_shards")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     REQUIRED_CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class RunSpec(_message.Message):
     REQUIRED_FEATURES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_JOBS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SHARDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     spec_json: str
     required_client_version: str
@@ -25,10 +27,12 @@ class RunSpec(_message.Message):
     required_features: _containers.RepeatedScalarFieldContainer[str]
     image: str
     num_jobs: int
-    def __init__(self, name: _Optional[str] = ..., spec_json: _Optional[str] = ..., required_client_version: _Optional[str] = ..., checkpoint_policy: _Optional[str] = ..., max_local_ranks: _Optional[int] = ..., required_features: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ..., num_jobs: _Optional[int] = ...) -> None: ...
+    capture_shards: int
+    eval_shards: int
+    def __init__(self, name: _Optional[str] = ..., spec_json: _Optional[str] = ..., required_client_version: _Optional[str] = ..., checkpoint_policy: _Optional[str] = ..., max_local_ranks: _Optional[int] = ..., required_features: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ..., num_jobs: _Optional[int] = ..., capture_shards: _Optional[int] = ..., eval_shards: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "spec", "approved_native_versions", "created_unix", "job_states")
+    __slots__ = ("run_id", "spec", "approved_native_versions", "created_unix", "job_states", "failure")
     class JobStatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,12 +45,14 @@ class Run(_message.Message):
     APPROVED_NATIVE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     JOB_STATES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec: RunSpec
     approved_native_versions: _containers.RepeatedScalarFieldContainer[str]
     created_unix: int
     job_states: _containers.ScalarMap[str, int]
-    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., approved_native_versions: _Optional[_Iterable[str]] = ..., created_unix: _Optional[int] = ..., job_states: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    failure: str
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., approved_native_versions: _Optional[_Iterable[str]] = ..., created_unix: _Optional[int] = ..., job_states: _Optional[_Mapping[str, int]] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
     __slots__ = ("spec",)
@@ -87,20 +93,32 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export", "publication")
+    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export", "publication", "kind", "shard_index", "shard_count", "needs", "waiting_for", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_COUNT_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FIELD_NUMBER: _ClassVar[int]
     PUBLICATION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     attempts: int
     artifact_count: int
     export: _provider_pb2.Artifact
     publication: Publication
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ...) -> None: ...
+    kind: str
+    shard_index: int
+    shard_count: int
+    needs: _containers.RepeatedScalarFieldContainer[str]
+    waiting_for: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ..., kind: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., needs: _Optional[_Iterable[str]] = ..., waiting_for: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Publication(_message.Message):
     __slots__ = ("published", "verdict", "reason", "decided_unix", "override_unix", "override_note", "override_peer", "tau_released", "tau_trained", "split", "tolerance")

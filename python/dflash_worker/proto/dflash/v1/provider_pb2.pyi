@@ -112,7 +112,7 @@ class AcquireLeaseRequest(_message.Message):
     def __init__(self, provider_id: _Optional[str] = ..., wait_seconds: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "run_id", "job_id", "attempt", "spec_json", "ttl_seconds", "resume_checkpoint", "checkpoint_policy", "local_ranks", "required_features", "required_client_version", "image")
+    __slots__ = ("lease_id", "run_id", "job_id", "attempt", "spec_json", "ttl_seconds", "resume_checkpoint", "checkpoint_policy", "local_ranks", "required_features", "required_client_version", "image", "kind", "shard_index", "shard_count", "inputs")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,10 @@ class Lease(_message.Message):
     REQUIRED_FEATURES_FIELD_NUMBER: _ClassVar[int]
     REQUIRED_CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     run_id: str
     job_id: str
@@ -137,7 +141,11 @@ class Lease(_message.Message):
     required_features: _containers.RepeatedScalarFieldContainer[str]
     required_client_version: str
     image: str
-    def __init__(self, lease_id: _Optional[str] = ..., run_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec_json: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., resume_checkpoint: _Optional[_Union[Artifact, _Mapping]] = ..., checkpoint_policy: _Optional[str] = ..., local_ranks: _Optional[int] = ..., required_features: _Optional[_Iterable[str]] = ..., required_client_version: _Optional[str] = ..., image: _Optional[str] = ...) -> None: ...
+    kind: str
+    shard_index: int
+    shard_count: int
+    inputs: _containers.RepeatedCompositeFieldContainer[Artifact]
+    def __init__(self, lease_id: _Optional[str] = ..., run_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., spec_json: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., resume_checkpoint: _Optional[_Union[Artifact, _Mapping]] = ..., checkpoint_policy: _Optional[str] = ..., local_ranks: _Optional[int] = ..., required_features: _Optional[_Iterable[str]] = ..., required_client_version: _Optional[str] = ..., image: _Optional[str] = ..., kind: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
 
 class NoWork(_message.Message):
     __slots__ = ("retry_after_seconds",)

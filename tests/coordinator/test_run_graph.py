@@ -1,0 +1,423 @@
+"""Runs as job graphs: prepare -> capture x N -> train -> evaluate x M.
+
+Store-level tests on a real SQLite file (leasing order, failure propagation, the v4 migration),
+and the same over gRPC on a real coordinator process on loopback (CreateRun, the Lease's kind,
+shard and inputs, downloading an input, `runs show`, hostile shard counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sqlite3
+
+import grpc
+import pytest
+from coordinator_helpers import run_spec
+
+from dflash_worker.coordinator.artifacts import Claim
+from dflash_worker.coordinator.policy import JOB_GRAPH_FEATURE
+from dflash_worker.coordinator.store import MAX_SHARDS, SCHEMA_VERSION, Grant, Registration, RunSpecData, Store
+from dflash_worker.errors import InvalidRequestError, NotFoundError
+from dflash_worker.proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2
+
+REG = Registration(
+    client_version="0.1.0",
+    native_client_version="",
+    launch_mode=1,
+    native=False,
+    backend="cpu",
+    device_count=1,
+    features=(JOB_GRAPH_FEATURE,),
+    capabilities=b"",
+    name="box",
+)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "coordinator.db")
+    yield s
+    s.close()
+
+
+def _provider(store: Store, name: str = "box") -> str:
+    pid, _ = store.create_provider(name)
+    store.register(pid, REG)
+    return pid
+
+
+def _graph(store: Store, name: str = "g", *, n: int = 3, m: int = 0):
+    run = store.create_run(RunSpecData(name=name, spec_json="{}", required_client_version="0.1.0", capture_shards=n, eval_shards=m))
+    jobs, _ = store.run_jobs(run.run_id)
+    return run, jobs
+
+
+def _lease(store: Store, pid: str) -> Grant | None:
+    g = store.acquire(pid)
+    assert g is None or isinstance(g, Grant), g
+    return g
+
+
+def _record(store: Store, pid: str, g: Grant, name: str, kind: str = "capture") -> Claim:
+    data = f"{g.job_id}/{name}".encode()
+    claim = Claim(name=name, kind=kind, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), step=0)
+    store.record(store.live_lease(pid, g.lease_id), claim)
+    return claim
+
+
+def test_a_graph_run_has_its_jobs_and_edges(store):
+    run, jobs = _graph(store, n=3, m=2)
+    assert run.spec.num_jobs == 7 and (run.spec.capture_shards, run.spec.eval_shards) == (3, 2)
+    assert [(j.kind, j.shard_index, j.shard_count) for j in jobs] == [
+        ("prepare", 0, 1),
+        ("capture", 0, 3),
+        ("capture", 1, 3),
+        ("capture", 2, 3),
+        ("train", 0, 1),
+        ("evaluate", 0, 2),
+        ("evaluate", 1, 2),
+    ]
+    prepare, captures, train, evals = jobs[0], jobs[1:4], jobs[4], jobs[5:]
+    assert prepare.needs == ()
+    assert all(c.needs == (prepare.job_id,) == c.waiting_for for c in captures)
+    assert train.needs == tuple(c.job_id for c in captures) == train.waiting_for
+    assert all(e.needs == (train.job_id,) for e in evals)
+    assert run.job_states == {"queued": 7}
+
+
+def test_eval_shards_default_to_one(store):
+    run, jobs = _graph(store, n=1)
+    assert run.spec.eval_shards == 1 and [j.kind for j in jobs] == ["prepare", "capture", "train", "evaluate"]
+
+
+def test_leasing_follows_the_graph(store):
+    pid = _provider(store)
+    run, jobs = _graph(store, n=2, m=2)
+    g = _lease(store, pid)
+    assert (g.job_id, g.kind, g.inputs) == (jobs[0].job_id, "prepare", ())
+    # Nothing else is leasable while prepare runs: captures wait for it.
+    assert _lease(store, _provider(store, "other")) is None
+    prep = _record(store, pid, g, "data/manifest.json", kind="manifest")
+    _record(store, pid, g, "ckpt/manifest.json.part", kind="checkpoint_file")  # a job's own; not an input
+    assert store.finish(pid, g.lease_id, "succeeded", "") == "succeeded"
+
+    c0, c1 = _lease(store, pid), _lease(store, pid)
+    assert [(c.kind, c.shard_index, c.shard_count) for c in (c0, c1)] == [("capture", 0, 2), ("capture", 1, 2)]
+    assert [(a.name, a.sha256) for a in c0.inputs] == [(prep.name, prep.sha256)] == [(a.name, a.sha256) for a in c1.inputs]
+    assert f"/{jobs[0].job_id}/" in c0.inputs[0].uri
+    # A capture may download prepare's artifact, not another run's or a checkpoint of prepare's.
+    assert store.find_input(c0.job_id, prep.name, prep.sha256).sha256 == prep.sha256
+    # Train waits for every capture shard.
+    assert _lease(store, pid) is None
+    shard0 = _record(store, pid, c0, "capture/shard-0.safetensors")
+    store.finish(pid, c0.lease_id, "succeeded", "")
+    assert _lease(store, pid) is None
+    (train,) = [j for j in store.run_jobs(run.run_id)[0] if j.kind == "train"]
+    assert train.waiting_for == (c1.job_id,)
+    shard1 = _record(store, pid, c1, "capture/shard-1.safetensors")
+    store.finish(pid, c1.lease_id, "succeeded", "")
+
+    t = _lease(store, pid)
+    assert t.kind == "train" and [a.sha256 for a in t.inputs] == [shard0.sha256, shard1.sha256]
+    with pytest.raises(NotFoundError, match="no artifact"):
+        store.find_input(t.job_id, prep.name, prep.sha256)  # prepare's output is not a train input
+    assert _lease(store, pid) is None
+    model = _record(store, pid, t, "run/export/model.safetensors", kind="export")
+    store.finish(pid, t.lease_id, "succeeded", "")
+    e0, e1 = _lease(store, pid), _lease(store, pid)
+    assert [(e.kind, e.shard_index) for e in (e0, e1)] == [("evaluate", 0), ("evaluate", 1)]
+    assert [a.sha256 for a in e0.inputs] == [model.sha256]
+    for e in (e0, e1):
+        store.finish(pid, e.lease_id, "succeeded", "")
+    assert store.get_run(run.run_id).job_states == {"succeeded": 6} and store.get_run(run.run_id).failure == ""
+
+
+def test_a_retryable_capture_is_requeued_and_train_still_waits(store):
+    pid = _provider(store)
+    _graph(store, n=1, m=1)
+    store.finish(pid, _lease(store, pid).lease_id, "succeeded", "")
+    c = _lease(store, pid)
+    assert store.finish(pid, c.lease_id, "retryable", "oom") == "queued"
+    again = _lease(store, pid)
+    assert (again.job_id, again.attempt, again.kind) == (c.job_id, 2, "capture")
+    assert _lease(store, pid) is None
+
+
+def test_a_failed_capture_fails_its_dependents_and_the_run(store):
+    pid = _provider(store)
+    run, jobs = _graph(store, n=3, m=2)
+    store.finish(pid, _lease(store, pid).lease_id, "succeeded", "")
+    c0, c1 = _lease(store, pid), _lease(store, pid)
+    assert store.finish(pid, c0.lease_id, "failed", "bad shard data") == "failed"
+    run = store.get_run(run.run_id)
+    assert f"job `{c0.job_id}` (capture shard 1/3) failed: bad shard data" == run.failure
+    by_id = {j.job_id: j for j in store.run_jobs(run.run_id)[0]}
+    # The queued shard, train and evaluates fail naming the job; the running shard goes on.
+    for j in jobs[3:]:
+        assert by_id[j.job_id].state == "failed" and c0.job_id in by_id[j.job_id].reason, by_id[j.job_id]
+    assert by_id[c1.job_id].state == "leased"
+    assert _lease(store, pid) is None
+    # The running shard, requeued, fails too instead of running again for a failed run.
+    assert store.finish(pid, c1.lease_id, "retryable", "crash") == "failed"
+    assert store.get_run(run.run_id).failure == run.failure
+    assert store.get_run(run.run_id).job_states == {"succeeded": 1, "failed": 6}
+
+
+def test_a_job_needing_more_inputs_than_a_lease_names_fails(store, monkeypatch):
+    from dflash_worker.coordinator import store as store_mod
+
+    monkeypatch.setattr(store_mod, "MAX_LEASE_INPUTS", 1)
+    pid = _provider(store)
+    run, jobs = _graph(store, n=2, m=1)
+    store.finish(pid, _lease(store, pid).lease_id, "succeeded", "")
+    for _ in range(2):
+        c = _lease(store, pid)
+        _record(store, pid, c, f"capture/shard-{c.shard_index}.safetensors")
+        store.finish(pid, c.lease_id, "succeeded", "")
+    # Train needs 2 input artifacts, more than a lease may name: it fails instead of being leased short.
+    assert _lease(store, pid) is None
+    by_kind = {j.kind: j for j in store.run_jobs(run.run_id)[0]}
+    assert by_kind["train"].state == "failed" and "more than 1 final artifacts" in by_kind["train"].reason
+    assert by_kind["evaluate"].state == "failed" and "train" in store.get_run(run.run_id).failure
+
+
+def test_a_provider_s_message_reaches_the_failure_without_control_characters(store):
+    pid = _provider(store)
+    run, _ = _graph(store, n=1)
+    g = _lease(store, pid)
+    store.finish(pid, g.lease_id, "failed", "bad\x1b[31m red\x07 " + "x" * 2000)
+    failure = store.get_run(run.run_id).failure
+    assert "\x1b" not in failure and "\x07" not in failure and "bad?[31m red? " in failure and len(failure) < 700
+
+
+def test_a_train_out_of_attempts_fails_the_evaluations(tmp_path):
+    store = Store(tmp_path / "c.db", max_attempts=1)
+    try:
+        pid = _provider(store)
+        run, jobs = _graph(store, n=1, m=1)
+        for _ in range(2):
+            store.finish(pid, _lease(store, pid).lease_id, "succeeded", "")
+        t = _lease(store, pid)
+        assert store.finish(pid, t.lease_id, "retryable", "crashed") == "failed"
+        ev = store.run_jobs(run.run_id)[0][-1]
+        assert ev.state == "failed" and f"job `{t.job_id}` (train) failed: crashed" in ev.reason
+    finally:
+        store.close()
+
+
+def test_cancelling_a_queued_job_fails_the_graph_run(store):
+    run, jobs = _graph(store, n=2)
+    assert store.cancel_job(jobs[0].job_id) == "cancelled"
+    r = store.get_run(run.run_id)
+    assert r.failure.startswith(f"job `{jobs[0].job_id}` (prepare) cancelled")
+    assert r.job_states == {"cancelled": 1, "failed": 4}
+
+
+def test_graph_jobs_go_only_to_providers_that_run_graph_jobs(store):
+    """Today's run-manager offers no `job_graph` feature: a graph job is never leased to it (it would run the whole pipeline)."""
+    old = dataclasses.replace(REG, features=("flash_attention_2",))
+    pid, _ = store.create_provider("old")
+    store.register(pid, old)
+    run, jobs = _graph(store, n=2)
+    assert JOB_GRAPH_FEATURE in store.get_run(run.run_id).spec.required_features
+    assert _lease(store, pid) is None
+    # The same provider still gets pipeline jobs; one that offers the feature gets the graph's first job.
+    store.create_run(RunSpecData(name="plain", spec_json="{}", required_client_version="0.1.0"))
+    assert _lease(store, pid).kind == "pipeline"
+    assert _lease(store, _provider(store, "new")).job_id == jobs[0].job_id
+
+
+def test_pipeline_runs_are_unchanged(store):
+    pid = _provider(store)
+    run = store.create_run(RunSpecData(name="p", spec_json="{}", required_client_version="0.1.0", num_jobs=3))
+    jobs, _ = store.run_jobs(run.run_id)
+    assert [(j.kind, j.shard_index, j.shard_count, j.needs) for j in jobs] == [("pipeline", 0, 1, ())] * 3
+    assert (run.spec.num_jobs, run.spec.capture_shards, run.spec.eval_shards) == (3, 0, 0)
+    grants = [_lease(store, pid) for _ in range(3)]
+    assert [g.job_id for g in grants] == [j.job_id for j in jobs]
+    assert all((g.kind, g.shard_index, g.shard_count, g.inputs) == ("pipeline", 0, 1, ()) for g in grants)
+    # One job failing fails nothing else, as before job graphs.
+    assert store.finish(pid, grants[0].lease_id, "failed", "x") == "failed"
+    assert store.get_run(run.run_id).failure == "" and store.get_run(run.run_id).job_states == {"failed": 1, "leased": 2}
+    assert store.cancel_job(jobs[1].job_id) == "cancelling"
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(capture_shards=-1), "capture_shards` must be 0-1024"),
+        (dict(capture_shards=MAX_SHARDS + 1), "capture_shards` must be 0-1024"),
+        (dict(capture_shards=2**32), "capture_shards` must be 0-1024"),
+        (dict(capture_shards=1, eval_shards=-3), "eval_shards` must be 0-1024"),
+        (dict(capture_shards=1, eval_shards=10**9), "eval_shards` must be 0-1024"),
+        (dict(eval_shards=2), "eval_shards` needs `spec.capture_shards"),
+        (dict(capture_shards=2, num_jobs=3), "does not apply to a job graph"),
+    ],
+)
+def test_bad_shard_counts_are_refused(store, kw, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        RunSpecData(name="bad", spec_json="{}", required_client_version="0.1.0", **kw)
+
+
+def test_the_largest_graph_is_created(store):
+    run, _ = _graph(store, n=MAX_SHARDS, m=MAX_SHARDS)
+    assert run.spec.num_jobs == 2 + 2 * MAX_SHARDS
+    jobs, token = store.run_jobs(run.run_id, page_size=1000)
+    assert len(jobs) == 1000 and token
+    train = store.db.execute(
+        "SELECT COUNT(*) FROM job_deps d JOIN jobs j ON j.job_id=d.job_id WHERE j.kind='train' AND j.run_id=?", (run.run_id,)
+    )
+    assert train.fetchone() == (MAX_SHARDS,)
+    # Exactly as many shards as given; an exact graph's `num_jobs` is accepted too.
+    RunSpecData(name="ok", spec_json="{}", required_client_version="0.1.0", capture_shards=2, eval_shards=1, num_jobs=5)
+
+
+# --- migration from schema 4 ----------------------------------------------------------
+
+
+def test_a_version_4_database_is_migrated(tmp_path):
+    """A v4 database (no job kinds, no graph) opens as v5: its jobs are pipeline jobs and lease as before."""
+    path = tmp_path / "coordinator.db"
+    store = Store(path)
+    pid = _provider(store)
+    run = store.create_run(RunSpecData(name="old", spec_json="{}", required_client_version="0.1.0", num_jobs=2))
+    leased = _lease(store, pid)
+    store.close()
+    # What a schema-4 coordinator left: no job_deps, no kind/shard/reason columns, no run shard columns.
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("DROP TABLE job_deps")
+    db.execute("DROP INDEX jobs_ready")
+    for col in ("kind", "shard_index", "shard_count", "reason", "pending_deps"):
+        db.execute(f"ALTER TABLE jobs DROP COLUMN {col}")
+    for col in ("capture_shards", "eval_shards", "failure"):
+        db.execute(f"ALTER TABLE runs DROP COLUMN {col}")
+    db.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+    db.close()
+
+    store = Store(path)
+    try:
+        assert SCHEMA_VERSION == 5
+        assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("5",)
+        jobs, _ = store.run_jobs(run.run_id)
+        assert [(j.kind, j.shard_count, j.needs, j.state) for j in jobs] == [("pipeline", 1, (), "leased"), ("pipeline", 1, (), "queued")]
+        r = store.get_run(run.run_id)
+        assert (r.spec.capture_shards, r.spec.eval_shards, r.failure) == (0, 0, "")
+        assert store.db.execute("SELECT COUNT(*) FROM jobs WHERE pending_deps != 0").fetchone() == (0,)
+        assert store.db.execute("SELECT 1 FROM sqlite_master WHERE type='index' AND name='jobs_ready'").fetchone() == (1,)
+        # The old lease is still live; the other job leases as a pipeline job; failing it fails nothing else.
+        assert store.finish(pid, leased.lease_id, "succeeded", "") == "succeeded"
+        g = _lease(store, pid)
+        assert g.kind == "pipeline" and g.inputs == ()
+        assert store.finish(pid, g.lease_id, "failed", "x") == "failed" and store.get_run(run.run_id).failure == ""
+        # New graph runs work on the migrated database.
+        _, gjobs = _graph(store, n=2)
+        assert [j.kind for j in gjobs] == ["prepare", "capture", "capture", "train", "evaluate"]
+    finally:
+        store.close()
+
+
+# --- over gRPC --------------------------------------------------------------------------
+
+
+def test_graph_run_over_grpc(coordinator, provider_factory, capsys):
+    from dflash_worker.coordinator.cli import main as cli_main
+
+    p = provider_factory()
+    p.register(features=("flash_attention_2", JOB_GRAPH_FEATURE))
+    with coordinator.admin() as admin:
+        run = admin.create_run(run_spec("graph", capture_shards=2, eval_shards=1))
+        assert JOB_GRAPH_FEATURE in run.spec.required_features
+        assert (run.spec.num_jobs, run.spec.capture_shards, run.spec.eval_shards) == (5, 2, 1)
+        prep = p.acquire().lease
+        assert (prep.kind, prep.shard_index, prep.shard_count, list(prep.inputs)) == ("prepare", 0, 1, [])
+        assert p.acquire().WhichOneof("result") == "no_work"
+        data = b'{"examples": 10}'
+        p.report(prep.lease_id, "data/manifest.json", data, kind="manifest")
+        assert p.finish(prep.lease_id) == "succeeded"
+        cap = p.acquire().lease
+        assert (cap.kind, cap.shard_index, cap.shard_count) == ("capture", 0, 2)
+        (inp,) = cap.inputs
+        assert (inp.name, inp.sha256, inp.size_bytes) == ("data/manifest.json", hashlib.sha256(data).hexdigest(), len(data))
+        # The capture's lease may download its input, though it is another job's.
+        header, body = p.download(cap.lease_id, inp.name, inp.sha256)
+        assert body == data and header.sha256 == inp.sha256
+        assert p.finish(cap.lease_id, provider_pb2.ATTEMPT_OUTCOME_FAILED, "shard 0 broke") == "failed"
+
+        resp = admin.get_run(run.run_id)
+        assert f"job `{cap.job_id}` (capture shard 1/2) failed: shard 0 broke" == resp.run.failure
+        jobs = list(resp.jobs)
+        assert [(j.kind, j.shard_index, j.shard_count, j.state) for j in jobs] == [
+            ("prepare", 0, 1, "succeeded"),
+            ("capture", 0, 2, "failed"),
+            ("capture", 1, 2, "failed"),
+            ("train", 0, 1, "failed"),
+            ("evaluate", 0, 1, "failed"),
+        ]
+        assert list(jobs[3].needs) == [jobs[1].job_id, jobs[2].job_id] and list(jobs[3].waiting_for) == list(jobs[3].needs)
+        assert cap.job_id in jobs[4].reason
+        assert p.acquire().WhichOneof("result") == "no_work"
+
+        # A second graph run, for `runs show` of a queued graph.
+        run2 = admin.create_run(run_spec("graph2", capture_shards=3))
+    env = ["--server", coordinator.address, "--admin-token", coordinator.admin_token]
+    assert cli_main(["runs", "show", run2.run_id, *env]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "prepare  queued" in out and "capture 2/3  queued" in out and "waits for 3 of 3 jobs it needs" in out and "evaluate  queued" in out
+    )
+    assert cli_main(["runs", "show", run.run_id, *env]) == 0
+    out = capsys.readouterr().out
+    assert f"run failed: job `{cap.job_id}`" in out and "capture 1/2  failed" in out
+    assert (
+        cli_main(
+            [
+                "runs",
+                "create",
+                "--name",
+                "g3",
+                "--spec-json",
+                "{}",
+                "--client-version",
+                "0.1.0",
+                "--capture-shards",
+                "4",
+                "--eval-shards",
+                "2",
+                "--json",
+                *env,
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert '"capture_shards": 4' in out and '"eval_shards": 2' in out and '"num_jobs": 8' in out
+    with pytest.raises(SystemExit):
+        cli_main(["runs", "create", "--name", "g4", "--spec-json", "{}", "--client-version", "0.1.0", "--capture-shards", "-1", *env])
+    assert "must be a whole number from 0 to 1024" in capsys.readouterr().err
+
+
+def test_hostile_shard_counts_over_grpc(coordinator):
+    channel = grpc.insecure_channel(coordinator.address)
+    stub = admin_pb2_grpc.AdminServiceStub(channel)
+    md = (("authorization", f"Bearer {coordinator.admin_token}"),)
+    try:
+        for kw in (
+            dict(capture_shards=2**32 - 1),
+            dict(capture_shards=1025),
+            dict(capture_shards=1, eval_shards=5000),
+            dict(eval_shards=1),
+            dict(capture_shards=2, num_jobs=9),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.CreateRun(admin_pb2.CreateRunRequest(spec=run_spec("bad", **kw)), metadata=md, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kw
+            assert "shards" in e.value.details() or "job graph" in e.value.details(), e.value.details()
+        assert list(stub.ListRuns(admin_pb2.ListRunsRequest(), metadata=md, timeout=10).runs) == []
+        # The cap itself is accepted.
+        run = stub.CreateRun(
+            admin_pb2.CreateRunRequest(spec=run_spec("cap", capture_shards=1024, eval_shards=1024)), metadata=md, timeout=30
+        ).run
+        assert run.spec.num_jobs == 2050 and run.job_states == {"queued": 2050}
+    finally:
+        channel.close()
