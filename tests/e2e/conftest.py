@@ -80,6 +80,15 @@ def procs():
     p.cleanup()
 
 
+@pytest.fixture(scope="session")
+def session_procs():
+    """`procs` for session-scoped fixtures (a test module must not import this file: `conftest` names
+    whichever tests/*/conftest.py pytest loaded first)."""
+    p = Processes()
+    yield p
+    p.cleanup()
+
+
 @dataclass(frozen=True)
 class Baseline:
     """An uninterrupted `run-manager --local` run of `spec`."""

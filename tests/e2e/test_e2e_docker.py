@@ -139,12 +139,10 @@ def gone(name: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def docker_run(tmp_path_factory, spec, image, models, world):
+def docker_run(tmp_path_factory, spec, image, models, world, session_procs):
     """One undisturbed run of the pipeline in the container; `docker inspect` of its container, captured mid-run."""
-    from conftest import Processes
-
     tmp = tmp_path_factory.mktemp("docker-run")
-    procs = Processes()
+    procs = session_procs
     try:
         t0 = time.monotonic()
         rm, work = run_docker_job(procs, tmp, "docker-pipeline", spec, image, models)
