@@ -22,7 +22,7 @@
 //! - `artifact`: a file the worker finished writing. `path` is absolute or
 //!   relative to the job directory and must resolve inside it; `name` is the
 //!   artifact's relative name in the job's namespace; `kind` is one of
-//!   `checkpoint export manifest report metrics capture`; `sha256`/`size_bytes`
+//!   `checkpoint export manifest report metrics capture data`; `sha256`/`size_bytes`
 //!   are checked against the file before it is reported. A `checkpoint`
 //!   artifact is one file per committed checkpoint, its `manifest.json`: the
 //!   last one is what a restarted worker resumes from (`resume_checkpoint`).
@@ -52,13 +52,16 @@ pub const MAX_METRIC_NAME: usize = 64;
 pub const MAX_MESSAGE_CHARS: usize = 4096;
 
 /// Artifact kinds the coordinator accepts.
-pub const ARTIFACT_KINDS: [&str; 6] = [
+/// (`data`: the split files a graph run's `prepare` job writes, which its
+/// `capture` jobs download as their inputs.)
+pub const ARTIFACT_KINDS: [&str; 7] = [
     "checkpoint",
     "export",
     "manifest",
     "report",
     "metrics",
     "capture",
+    "data",
 ];
 /// Phases a progress event may name (the proto's `Phase`, lowercase).
 pub const PHASES: [&str; 8] = [
@@ -332,6 +335,14 @@ mod tests {
         assert_eq!(
             (a.name.as_str(), a.kind.as_str(), a.size_bytes, a.step),
             ("ckpt/step-2", "checkpoint", 12, 2)
+        );
+        // A graph run's prepare job reports its split files as `data`.
+        let d = parse_event(&format!(
+            r#"{{"event":"artifact","name":"data/train.jsonl","kind":"data","path":"data/train.jsonl","sha256":"{sha}","size_bytes":3}}"#
+        ));
+        assert!(
+            matches!(&d, Ok(WorkerEvent::Artifact(a)) if a.kind == "data"),
+            "{d:?}"
         );
 
         assert_eq!(parse_event(r#"{"event":"done"}"#), Ok(WorkerEvent::Done));
