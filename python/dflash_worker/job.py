@@ -41,7 +41,7 @@ from .worker.events import Stopped as StoppedEvent
 log = logging.getLogger("dflash_worker.job")
 
 # Stages every rank runs (each divides its work over the ranks); rank 0 alone runs the rest.
-RANKED_STAGES = frozenset({"capture", "train", "evaluate"})
+RANKED_STAGES = frozenset({"capture", "train", "evaluate"})  # (a graph's `assemble` is rank 0's)
 
 
 class _JsonLogFormatter(logging.Formatter):
@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         emit(Progress(phase="starting"))
         for note in placement.notes():
             log.info("%s", note)
-        _run_stages(ctx, STAGES, list(spec.job.stages))
+        names = spec.graph.stages(spec.job.stages) if spec.graph is not None else list(spec.job.stages)
+        if spec.graph is not None:
+            g = spec.graph
+            log.info("graph job: %s shard %d of %d, %d inputs, stages %s", g.kind, g.shard_index + 1, g.shard_count, len(g.inputs), names)
+        _run_stages(ctx, STAGES, names)
         emit(Done())
         return 0
     except Stopped as stop:

@@ -2,14 +2,18 @@
 
 `run_capture(recipe)` writes a resumable, byte-deterministic cache of sharded
 safetensors plus a manifest; `open_capture(dir)` reads it back for training.
+A capture divided over the jobs of a run: `run_capture(recipe, part=CapturePart(i, N))`
+in each, then `assemble_capture(recipe)` where the shards meet.
 """
 
 from .layout import FORMAT
 from .reader import CapturedExample, CaptureReader, open_capture
-from .run import read_target_layer_ids, run_capture, teacher_features
+from .run import CapturePart, assemble_capture, read_target_layer_ids, run_capture, teacher_features
 
 __all__ = [
     "FORMAT",
+    "CapturePart",
+    "assemble_capture",
     "CaptureReader",
     "CapturedExample",
     "open_capture",

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from .. import __version__
 from ..data import Example, PreparedData, check_data, load_tokenizer, render_example, render_prompt
-from ..errors import CheckpointError, DataError, ResumeError
+from ..errors import CheckpointError, ConfigError, DataError, ResumeError
 from ..families import check_recipe_pair
 from ..manifest import (
     commit_file,
@@ -786,11 +786,27 @@ def capture_manifest(plan: CapturePlan, records: list[ShardRecord], examples: li
     }
 
 
-def run_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: DeviceChoice | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class CapturePart:
+    """One job's share of a capture divided over the jobs of a run's graph (`dflash_worker.worker`):
+    the shards k with ``k % count == index``, the same split ranks use, so the union of the parts'
+    shards is the bytes one process writes. A part writes no manifest; `assemble_capture` does."""
+
+    index: int
+    count: int
+
+    def owns(self, k: int) -> bool:
+        return k % self.count == self.index
+
+
+def run_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: DeviceChoice | None = None,
+                part: CapturePart | None = None) -> dict[str, Any]:
     """Run (or resume) the capture described by `recipe`; returns the manifest written.
 
     Progress and milestones go to `on_event` as `worker.events` objects (module docstring).
     `device`: where to run (a job's placement); None resolves `[capture].device`.
+    `part`: capture only that share of the shards and write no manifest; returns the part's
+    summary (`shards`: the records of the part's shards) instead.
     """
     from .. import dist
 
@@ -798,8 +814,8 @@ def run_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: De
     emit = (on_event or _ignore) if ranks.main else _ignore
     t0 = time.perf_counter()
     plan = plan_capture(recipe, emit, device)
-    if ranks.active:
-        return _run_capture_ranks(plan, ranks, emit, t0)
+    if ranks.active or part is not None:
+        return _run_capture_shared(plan, ranks, emit, t0, part)
     point = resume(plan.cap.output, plan.key.key)
     records = list(point.records)
     if point.complete is not None:
@@ -864,36 +880,48 @@ def scan_shards(out: Path, key: str, n: int, per: int) -> tuple[dict[int, ShardR
     return kept, None
 
 
-def _run_capture_ranks(plan: CapturePlan, ranks: Any, emit: EventSink, t0: float) -> dict[str, Any]:
-    """Capture as one of several ranks (module docstring of `dflash_worker.dist`); returns the manifest."""
+def _split_shards(plan: CapturePlan, what: str) -> None:
+    if plan.cap.shard_tokens is not None:
+        raise ConfigError(
+            f"`[capture].shard_tokens` with {what}: a shard's first example is not known before the earlier "
+            "shards are captured\nhint: use `shard_examples` when the capture is divided"
+        )
+
+
+def _run_capture_shared(plan: CapturePlan, ranks: Any, emit: EventSink, t0: float, part: CapturePart | None) -> dict[str, Any]:
+    """Capture as one of several ranks (module docstring of `dflash_worker.dist`) and/or as one `part` of a
+    capture divided over jobs; returns the manifest (the part's summary for a part)."""
     import dataclasses
 
     import torch
 
     from .. import dist
-    from ..errors import ConfigError
 
+    _split_shards(plan, f"{ranks.world} ranks" if part is None else f"the capture divided over {part.count} jobs")
     cap = plan.cap
-    if cap.shard_tokens is not None:
-        raise ConfigError(
-            f"`[capture].shard_tokens` with {ranks.world} ranks: a rank cannot know where a shard of N tokens "
-            "begins before the earlier shards are captured\nhint: use `shard_examples` with several ranks"
-        )
-    device = dist.place(ranks, plan.choice.torch_device)
-    if str(device) != plan.choice.device:
-        plan = dataclasses.replace(plan, choice=dataclasses.replace(plan.choice, device=str(device)))
-    dist.init(ranks, device)
+    if ranks.active:
+        device = dist.place(ranks, plan.choice.torch_device)
+        if str(device) != plan.choice.device:
+            plan = dataclasses.replace(plan, choice=dataclasses.replace(plan.choice, device=str(device)))
+        dist.init(ranks, device)
     try:
         examples = plan.examples()
         n, per = len(examples), cap.shard_examples
         total = -(-n // per)
-        kept, complete = scan_shards(cap.output, plan.key.key, n, per) if ranks.main else ({}, None)
+        ours = [k for k in range(total) if part is None or part.owns(k)]
+        if ranks.main:
+            kept, complete = scan_shards(cap.output, plan.key.key, n, per) if part is None else (_scan_part(cap.output, plan.key.key, n, per, ours), None)
+        else:
+            kept, complete = {}, None
         kept, complete = dist.broadcast(ranks, (kept, complete))
         if complete is not None:
             emit(Log(message=f"already complete ({len(kept)} shards verified)"))
             return complete
-        mine = [k for k in range(total) if k % ranks.world == ranks.rank and k not in kept]
-        emit(Log(message=f"{n} examples in {total} shards over {ranks.world} ranks ({len(kept)} shards reused)"))
+        # a rank's shards: every world-th of the job's, by position, so the split does not depend on what was kept
+        mine = [k for j, k in enumerate(ours) if j % ranks.world == ranks.rank and k not in kept]
+        where = f" over {ranks.world} ranks" if ranks.active else ""
+        share = f"shards {_ranges(ours)} of {total} (part {part.index + 1} of {part.count})" if part is not None else f"{total} shards"
+        emit(Log(message=f"{n} examples in {share}{where} ({len(kept)} shards reused)"))
         records: list[ShardRecord] = []
         from ..device import memory_peak, reset_peak
 
@@ -901,14 +929,18 @@ def _run_capture_ranks(plan: CapturePlan, ranks: Any, emit: EventSink, t0: float
         teacher = _run_teacher(plan, examples, records, emit, shards=mine) if mine else TeacherRun(0.0, True)
         written = dist.gather(ranks, [r.to_json() for r in records])  # waits for every rank
         every = dict(kept)
-        for part in written:
-            for doc in part:
+        for piece in written:
+            for doc in piece:
                 rec = ShardRecord.from_json(doc)
                 assert rec is not None
                 every[rec.shard] = rec
-        assert sorted(every) == list(range(total)), "ranks must cover every shard exactly once"
+        assert sorted(every) == ours, "ranks must cover every shard of the job exactly once"
         manifest = None
-        if ranks.main:
+        if ranks.main and part is not None:
+            manifest = {"part": part.index, "parts": part.count, "shards_total": total,
+                        "shards": [every[k].manifest_entry() | {"shard": k} for k in ours],
+                        "shards_reused": len(kept), "seconds": round(time.perf_counter() - t0, 3)}
+        elif ranks.main:
             run = {
                 "shards_reused": len(kept),
                 "shards_written": total - len(kept),
@@ -923,3 +955,56 @@ def _run_capture_ranks(plan: CapturePlan, ranks: Any, emit: EventSink, t0: float
         return dist.broadcast(ranks, manifest)
     finally:
         dist.shutdown(ranks)
+
+
+def _ranges(ks: list[int]) -> str:
+    """`0, 3, 6` for a short list, else its first and last with the count."""
+    return ", ".join(map(str, ks)) if len(ks) <= 6 else f"{ks[0]}, {ks[1]}, ... {ks[-1]} ({len(ks)})"
+
+
+def _scan_part(out: Path, key: str, n: int, per: int, ours: list[int]) -> dict[int, ShardRecord]:
+    """A part's resume: keep each of its shards that verifies under `key` and covers its span; remove the
+    rest (other shards, temporaries, a manifest: a part's directory holds only its own shards)."""
+    out.mkdir(parents=True, exist_ok=True)
+    old = _read_manifest(out / MANIFEST)
+    old_key = old.get("capture_key") if old is not None else None
+    if old_key is not None and old_key != key:
+        raise ResumeError(
+            f"`{out}` holds a different capture (key `{old_key}`, this recipe gives `{key}`)\n"
+            "hint: point `[capture].output` at a new dir, or delete the old capture"
+        )
+    kept: dict[int, ShardRecord] = {}
+    for k in ours:
+        record = _verify_shard(out, k, key)
+        span = _shard_span(k, per, n)
+        if record is not None and (record.first, record.end) == (span.start, span.stop):
+            kept[k] = record
+    _remove_shards(out, lambda idx: idx not in kept)
+    return kept
+
+
+def assemble_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: DeviceChoice | None = None) -> dict[str, Any]:
+    """The manifest of a capture whose shards other jobs wrote (`CapturePart`) and that now lie in
+    `[capture].output`: every shard must verify under this recipe's capture key and cover its span,
+    or `DataError` names the first missing ones. Writes the manifest one process would have written
+    (its `run` section aside); returns it."""
+    emit = on_event or _ignore
+    t0 = time.perf_counter()
+    plan = plan_capture(recipe, emit, device)
+    _split_shards(plan, "the capture divided over jobs")
+    examples = plan.examples()
+    n, per = len(examples), plan.cap.shard_examples
+    total = -(-n // per)
+    kept, complete = scan_shards(plan.cap.output, plan.key.key, n, per)
+    if complete is not None:
+        emit(Log(message=f"already complete ({len(kept)} shards verified)"))
+        return complete
+    missing = [k for k in range(total) if k not in kept]
+    if missing:
+        raise DataError(
+            f"`{plan.cap.output}`: {len(missing)} of {total} capture shards are missing or do not verify under capture key "
+            f"`{plan.key.key}`: shard {_ranges(missing)}\nhint: every capture job of the run must succeed with this recipe first"
+        )
+    run = {"shards_reused": total, "shards_written": 0, "assembled": True, "seconds": round(time.perf_counter() - t0, 3)}
+    emit(Log(message=f"assembled {total} capture shards ({n} examples) from the run's capture jobs"))
+    return _write_manifest(plan, [kept[k] for k in range(total)], examples, run, emit)

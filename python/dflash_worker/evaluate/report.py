@@ -41,10 +41,17 @@ Every prompt's row depends only on the prompt, its index (the sampling seed) and
 models, so rank 0 gathers the rows, puts them back in prompt order and writes the
 same report one rank writes (tested byte for byte). Rank 0 alone reports progress:
 when it finishes prompt i, about ``i + N`` prompts are done over all ranks.
+
+Several jobs (a run's job graph with M evaluate shards; `EvalPart`): shard j generates the
+prompts with ``i % M == j`` (its ranks divide those in turn). Shards 1..M-1 write their rows
+to ``part-J.json`` in the report directory; shard 0 runs after them (the coordinator's edges),
+reads those files, checks that each covers exactly its prompts of the same split and selected
+step, and writes the one report from every row, the same report one process writes.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,8 +61,21 @@ from ..worker.events import EventSink, Progress
 
 if TYPE_CHECKING:
     from ..device import DeviceChoice
+    from ..recipe import Recipe
 
 VERDICTS = ("improved", "tied", "regressed")
+PART_FORMAT = "dflash-eval-part/1"
+
+
+@dataclass(frozen=True)
+class EvalPart:
+    """One job's share of an evaluation divided over `count` jobs: the prompts with ``i % count == index``."""
+
+    index: int
+    count: int
+
+    def file(self, out_dir: Path, index: int | None = None) -> Path:
+        return Path(out_dir) / f"part-{self.index if index is None else index}.json"
 
 
 def verdict(trained: float, baseline: float, tolerance: float) -> str:
@@ -192,12 +212,18 @@ def evaluate_run(
     on_event: EventSink | None = None,
     device: DeviceChoice | None = None,
     data_dir: str | Path | None = None,
+    recipe: Recipe | None = None,
+    part: EvalPart | None = None,
 ) -> dict[str, Any]:
     """Evaluate a completed run; writes report.json / report.md / acceptance.png and returns the report.
 
     `data_dir` is any prepared data directory (default: the run's own `[data].dir`). `on_event`
     gets a `Progress` (phase `evaluate`) after each prompt; `device`, when given, is where to run
-    (the job runner's placement), else `[evaluate].device` is resolved here.
+    (the job runner's placement), else `[evaluate].device` is resolved here. `recipe`: the run's
+    recipe when the run directory holds its export and `selection.json` but not the selected
+    checkpoint (a graph's evaluate job), else the checkpoint's own is read. `part`: this job's
+    share of an evaluation divided over jobs (module docstring); a shard other than 0 writes and
+    returns its part file instead of a report.
     """
     from .. import dist
     from ..device import resolve_device
@@ -208,19 +234,21 @@ def evaluate_run(
     emit = (on_event or (lambda e: None)) if ranks.main else (lambda e: None)
     run_dir = Path(run_dir)
     selection = read_selection(run_dir)
-    recipe = recipe_from_state(run_dir, selection)
+    if recipe is None:
+        recipe = recipe_from_state(run_dir, selection)
     ecfg = recipe.evaluate or EvaluateConfig()
     split = split or ecfg.split
     choice = device or resolve_device(ecfg.device)
     dev = dist.place(ranks, choice.torch_device)
     dist.init(ranks, dev)  # (a no-op under a job, which holds the group: `dflash_worker.job`)
     try:
-        return _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir)
+        return _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir,
+                         part or EvalPart(0, 1))
     finally:
         dist.shutdown(ranks)
 
 
-def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir):
+def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir, part):
     """`evaluate_run` once the device is placed: this rank's prompts, then rank 0's report (module docstring)."""
     import torch
 
@@ -242,15 +270,31 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
                      ecfg, stop, dev)
     T = models.block_size
 
-    mine = [i for i in range(len(prompts)) if i % ranks.world == ranks.rank]
+    share = [i for i in range(len(prompts)) if i % part.count == part.index]
+    mine = [i for j, i in enumerate(share) if j % ranks.world == ranks.rank]
     local = []
-    for i in mine:
+    for j, i in enumerate(mine):
         pid, ids = prompts[i]
         local.append((i, _evaluate_prompt(models, i, pid, ids)))
-        emit(Progress(phase="evaluate", step=min(i + ranks.world, len(prompts)), total_steps=len(prompts)))
-    rows = [row for _, row in sorted((pair for part in dist.gather(ranks, local) for pair in part), key=lambda p: p[0])]
-    if len(rows) != len(prompts):  # (a rank that lost prompts is a bug, not a smaller report)
-        raise RuntimeError(f"evaluation gathered {len(rows)} rows for {len(prompts)} prompts over {ranks.world} ranks")
+        emit(Progress(phase="evaluate", step=min((j + 1) * ranks.world, len(share)), total_steps=len(share)))
+    pairs = sorted((pair for piece in dist.gather(ranks, local) for pair in piece), key=lambda p: p[0])
+    if [i for i, _ in pairs] != share:  # (a rank that lost prompts is a bug, not a smaller report)
+        raise RuntimeError(f"evaluation gathered {len(pairs)} rows for {len(share)} prompts over {ranks.world} ranks")
+    out = Path(out_dir) if out_dir is not None else run_dir / f"evaluate-{split}"
+    facts = {"split": split, "prompts": len(prompts), "selection_step": selection["step"], "temperature": ecfg.temperature,
+             "max_new_tokens": ecfg.max_new_tokens}
+    if part.count > 1 and part.index > 0:
+        doc = {"format": PART_FORMAT, "part": part.index, "parts": part.count, **facts,
+               "prompt_ids": [prompts[i][0] for i in share], "rows": [[i, row] for i, row in pairs]}
+        if ranks.main:
+            from ..manifest import pretty_json, write_bytes_atomic
+
+            out.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(part.file(out), pretty_json(doc))
+        return doc
+    for k in range(1, part.count):
+        pairs += read_part(part.file(out, k), k, part.count, facts, prompts)
+    rows = [row for _, row in sorted(pairs, key=lambda p: p[0])]
 
     base_o, tr_o = summarize(rows, "baseline", T), summarize(rows, "trained", T)
     report = {
@@ -282,10 +326,58 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
         "per_prompt": rows,
         "device": provenance(choice),
     }
-    out = Path(out_dir) if out_dir is not None else run_dir / f"evaluate-{split}"
     if ranks.main:
         write_report(report, out)
     return report
+
+
+def read_part(path: Path, k: int, count: int, facts: dict[str, Any], prompts: list[tuple[str, list[int]]]) -> list[tuple[int, dict]]:
+    """The rows of evaluate shard `k`'s part file (another provider's: checked, never trusted): it must be
+    shard `k` of `count` of this split, prompt set and selected step, with one well-formed row for each
+    of its prompts (``i % count == k``) in order; `DataError` names the file and what is wrong."""
+    from ..errors import DataError
+
+    def bad(why: str) -> DataError:
+        return DataError(f"evaluate part `{path}`: {why}\nhint: every evaluate shard of the run must succeed on the same train job first")
+
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise bad("missing") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise bad(f"not readable JSON ({str(exc)[:120]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PART_FORMAT:
+        raise bad(f"not a `{PART_FORMAT}` document")
+    want = {"part": k, "parts": count, **facts}
+    for key, value in want.items():
+        if doc.get(key) != value or isinstance(doc.get(key), bool):
+            raise bad(f"`{key}` is `{str(doc.get(key))[:40]}`, this evaluation has `{value}`")
+    share = [i for i in range(len(prompts)) if i % count == k]
+    rows = doc.get("rows")
+    if not isinstance(rows, list) or [r[0] if isinstance(r, list) and len(r) == 2 else None for r in rows] != share:
+        raise bad(f"its rows are not exactly prompts {share[:4]}{'...' if len(share) > 4 else ''} in order")
+    for i, row in rows:
+        if not _row_ok(row, greedy=facts["temperature"] == 0) or row["id"] != prompts[i][0]:
+            raise bad(f"the row of prompt {i} is malformed or names another prompt")
+    return [(i, row) for i, row in rows]
+
+
+def _row_ok(row: Any, *, greedy: bool) -> bool:
+    """The fields the report reads from a row, with their types."""
+    if not isinstance(row, dict) or not isinstance(row.get("id"), str) or row.get("verdict") not in VERDICTS:
+        return False
+    for name in ("baseline", "trained"):
+        d = row.get(name)
+        if not isinstance(d, dict) or isinstance(d.get("tau"), bool) or not isinstance(d.get("tau"), (int, float)):
+            return False
+        lengths = d.get("acceptance_lengths")
+        if not isinstance(lengths, list) or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 1 for a in lengths):
+            return False
+    if greedy:
+        matches = row.get("matches_teacher")
+        if not isinstance(row.get("lossless"), bool) or not isinstance(matches, dict) or not all(isinstance(v, bool) for v in matches.values()):
+            return False
+    return isinstance(row.get("same_output"), bool)
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> Path:

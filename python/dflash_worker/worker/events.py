@@ -22,7 +22,7 @@ from typing import IO, Any, ClassVar
 from ..errors import ConfigError
 
 PHASES = ("starting", "prepare", "check", "capture", "train", "export", "evaluate", "finishing")
-ARTIFACT_KINDS = ("checkpoint", "export", "manifest", "report", "metrics", "capture")
+ARTIFACT_KINDS = ("checkpoint", "export", "manifest", "report", "metrics", "capture", "data")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_METRICS = 64
 MAX_METRIC_NAME = 64

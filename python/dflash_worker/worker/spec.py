@@ -6,7 +6,7 @@ test can round-trip a file the Rust code wrote. Everything is validated once, wh
 the file is read, so a malformed spec fails before any stage writes anything:
 
 - the file itself (``schema_version``, ``lease``, ``device``, ``local_ranks``,
-  ``downgrades``, ``resume_checkpoint``, ...);
+  ``downgrades``, ``resume_checkpoint``, ``graph``, ...);
 - the job (``spec``: the lease's ``spec_json``): ``stages``, ``inputs``, the
   ``prepare`` / ``evaluate`` / ``noop`` options, ``export_formats``, and the
   recipe, built once with the runner's output locations filled in.
@@ -191,6 +191,98 @@ class Downgrade:
         return {"feature": self.feature, "replacement": self.replacement, "reason": self.reason}
 
 
+# Job kinds of a run's job graph (`coordinator.store.JOB_KINDS` less ``pipeline``) and the
+# stages of the job spec each one runs, in the spec's order (docs/run-admin.md "Job graphs").
+GRAPH_KIND_STAGES: dict[str, frozenset[str]] = {
+    "prepare": frozenset({"prepare", "check"}),
+    "capture": frozenset({"capture"}),
+    "train": frozenset({"train", "export"}),
+    "evaluate": frozenset({"evaluate"}),
+}
+MAX_SHARD_COUNT = 1024  # the coordinator's `store.MAX_SHARDS`
+# The step a graph's train job runs first when the spec captures: the capture jobs' shards (its
+# inputs) become one capture with its manifest (`capture.assemble_capture`). Not a spec stage.
+ASSEMBLE_STAGE = "assemble"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputFile:
+    """An artifact of an earlier job of the graph, downloaded and verified by the run-manager."""
+
+    name: str
+    kind: str
+    sha256: str
+    size_bytes: int
+    uri: str
+    path: Path
+
+    _KEYS = ("name", "kind", "sha256", "size_bytes", "uri", "path")
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> InputFile:
+        obj = _object(obj, where)
+        _refuse_unknown(obj, cls._KEYS, where)
+        text = {k: _get(obj, k, where, (str,), "a string") for k in ("name", "kind", "sha256", "uri")}
+        path = _check_path(_get(obj, "path", where, (str,), "a path"), f"{where}.path")
+        if len(text["sha256"]) != 64 or any(c not in "0123456789abcdef" for c in text["sha256"]):
+            raise ConfigError(f"{where}: `sha256` must be 64 lowercase hex digits, got `{_short(text['sha256'])}`")
+        return cls(**text, size_bytes=_uint(obj, "size_bytes", where), path=Path(path))
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self._KEYS}
+        out["path"] = str(self.path)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphInfo:
+    """``graph``: which job of a run's job graph this is (absent for a whole-pipeline job).
+
+    `kind` picks the stages (`GRAPH_KIND_STAGES`); `shard_index` of `shard_count` is the job's
+    share of its stage (capture: shards k with k % count == index; evaluate: prompts likewise);
+    `inputs` are the final artifacts of the jobs it needs, already in the job directory.
+    """
+
+    kind: str
+    shard_index: int
+    shard_count: int
+    inputs: tuple[InputFile, ...] = ()
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "`graph`") -> GraphInfo:
+        obj = _object(obj, where)
+        _refuse_unknown(obj, ("kind", "shard_index", "shard_count", "inputs"), where)
+        kind = _get(obj, "kind", where, (str,), "a string")
+        if kind not in GRAPH_KIND_STAGES:
+            raise ConfigError(f"{where}: `kind` is `{_short(kind)}`; known: {', '.join(GRAPH_KIND_STAGES)}")
+        count = _uint(obj, "shard_count", where, hi=MAX_SHARD_COUNT)
+        index = _uint(obj, "shard_index", where, hi=MAX_SHARD_COUNT)
+        if count < 1 or index >= count:
+            raise ConfigError(f"{where}: shard `{index}` of `{count}` is not a shard (0 <= shard_index < shard_count)")
+        inputs = _get(obj, "inputs", where, (list,), "a list", [])
+        return cls(
+            kind=kind,
+            shard_index=index,
+            shard_count=count,
+            inputs=tuple(InputFile.from_json(a, f"{where}.inputs[{i}]") for i, a in enumerate(inputs)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "shard_index": self.shard_index,
+            "shard_count": self.shard_count,
+            "inputs": [a.to_json() for a in self.inputs],
+        }
+
+    def stages(self, listed: tuple[str, ...]) -> list[str]:
+        """The job spec's stages this job runs, in the spec's order (a train job assembles the capture first)."""
+        names = [s for s in listed if s in GRAPH_KIND_STAGES[self.kind]]
+        if self.kind == "train" and "capture" in listed:
+            names.insert(0, ASSEMBLE_STAGE)
+        return names
+
+
 # ----------------------------------------------------------------- the job itself
 @dataclass(frozen=True, kw_only=True)
 class PrepareOptions:
@@ -288,7 +380,8 @@ class NoopOptions:
         )
 
 
-_JOB_KEYS = ("stages", "inputs", "prepare", "recipe", "export_formats", "evaluate", "noop")
+# `placement` (per-kind provider requirements of a job graph) is the coordinator's; the worker only lets it through.
+_JOB_KEYS = ("stages", "inputs", "prepare", "recipe", "export_formats", "evaluate", "noop", "placement")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,7 +482,7 @@ def _check_depth(doc: Any) -> None:
 
 _FILE_KEYS = (
     "schema_version", "spec", "lease", "resume_checkpoint", "resume_step", "restart",
-    "job_dir", "device", "local_ranks", "downgrades", "client_version",
+    "job_dir", "device", "local_ranks", "downgrades", "client_version", "graph",
 )  # fmt: skip
 
 
@@ -408,6 +501,7 @@ class JobSpec:
     local_ranks: int = 1
     downgrades: tuple[Downgrade, ...] = ()
     client_version: str | None = None
+    graph: GraphInfo | None = None
     # the keys the file had, so to_json() gives back exactly what was read
     present: frozenset[str] = frozenset()
 
@@ -465,6 +559,7 @@ class JobSpec:
             local_ranks=local_ranks,
             downgrades=tuple(Downgrade.from_json(d, f"`downgrades[{i}]`") for i, d in enumerate(downgrades)),
             client_version=_get(doc, "client_version", "spec.json", (str,), "a string", None),
+            graph=GraphInfo.from_json(doc["graph"]) if doc.get("graph") is not None else None,
             present=frozenset(doc),
         )
 
@@ -482,5 +577,6 @@ class JobSpec:
             "local_ranks": self.local_ranks,
             "downgrades": [d.to_json() for d in self.downgrades],
             "client_version": self.client_version,
+            "graph": self.graph.to_json() if self.graph else None,
         }
         return {k: v for k, v in full.items() if k in self.present}

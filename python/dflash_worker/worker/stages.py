@@ -14,6 +14,20 @@ verified or skipped:
 - ``evaluate``: released vs trained draft on held-out prompts, ``DIR/eval``;
 - ``noop``: a counting stage the run-manager's tests use (`dflash_worker.worker.noop`).
 
+A job of a run's job graph (``spec.graph``, `spec.GraphInfo`) runs its kind's stages
+(`spec.GRAPH_KIND_STAGES`) on the inputs the run-manager downloaded into the job directory,
+and reports what later jobs need:
+
+- ``prepare``: every file of ``DIR/data`` (kind ``data``; the manifest as ``manifest``);
+- ``capture`` shard i of N: the capture shards k with ``k % N == i`` and their sidecars
+  (kind ``capture``), no manifest (`capture.CapturePart`);
+- ``train``: first ``assemble``: the shards of every capture job become one capture with
+  its manifest (`capture.assemble_capture`); then training and export as in a pipeline,
+  plus ``run/selection.json`` (kind ``manifest``) for the evaluate jobs;
+- ``evaluate`` shard j of M: the prompts with ``i % M == j`` of the train job's BF16
+  export; shard j > 0 reports ``eval/part-J.json``, shard 0 (which runs last) merges them
+  into the one report (`evaluate.report.EvalPart`).
+
 Library calls report through typed events (`dflash_worker.worker.events`); a stage
 forwards ``Progress`` and ``Artifact`` (renamed relative to the job directory) to the
 run-manager and writes ``Log`` events to the log. Torch and the training stack are
@@ -28,7 +42,7 @@ from collections.abc import Callable
 from .context import StageContext, Stopped
 from .events import Artifact, Event, Log, Progress
 from .noop import run_noop
-from .spec import CAPTURE_DIR, DATA_DIR, EVAL_DIR, RUN_DIR
+from .spec import ASSEMBLE_STAGE, CAPTURE_DIR, DATA_DIR, EVAL_DIR, RUN_DIR
 
 log = logging.getLogger("dflash_worker.job")
 
@@ -54,6 +68,9 @@ def run_prepare(ctx: StageContext) -> None:
     _progress(ctx, "prepare", 0, 1)
     manifest = prepare_data(list(job.inputs), ctx.job_dir / DATA_DIR, **job.prepare.kwargs())
     ctx.report(ctx.job_dir / DATA_DIR / "manifest.json", kind="manifest")
+    if ctx.spec.graph is not None:  # the later jobs of the graph run on other machines: they need the splits
+        for f in sorted(p for p in (ctx.job_dir / DATA_DIR).rglob("*") if p.is_file() and p.name != "manifest.json"):
+            ctx.report(f, kind="data")
     counts = manifest.get("counts", {}).get("split", {}) if isinstance(manifest.get("counts"), dict) else {}
     _progress(ctx, "prepare", 1, 1, **{f"rows_{k}": float(v) for k, v in counts.items() if isinstance(v, int)})
 
@@ -74,20 +91,44 @@ def run_check(ctx: StageContext) -> None:
     _progress(ctx, "check", 1, 1, examples=float(report.examples))
 
 
-def run_capture_stage(ctx: StageContext) -> None:
-    from ..capture import run_capture
-
-    recipe = ctx.spec.job.require_recipe()
-    recipe.require("capture")
-
+def _capture_events(ctx: StageContext) -> Callable[[Event], None]:
     def on_event(e: Event) -> None:
         _relay(ctx, e)
         if ctx.stop_requested:
             # capture commits whole shards; an interrupted shard is redone on resume
             raise Stopped(0)
 
-    run_capture(recipe, on_event=on_event, device=ctx.devices["capture"])
-    ctx.report(ctx.job_dir / CAPTURE_DIR / "manifest.json", kind="capture")
+    return on_event
+
+
+def run_capture_stage(ctx: StageContext) -> None:
+    from .. import dist
+    from ..capture import CapturePart, run_capture
+    from ..capture.layout import shard_path, sidecar_path
+
+    recipe = ctx.spec.job.require_recipe()
+    recipe.require("capture")
+    graph = ctx.spec.graph
+    part = CapturePart(graph.shard_index, graph.shard_count) if graph is not None else None
+    done = run_capture(recipe, on_event=_capture_events(ctx), device=ctx.devices["capture"], part=part)
+    out = ctx.job_dir / CAPTURE_DIR
+    if part is None:
+        ctx.report(out / "manifest.json", kind="capture")
+    elif dist.ranks_from_env().main:  # a part has no manifest: its shards are what the train job assembles
+        for entry in done["shards"]:
+            ctx.report(shard_path(out, entry["shard"]), kind="capture")
+            ctx.report(sidecar_path(out, entry["shard"]), kind="capture")
+        _progress(ctx, "capture", len(done["shards"]), len(done["shards"]), shards=float(len(done["shards"])))
+
+
+def run_assemble(ctx: StageContext) -> None:
+    """A graph's train job: the capture jobs' shards (downloaded inputs) become one capture."""
+    from ..capture import assemble_capture
+
+    recipe = ctx.spec.job.require_recipe()
+    recipe.require("capture")
+    manifest = assemble_capture(recipe, on_event=_capture_events(ctx), device=ctx.devices["capture"])
+    log.info("capture assembled: %d shards, key `%s`", manifest["shards_total"], manifest["capture_key"])
 
 
 def run_train(ctx: StageContext) -> None:
@@ -135,6 +176,8 @@ def run_train(ctx: StageContext) -> None:
         raise Stopped(result.step)
     if result.status == "verified" and result.export_dir is not None:
         ctx.report_all(result.export_dir, kind="export", step=result.step)
+    if ctx.spec.graph is not None and ranks.main:  # the evaluate jobs read which step was selected
+        ctx.report(run_dir / SELECTION, kind="manifest", step=result.step)
 
 
 def run_export(ctx: StageContext) -> None:
@@ -152,10 +195,18 @@ def run_export(ctx: StageContext) -> None:
 
 def run_evaluate(ctx: StageContext) -> None:
     from .. import dist
-    from ..evaluate.report import evaluate_run
+    from ..errors import ConfigError
+    from ..evaluate.report import EvalPart, evaluate_run
 
     opts = ctx.spec.job.evaluate
     out = ctx.job_dir / EVAL_DIR
+    graph = ctx.spec.graph
+    part = EvalPart(graph.shard_index, graph.shard_count) if graph is not None else None
+    if graph is not None and not (ctx.job_dir / RUN_DIR / "export" / "manifest.json").is_file():
+        raise ConfigError(
+            "a graph run's evaluate job scores the train job's BF16 export `run/export`, and its inputs hold none"
+            "\nhint: keep `bf16` in the recipe's `[export].format` (AF4G64 can be added with `spec.export_formats`)"
+        )
     report = evaluate_run(
         ctx.job_dir / RUN_DIR,
         split=opts.split,
@@ -163,10 +214,17 @@ def run_evaluate(ctx: StageContext) -> None:
         max_prompts=opts.max_prompts,
         on_event=lambda e: _relay(ctx, e),
         device=ctx.devices["evaluate"],
+        recipe=ctx.spec.job.recipe if graph is not None else None,
+        part=part,
     )
     if not dist.ranks_from_env().main:  # rank 0 wrote the report (its prompts and everyone's rows) and reports it
         return
-    ctx.report_all(out, kind="report")
+    if part is not None and part.count > 1 and part.index > 0:
+        ctx.report(part.file(out), kind="report")
+        _progress(ctx, "evaluate", len(report["rows"]), len(report["rows"]))
+        return
+    for f in sorted(p for p in out.rglob("*") if p.is_file() and not (part is not None and p.name.startswith("part-"))):
+        ctx.report(f, kind="report")
     n = int(report["prompts"])
     b, t = report["baseline"], report["trained"]
     # pooled tau (committed tokens / verify steps) is the headline, as in the report; the per-prompt mean beside it
@@ -176,6 +234,7 @@ def run_evaluate(ctx: StageContext) -> None:
 
 # Stage name -> runner (the names are `spec.STAGE_NAMES`).
 STAGES: dict[str, Callable[[StageContext], None]] = {
+    ASSEMBLE_STAGE: run_assemble,
     "prepare": run_prepare,
     "check": run_check,
     "capture": run_capture_stage,
