@@ -12,6 +12,12 @@
 //!   backoff, at most `max_restarts` times, then RETRYABLE;
 //! - preflight refusal -> FAILED with the reason; version mismatch ->
 //!   RETRYABLE (another provider may take it) and the run-manager exits 10;
+//! - a graph job's inputs (`crate::graph`): a wrong list (an unsafe name, a
+//!   malformed sha256, one name listed with two contents, a name that is the
+//!   run-manager's own) -> FAILED naming the input, before anything is
+//!   fetched; an input that cannot be downloaded (refused, e.g. NOT_FOUND, or
+//!   bytes that do not hash right) -> RETRYABLE with the reason, the worker
+//!   never started;
 //! - the run-manager itself got SIGINT/SIGTERM -> SIGTERM to the worker, wait
 //!   for it, RETRYABLE so the job is requeued at once;
 //! - the coordinator answered ABORTED (the lease is stale) -> the worker is
@@ -37,8 +43,9 @@
 //! heartbeat channels, shutdown, resume checkpoint) and runs one start per
 //! [`Supervisor::run_once`]. How a worker is started and signalled (native or
 //! container) is `crate::launch`'s; heartbeats are `crate::heartbeat`'s;
-//! artifact checks are `crate::artifact`'s, uploads `crate::upload`'s and the
-//! resume checkpoint's download `crate::resume`'s.
+//! artifact checks are `crate::artifact`'s, uploads `crate::upload`'s, the
+//! downloads `crate::fetch`'s (the resume checkpoint: `crate::resume`; a graph
+//! job's inputs: `crate::graph`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -53,15 +60,18 @@ use crate::client::{retry_until, ProviderClient, RetryPolicy};
 use crate::docker::DockerConfig;
 use crate::error::{Error, Result};
 use crate::events::{ArtifactEvent, WorkerEvent};
+use crate::fetch::{FetchError, Fetcher};
+use crate::graph::{self, GraphInfo};
 use crate::heartbeat::{apply_progress, heartbeat_task, Pace, Signal};
 use crate::jobdir::{parse_spec, JobSpecFile};
 use crate::launch::{Launch, Launcher};
 use crate::lease_lost::LeaseLost;
 use crate::paths::check_id;
 use crate::policy::{preflight, Decision, Downgrade, PolicyContext};
-use crate::proto::{AttemptOutcome, FinishAttemptRequest, HeartbeatRequest, Lease, Phase};
+use crate::proto::{
+    Artifact, AttemptOutcome, FinishAttemptRequest, HeartbeatRequest, Lease, Phase,
+};
 use crate::ranks::RankPlan;
-use crate::resume::Fetcher;
 use crate::shutdown::{next_signal, signalled, Shutdown};
 use crate::transfer::LeaseClock;
 use crate::upload::{UploadFailure, UploadQueue, Uploader};
@@ -146,9 +156,11 @@ struct Admission {
     local_ranks: u32,
     downgrades: Vec<Downgrade>,
     launcher: Launcher,
+    /// The lease's inputs, checked, each once (`graph::plan`).
+    inputs: Vec<Artifact>,
 }
 
-/// Preflight, spec and image checks, in that order; the first that fails refuses the lease.
+/// Preflight, spec, inputs and image checks, in that order; the first that fails refuses the lease.
 fn admit(cfg: &AttemptConfig, lease: &Lease) -> std::result::Result<Admission, Refusal> {
     let (local_ranks, downgrades) = match preflight(lease, &cfg.policy) {
         Decision::Run {
@@ -185,6 +197,7 @@ fn admit(cfg: &AttemptConfig, lease: &Lease) -> std::result::Result<Admission, R
                 .map_err(|e| e.to_string())
         })
         .map_err(Refusal::failed)?;
+    let inputs = graph::plan(lease).map_err(Refusal::failed)?;
     let plan = RankPlan {
         world: local_ranks,
         cpu: cfg.policy.capabilities.backend == "cpu",
@@ -196,6 +209,7 @@ fn admit(cfg: &AttemptConfig, lease: &Lease) -> std::result::Result<Admission, R
         local_ranks,
         downgrades,
         launcher,
+        inputs,
     })
 }
 
@@ -276,7 +290,27 @@ async fn conclude(
     end: RunEnd,
 ) -> Result<AttemptResult> {
     let job_id = &lease.job_id;
-    let (outcome, message, stop) = match end {
+    let (outcome, message, stop) = match outcome_of(end) {
+        Ok(o) => o,
+        Err(lost) => return Ok(abandon(job_id, lost)),
+    };
+    let job_state = finish(client, &cfg.rpc, until, lease, outcome, &message).await?;
+    tracing::info!(job_id = %job_id, outcome = ?outcome, job_state = job_state.as_deref().unwrap_or("?"), reason = %message, "attempt finished");
+    Ok(AttemptResult {
+        job_id: job_id.clone(),
+        outcome: Some(outcome),
+        message,
+        job_state,
+        stop,
+        local_artifacts: Vec::new(),
+    })
+}
+
+/// The outcome, message and stop error `end` reports; Err for a lost lease (nothing is reported).
+fn outcome_of(
+    end: RunEnd,
+) -> std::result::Result<(AttemptOutcome, String, Option<Error>), LeaseLost> {
+    Ok(match end {
         RunEnd::Succeeded => (AttemptOutcome::Succeeded, String::new(), None),
         RunEnd::Failed(m) => (AttemptOutcome::Failed, m, None),
         RunEnd::Cancelled => (
@@ -293,17 +327,7 @@ async fn conclude(
             ),
             Some(Error::Interrupted(sig)),
         ),
-        RunEnd::Lost(lost) => return Ok(abandon(job_id, lost)),
-    };
-    let job_state = finish(client, &cfg.rpc, until, lease, outcome, &message).await?;
-    tracing::info!(job_id = %job_id, outcome = ?outcome, job_state = job_state.as_deref().unwrap_or("?"), reason = %message, "attempt finished");
-    Ok(AttemptResult {
-        job_id: job_id.clone(),
-        outcome: Some(outcome),
-        message,
-        job_state,
-        stop,
-        local_artifacts: Vec::new(),
+        RunEnd::Lost(lost) => return Err(lost),
     })
 }
 
@@ -400,6 +424,15 @@ fn failed_upload(failure: UploadFailure) -> RunEnd {
     }
 }
 
+/// What inputs that could not be made local make of the attempt: the worker
+/// never starts without them; another try may find them.
+fn failed_inputs(e: FetchError) -> RunEnd {
+    match e {
+        FetchError::Lost(lost) => RunEnd::Lost(lost),
+        FetchError::Unusable(m) => RunEnd::Retryable(m),
+    }
+}
+
 /// Everything one attempt shares across its worker starts.
 struct Supervisor<'a> {
     client: &'a ProviderClient,
@@ -407,6 +440,8 @@ struct Supervisor<'a> {
     lease: &'a Lease,
     job_dir: PathBuf,
     launcher: Launcher,
+    /// The lease's inputs, fetched into the job directory before the first start.
+    inputs: Vec<Artifact>,
     /// Rewritten (restart, resume checkpoint) before every start.
     spec_file: JobSpecFile,
     /// The next heartbeat: the worker's latest progress.
@@ -477,7 +512,7 @@ impl<'a> Supervisor<'a> {
             backoff: cfg.rpc.backoff,
             retries: cfg.rpc.retries,
         };
-        let spec_file = JobSpecFile::new(
+        let mut spec_file = JobSpecFile::new(
             lease,
             admission.spec,
             &job_dir,
@@ -485,12 +520,14 @@ impl<'a> Supervisor<'a> {
             admission.local_ranks,
             admission.downgrades,
         );
+        spec_file.graph = GraphInfo::new(lease, &admission.inputs, &job_dir);
         let sup = Supervisor {
             client,
             cfg,
             lease,
             job_dir,
             launcher: admission.launcher,
+            inputs: admission.inputs,
             spec_file,
             progress,
             signals,
@@ -507,11 +544,11 @@ impl<'a> Supervisor<'a> {
         (sup, hb_task)
     }
 
-    /// Make the resume checkpoint local and prepare the launch once, then
-    /// start the worker, restarting it after a crash (with backoff) until it
-    /// ends some other way or the budget is spent.
+    /// Make the inputs and the resume checkpoint local and prepare the launch
+    /// once (for every rank), then start the worker, restarting it after a
+    /// crash (with backoff) until it ends some other way or the budget is spent.
     async fn run(&mut self) -> Result<RunEnd> {
-        // Heartbeats keep the lease alive while the checkpoint downloads.
+        // Heartbeats keep the lease alive while the inputs and the checkpoint download.
         let mut fetcher = Fetcher {
             client: self.client.clone(),
             lease: self.lease,
@@ -520,6 +557,12 @@ impl<'a> Supervisor<'a> {
             backoff: self.cfg.rpc.backoff,
             retries: self.cfg.rpc.retries,
         };
+        let inputs = fetcher.inputs(&self.inputs);
+        match interruptible(&mut self.signals, self.shutdown, inputs).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Ok(failed_inputs(e)),
+            Err(end) => return Ok(end),
+        }
         match interruptible(&mut self.signals, self.shutdown, fetcher.resume()).await {
             Ok(Ok(resume)) => self.resume = resume,
             Ok(Err(lost)) => return Ok(RunEnd::Lost(lost)),
@@ -793,5 +836,115 @@ fn log_lost(job_id: &str, lost: &LeaseLost) {
         LeaseLost::Refused { call, status } => {
             tracing::error!(job_id = %job_id, call, code = ?status.code(), "the coordinator refused this provider's token: killing the worker")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fetch::testing::{fetcher, sha, tmp};
+    use crate::transfer::testing::FakeStore;
+
+    fn config() -> AttemptConfig {
+        let quick = Backoff::doubling(Duration::from_millis(1), Duration::from_millis(2));
+        AttemptConfig {
+            work_dir: std::env::temp_dir(),
+            worker: WorkerCommand {
+                program: PathBuf::from("true"),
+                args: vec![],
+            },
+            docker: None,
+            policy: PolicyContext {
+                launch_mode: crate::proto::LaunchMode::Native,
+                capabilities: crate::proto::DeviceCapabilities {
+                    backend: "cpu".into(),
+                    device_count: 1,
+                    features: vec!["cpu".into(), crate::device::JOB_GRAPH_FEATURE.into()],
+                    ..Default::default()
+                },
+                worker_version: crate::version::CLIENT_VERSION.into(),
+                declared_native_version: None,
+            },
+            max_restarts: 0,
+            restart_backoff: quick,
+            rpc: RetryPolicy {
+                retries: 1,
+                backoff: quick,
+            },
+            heartbeat_interval: Duration::from_secs(1),
+            grace: Duration::from_secs(1),
+        }
+    }
+
+    fn graph_lease(inputs: Vec<Artifact>) -> Lease {
+        Lease {
+            lease_id: "lease-1".into(),
+            run_id: "run-1".into(),
+            job_id: "capture-1".into(),
+            attempt: 1,
+            spec_json: r#"{"stages": ["capture"]}"#.into(),
+            checkpoint_policy: "durable".into(),
+            required_features: vec![crate::device::JOB_GRAPH_FEATURE.into()],
+            required_client_version: crate::version::CLIENT_VERSION.into(),
+            kind: "capture".into(),
+            shard_count: 2,
+            inputs,
+            ..Default::default()
+        }
+    }
+
+    fn input(name: &str, bytes: &[u8]) -> Artifact {
+        Artifact {
+            name: name.into(),
+            kind: "data".into(),
+            sha256: sha(bytes),
+            size_bytes: bytes.len() as u64,
+            uri: format!("dflash-artifact://run-1/prepare-1/1/{name}"),
+            step: 0,
+        }
+    }
+
+    #[test]
+    fn a_graph_lease_is_admitted_with_its_inputs_once_and_wrong_inputs_fail_it() {
+        let cfg = config();
+        let train = input("data/train.jsonl", b"train");
+        let lease = graph_lease(vec![train.clone(), train.clone()]);
+        let admitted = admit(&cfg, &lease)
+            .map_err(|r| r.message)
+            .expect("admitted");
+        assert_eq!(admitted.inputs, vec![train.clone()]);
+        let conflicting = graph_lease(vec![train.clone(), input("data/train.jsonl", b"other")]);
+        let Err(refusal) = admit(&cfg, &conflicting) else {
+            panic!("admitted")
+        };
+        assert_eq!(refusal.outcome, AttemptOutcome::Failed);
+        assert!(
+            refusal.message.contains("input `data/train.jsonl`"),
+            "{}",
+            refusal.message
+        );
+        assert!(refusal.stop.is_none());
+    }
+
+    #[tokio::test]
+    async fn an_input_that_cannot_be_downloaded_ends_the_attempt_retryable() {
+        let dir = tmp("attempt-inputs");
+        let store = FakeStore::default();
+        let lease = graph_lease(vec![input("data/train.jsonl", b"never offered")]);
+        let planned = graph::plan(&lease).expect("plan");
+        let err = fetcher(&store, &lease, &dir)
+            .inputs(&planned)
+            .await
+            .expect_err("not found");
+        let (outcome, message, stop) = outcome_of(failed_inputs(err)).expect("not lost");
+        assert_eq!(outcome, AttemptOutcome::Retryable);
+        assert!(
+            message.contains("input `data/train.jsonl`") && message.contains("NotFound"),
+            "{message}"
+        );
+        assert!(stop.is_none());
+        let lost = failed_inputs(FetchError::Lost(LeaseLost::Stale("gone".into())));
+        assert!(matches!(outcome_of(lost), Err(LeaseLost::Stale(_))));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

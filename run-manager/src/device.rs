@@ -103,7 +103,11 @@ pub fn cuda_capabilities(gpus: &[Gpu]) -> DeviceCapabilities {
         device_count: u32::try_from(gpus.len()).unwrap_or(u32::MAX),
         memory_bytes: memory,
         supports_bf16: bf16,
-        features: vec!["cuda".into(), "torch_compile".into()],
+        features: vec![
+            "cuda".into(),
+            "torch_compile".into(),
+            JOB_GRAPH_FEATURE.into(),
+        ],
         platform: platform(),
     }
 }
@@ -146,7 +150,7 @@ fn mps_capabilities() -> DeviceCapabilities {
         device_count: 1,
         memory_bytes: total_memory_bytes(),
         supports_bf16: bf16,
-        features: vec!["mps".into()],
+        features: vec!["mps".into(), JOB_GRAPH_FEATURE.into()],
         platform: platform(),
     }
 }
@@ -154,6 +158,12 @@ fn mps_capabilities() -> DeviceCapabilities {
 /// The feature a CPU provider started with `--cpu-ranks N` (N > 1) offers: it runs up to
 /// `device_count` gloo ranks (the coordinator's `policy.CPU_RANKS_FEATURE`).
 pub const CPU_RANKS_FEATURE: &str = "cpu_ranks";
+
+/// The feature every run-manager offers: it runs one job of a job graph (a lease whose
+/// `kind` is `prepare`, `capture`, `train` or `evaluate`), downloading the lease's
+/// `inputs` into the job directory and naming them in `spec.json`'s `graph`
+/// (`crate::inputs`). Graph runs require it (the coordinator's `policy.JOB_GRAPH_FEATURE`).
+pub const JOB_GRAPH_FEATURE: &str = "job_graph";
 
 /// `caps` of a CPU provider that offers `ranks` local ranks (`--cpu-ranks`).
 pub fn with_cpu_ranks(mut caps: DeviceCapabilities, ranks: u32) -> DeviceCapabilities {
@@ -170,7 +180,7 @@ fn cpu_capabilities() -> DeviceCapabilities {
         device_count: 1,
         memory_bytes: total_memory_bytes(),
         supports_bf16: true,
-        features: vec!["cpu".into()],
+        features: vec!["cpu".into(), JOB_GRAPH_FEATURE.into()],
         platform: platform(),
     }
 }
@@ -214,5 +224,24 @@ mod tests {
         let c = detect(DeviceChoice::Cpu).expect("cpu");
         assert_eq!((c.backend.as_str(), c.device_count), ("cpu", 1));
         assert!(c.platform.contains('-'));
+    }
+
+    #[test]
+    fn every_backend_offers_job_graphs() {
+        let offers = |c: &DeviceCapabilities| c.features.iter().any(|f| f == JOB_GRAPH_FEATURE);
+        let cuda = cuda_capabilities(&parse_nvidia_smi("81559, 9.0"));
+        assert_eq!(
+            cuda.features,
+            vec!["cuda", "torch_compile", JOB_GRAPH_FEATURE]
+        );
+        assert_eq!(mps_capabilities().features, vec!["mps", JOB_GRAPH_FEATURE]);
+        let cpu = cpu_capabilities();
+        assert_eq!(cpu.features, vec!["cpu", JOB_GRAPH_FEATURE]);
+        let ranks = with_cpu_ranks(cpu, 4);
+        assert_eq!(
+            ranks.features,
+            vec!["cpu", JOB_GRAPH_FEATURE, CPU_RANKS_FEATURE]
+        );
+        assert!([&cuda, &ranks].into_iter().all(offers));
     }
 }

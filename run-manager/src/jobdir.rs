@@ -5,6 +5,8 @@
 //! - `resume/NAME`: the lease's resume checkpoint (manifest and listed files)
 //!   as the run-manager downloaded it, when it was not here already
 //!   (`crate::resume`);
+//! - `NAME` for each of a graph job's `inputs` (e.g. `data/train.jsonl`),
+//!   downloaded and verified before the worker starts (`crate::graph`);
 //! - everything else (checkpoints, exports, logs) is the worker's, reported
 //!   back through `artifact` events with paths inside this directory.
 
@@ -14,11 +16,16 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::graph::GraphInfo;
 use crate::policy::Downgrade;
 use crate::proto::{DeviceCapabilities, Lease};
 
 /// Version of the `spec.json` layout below.
 pub const SPEC_SCHEMA_VERSION: u32 = 1;
+/// The spec file's name in the job directory.
+pub const SPEC_FILE: &str = "spec.json";
+/// The temporary file [`JobSpecFile::write`] renames into place.
+pub const SPEC_TMP_FILE: &str = ".spec.json.tmp";
 
 /// Device facts the worker needs (a serializable copy of the capabilities).
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -78,6 +85,10 @@ pub struct JobSpecFile {
     pub downgrades: Vec<Downgrade>,
     /// Version of the run-manager that wrote this file.
     pub client_version: String,
+    /// Which job of its run's graph this is, and its downloaded inputs;
+    /// absent for a pipeline lease, so its `spec.json` is what it always was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph: Option<GraphInfo>,
 }
 
 impl JobSpecFile {
@@ -110,13 +121,14 @@ impl JobSpecFile {
             local_ranks,
             downgrades,
             client_version: crate::version::CLIENT_VERSION.to_string(),
+            graph: None,
         }
     }
 
     /// Write `spec.json` into the job directory atomically (temp file, fsync, rename).
     pub fn write(&self) -> Result<PathBuf> {
-        let path = self.job_dir.join("spec.json");
-        let tmp = self.job_dir.join(".spec.json.tmp");
+        let path = self.job_dir.join(SPEC_FILE);
+        let tmp = self.job_dir.join(SPEC_TMP_FILE);
         let text = serde_json::to_vec_pretty(self)
             .map_err(|e| Error::Internal(format!("serializing spec.json: {e}")))?;
         let mut f = std::fs::File::create(&tmp).map_err(Error::io("cannot write", &tmp))?;
@@ -288,6 +300,85 @@ mod tests {
         have.sort_unstable();
         want.sort_unstable();
         assert_eq!(have, want, "{v:#}");
+    }
+
+    #[test]
+    fn a_graph_lease_names_its_job_and_inputs_and_a_pipeline_lease_does_not() {
+        let dir = std::env::temp_dir().join(format!("rm-spec-graph-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let dir = dir.canonicalize().expect("canonical");
+        let sha = "ab".repeat(32);
+        let input = crate::proto::Artifact {
+            name: "data/train.jsonl".into(),
+            kind: "manifest".into(),
+            sha256: sha.clone(),
+            size_bytes: 123,
+            uri: "dflash-artifact://run-1/prepare-1/1/data/train.jsonl".into(),
+            step: 0,
+        };
+        let lease = Lease {
+            job_id: "capture-1".into(),
+            kind: "capture".into(),
+            shard_index: 1,
+            shard_count: 3,
+            inputs: vec![input.clone(), input.clone()],
+            ..Default::default()
+        };
+        let caps = DeviceCapabilities::default();
+        let written = |lease: &Lease| {
+            let inputs = crate::graph::plan(lease).expect("plan");
+            let mut s = JobSpecFile::new(lease, serde_json::json!({}), &dir, &caps, 1, vec![]);
+            s.graph = GraphInfo::new(lease, &inputs, &dir);
+            let p = s.write().expect("write");
+            let v: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(p).expect("read")).expect("json");
+            v
+        };
+        let v = written(&lease);
+        let path = dir.join("data/train.jsonl");
+        assert_eq!(
+            v["graph"],
+            serde_json::json!({
+                "kind": "capture",
+                "shard_index": 1,
+                "shard_count": 3,
+                "inputs": [{
+                    "name": "data/train.jsonl",
+                    "kind": "manifest",
+                    "sha256": sha,
+                    "size_bytes": 123,
+                    "uri": "dflash-artifact://run-1/prepare-1/1/data/train.jsonl",
+                    "path": path.to_str().expect("utf8"),
+                }],
+            })
+        );
+        assert!(path.is_absolute());
+        // An unsharded job (`shard_count` 0 in the lease) is shard 0 of 1.
+        let train = Lease {
+            kind: "train".into(),
+            shard_index: 0,
+            shard_count: 0,
+            inputs: vec![],
+            ..lease.clone()
+        };
+        let v = written(&train);
+        assert_eq!(
+            v["graph"],
+            serde_json::json!({"kind": "train", "shard_index": 0, "shard_count": 1, "inputs": []})
+        );
+        // Pipeline leases (and older coordinators' empty kind): no `graph` key at all.
+        for kind in ["pipeline", ""] {
+            let pipeline = Lease {
+                kind: kind.into(),
+                shard_count: 0,
+                shard_index: 0,
+                inputs: vec![],
+                ..lease.clone()
+            };
+            let v = written(&pipeline);
+            assert!(v.get("graph").is_none(), "{kind:?}: {v:#}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A `spec.json` as the run-manager writes it, for the Python side's

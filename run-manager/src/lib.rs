@@ -19,6 +19,8 @@ pub mod docker;
 pub mod env_vars;
 pub mod error;
 pub mod events;
+pub mod fetch;
+pub mod graph;
 pub mod heartbeat;
 pub mod jobdir;
 pub mod launch;

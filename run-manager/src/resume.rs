@@ -5,10 +5,9 @@
 //! where the worker wrote it (`JOB_DIR/NAME`), or where an earlier attempt
 //! downloaded it (`JOB_DIR/resume/NAME`), with the lease's sha256 and every
 //! listed file hashing right, that copy is used. Otherwise the manifest and
-//! each file it lists are fetched with DownloadArtifact into
-//! `JOB_DIR/resume/`: each into a `.part` file next to its place, resumed by
-//! offset after an interruption, checked for size and sha256, then renamed
-//! into place (a file that does not match is deleted, never kept).
+//! each file it lists are fetched ([`Fetcher::fetch_file`]: `.part` file,
+//! resumed by offset, sha256 and size checked, renamed into place) into
+//! `JOB_DIR/resume/`.
 //!
 //! A checkpoint that cannot be fetched or checked is not fatal: the worker
 //! starts from the beginning (with a warning saying why), as it does when no
@@ -16,51 +15,15 @@
 
 use std::path::{Path, PathBuf};
 
-use tokio::io::AsyncWriteExt;
-use tokio_stream::StreamExt;
-
-use crate::backoff::Backoff;
 use crate::checkpoint::{self, ListedFile};
+use crate::fetch::{blocking, FetchError, Fetcher};
 use crate::jobdir::hash_file;
 use crate::lease_lost::LeaseLost;
 use crate::paths::check_artifact_name;
-use crate::proto::{download_artifact_response, DownloadArtifactRequest, Lease};
-use crate::transfer::{is_sha256, GiveUp, LeaseClock, Retrier, Transfer};
+use crate::transfer::{is_sha256, Transfer};
 
 /// Where downloaded checkpoints go inside the job directory.
 pub const RESUME_DIR: &str = "resume";
-
-/// Why a checkpoint could not be made local.
-#[derive(Debug)]
-pub enum FetchError {
-    Lost(LeaseLost),
-    /// Logged; the worker starts from the beginning.
-    Unusable(String),
-}
-
-impl From<String> for FetchError {
-    fn from(m: String) -> Self {
-        FetchError::Unusable(m)
-    }
-}
-
-/// How one file ended up local.
-enum Got {
-    Done,
-    /// The bytes did not hash right; the part file was removed.
-    Mismatch(String),
-}
-
-/// Fetches a lease's checkpoint into its job directory.
-pub struct Fetcher<'a, T> {
-    pub client: T,
-    pub lease: &'a Lease,
-    pub job_dir: &'a Path,
-    pub clock: LeaseClock,
-    pub backoff: Backoff,
-    /// Cut streams without progress tolerated in a row.
-    pub retries: u32,
-}
 
 impl<T: Transfer> Fetcher<'_, T> {
     /// The local manifest to resume from and its step; None (with a warning)
@@ -113,203 +76,6 @@ impl<T: Transfer> Fetcher<'_, T> {
         tracing::info!(job_id = %self.lease.job_id, checkpoint = %name, files = files.len(), "downloaded the resume checkpoint");
         Ok(fetched)
     }
-
-    /// Make `dest` the artifact `name` (`sha256`, `size` bytes): kept when it
-    /// already is, else downloaded; a resumed download that does not hash
-    /// right is fetched once more from the start.
-    async fn fetch_file(
-        &mut self,
-        name: &str,
-        sha256: &str,
-        size: u64,
-        dest: &Path,
-    ) -> Result<(), FetchError> {
-        if matches_file(dest, sha256, size).await {
-            return Ok(());
-        }
-        let dir = dest
-            .parent()
-            .ok_or_else(|| format!("`{}` has no directory", dest.display()))?;
-        tokio::fs::create_dir_all(dir)
-            .await
-            .map_err(|e| format!("cannot create `{}`: {e}", dir.display()))?;
-        let file_name = dest
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let part = dir.join(format!(".{file_name}.{}.part", &sha256[..16]));
-        let mut retrier = Retrier::new(self.clock.clone(), self.backoff, self.retries);
-        let mut from_scratch = false;
-        loop {
-            match self
-                .download(name, sha256, size, &part, &mut retrier)
-                .await?
-            {
-                Got::Done => break,
-                Got::Mismatch(why) if !from_scratch => {
-                    tracing::warn!(job_id = %self.lease.job_id, artifact = %name, "{why}; downloading it again from the start");
-                    from_scratch = true;
-                }
-                Got::Mismatch(why) => return Err(why.into()),
-            }
-        }
-        tokio::fs::rename(&part, dest)
-            .await
-            .map_err(|e| format!("cannot rename `{}` into place: {e}", part.display()))?;
-        Ok(())
-    }
-
-    /// Download into `part` (appending to what it holds) until it has `size`
-    /// bytes, retrying per `retrier`; then check its sha256.
-    async fn download(
-        &mut self,
-        name: &str,
-        sha256: &str,
-        size: u64,
-        part: &Path,
-        retrier: &mut Retrier,
-    ) -> Result<Got, FetchError> {
-        let give_up = |g: GiveUp| match g {
-            GiveUp::Lost(l) => FetchError::Lost(l),
-            GiveUp::Refused(s) => FetchError::Unusable(format!(
-                "downloading `{name}` failed: {} ({:?})",
-                s.message(),
-                s.code()
-            )),
-        };
-        loop {
-            let mut have = tokio::fs::metadata(part).await.map_or(0, |m| m.len());
-            if have > size {
-                remove(part).await;
-                have = 0;
-            }
-            if have == size {
-                return check_part(part, name, sha256, size).await;
-            }
-            let req = DownloadArtifactRequest {
-                lease_id: self.lease.lease_id.clone(),
-                name: name.to_string(),
-                sha256: sha256.to_string(),
-                offset: have,
-            };
-            let status = match self.client.download(req).await {
-                Ok(stream) => match append(stream, part, name, sha256, size, have).await? {
-                    None => continue,
-                    Some(status) => status,
-                },
-                Err(status) => status,
-            };
-            let now = tokio::fs::metadata(part).await.map_or(0, |m| m.len());
-            if now > have {
-                retrier.progressed();
-            }
-            retrier
-                .after("DownloadArtifact", name, status)
-                .await
-                .map_err(give_up)?;
-        }
-    }
-}
-
-/// Append one download stream (from `offset`) to `part`: None when the stream
-/// ended (the caller looks at the size), the status when it broke.
-async fn append(
-    mut stream: crate::transfer::DownloadStream,
-    part: &Path,
-    name: &str,
-    sha256: &str,
-    size: u64,
-    offset: u64,
-) -> Result<Option<tonic::Status>, FetchError> {
-    let io =
-        |e: std::io::Error| FetchError::Unusable(format!("cannot write `{}`: {e}", part.display()));
-    match stream.next().await {
-        Some(Ok(m)) => match m.msg {
-            Some(download_artifact_response::Msg::Artifact(a)) => {
-                if a.sha256 != sha256 || a.size_bytes != size {
-                    return Err(format!(
-                        "the coordinator offers `{name}` with sha256 `{}` and {} bytes; its manifest says `{sha256}` and {size}",
-                        a.sha256, a.size_bytes
-                    )
-                    .into());
-                }
-            }
-            _ => {
-                return Err(
-                    format!("the download of `{name}` did not start with its header").into(),
-                )
-            }
-        },
-        Some(Err(status)) => return Ok(Some(status)),
-        None => {
-            return Ok(Some(tonic::Status::unknown(
-                "the download stream ended before its header",
-            )))
-        }
-    }
-    let mut file = tokio::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(part)
-        .await
-        .map_err(io)?;
-    let mut pos = offset;
-    let mut broke = None;
-    while let Some(m) = stream.next().await {
-        match m {
-            Ok(crate::proto::DownloadArtifactResponse {
-                msg: Some(download_artifact_response::Msg::Chunk(c)),
-            }) => {
-                pos += c.len() as u64;
-                if pos > size {
-                    drop(file);
-                    remove(part).await;
-                    return Err(format!(
-                        "the coordinator sent more than the {size} bytes of `{name}`"
-                    )
-                    .into());
-                }
-                file.write_all(&c).await.map_err(io)?;
-            }
-            Ok(_) => {
-                drop(file);
-                remove(part).await;
-                return Err(format!("the download of `{name}` sent a second header").into());
-            }
-            Err(status) => {
-                broke = Some(status);
-                break;
-            }
-        }
-    }
-    file.flush().await.map_err(io)?;
-    file.sync_all().await.map_err(io)?;
-    Ok(broke)
-}
-
-/// `part` is complete: keep it if it hashes to `sha256`, else remove it.
-async fn check_part(part: &Path, name: &str, sha256: &str, size: u64) -> Result<Got, FetchError> {
-    let p = part.to_path_buf();
-    let (got, n) =
-        blocking(move || hash_file(&p).map_err(|e| format!("cannot read `{}`: {e}", p.display())))
-            .await?;
-    if got == sha256 && n == size {
-        return Ok(Got::Done);
-    }
-    remove(part).await;
-    Ok(Got::Mismatch(format!(
-        "the downloaded `{name}` has sha256 `{got}` ({n} bytes), not `{sha256}` ({size} bytes)"
-    )))
-}
-
-/// Whether `path` is a file with `size` bytes hashing to `sha256`.
-async fn matches_file(path: &Path, sha256: &str, size: u64) -> bool {
-    match tokio::fs::metadata(path).await {
-        Ok(m) if m.is_file() && m.len() == size => {}
-        _ => return false,
-    }
-    let p = path.to_path_buf();
-    matches!(blocking(move || hash_file(&p).map_err(|e| e.to_string())).await, Ok((got, _)) if got == sha256)
 }
 
 /// The number of files a local checkpoint lists when the manifest at `path`
@@ -337,40 +103,12 @@ fn file_is(path: &Path, f: &ListedFile) -> bool {
     matches!(hash_file(path), Ok((sha, size)) if sha == f.sha256 && size == f.size)
 }
 
-async fn remove(path: &Path) {
-    let _ = tokio::fs::remove_file(path).await;
-}
-
-/// Run blocking file work off the async threads.
-async fn blocking<R: Send + 'static>(
-    f: impl FnOnce() -> Result<R, String> + Send + 'static,
-) -> Result<R, String> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| format!("file work failed: {e}"))?
-}
-
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
-    use sha2::Digest;
-
     use super::*;
-    use crate::proto::Artifact;
-    use crate::transfer::hex;
+    use crate::fetch::testing::{fetcher, part_files, sha, tmp};
+    use crate::proto::{Artifact, Lease};
     use crate::transfer::testing::{Call, FakeStore, Fault};
-
-    fn tmp(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("rm-resume-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("mkdir");
-        d.canonicalize().expect("canonical")
-    }
-
-    fn sha(b: &[u8]) -> String {
-        hex(&sha2::Sha256::digest(b))
-    }
 
     /// A checkpoint `ckpt/step-4` with one 3 MiB file, offered by `store`; returns the lease.
     fn offered(store: &FakeStore) -> (Lease, Vec<u8>, Vec<u8>) {
@@ -406,21 +144,6 @@ mod tests {
             ..Default::default()
         };
         (lease, manifest, weights)
-    }
-
-    fn fetcher<'a>(
-        store: &FakeStore,
-        lease: &'a Lease,
-        job_dir: &'a Path,
-    ) -> Fetcher<'a, FakeStore> {
-        Fetcher {
-            client: store.clone(),
-            lease,
-            job_dir,
-            clock: LeaseClock::start(Duration::from_secs(60)),
-            backoff: Backoff::doubling(Duration::from_millis(1), Duration::from_millis(2)),
-            retries: 3,
-        }
     }
 
     #[tokio::test]
@@ -469,11 +192,7 @@ mod tests {
             weights
         );
         assert_eq!(store.state().download_offsets, vec![0, 0, 1 << 20]);
-        let leftovers: Vec<_> = std::fs::read_dir(path.parent().expect("dir"))
-            .expect("ls")
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().ends_with(".part"))
-            .collect();
+        let leftovers = part_files(&dir2);
         assert!(leftovers.is_empty(), "{leftovers:?}");
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_dir_all(&dir2);

@@ -445,6 +445,33 @@ mod tests {
     }
 
     #[test]
+    fn every_launch_mode_offers_job_graphs() {
+        let work = std::env::temp_dir();
+        for args in [
+            &["--device", "cpu", "--worker-cmd", "sh"][..],
+            &["--device", "cpu", "--worker-cmd", "sh", "--cpu-ranks", "2"],
+            &[
+                "--device",
+                "cpu",
+                "--launch-mode",
+                "docker",
+                "--docker",
+                "sh",
+            ],
+        ] {
+            let mut v = vec!["run-manager"];
+            v.extend_from_slice(args);
+            let cli = Cli::try_parse_from(v).expect("parse");
+            let cfg = provider_config(&cli, &work).expect("config");
+            let features = &cfg.attempt.policy.capabilities.features;
+            assert!(
+                features.iter().any(|f| f == device::JOB_GRAPH_FEATURE),
+                "{args:?}: {features:?}"
+            );
+        }
+    }
+
+    #[test]
     fn worker_cmd_counts_as_this_version() {
         let cli =
             Cli::try_parse_from(["run-manager", "--worker-cmd", "python -m dflash_worker.job"])
