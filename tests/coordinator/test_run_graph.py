@@ -15,10 +15,10 @@ import grpc
 import pytest
 from coordinator_helpers import run_spec
 
-from dflash_worker.coordinator.artifacts import Claim
+from dflash_worker.coordinator.artifacts import Claim, check_kind
 from dflash_worker.coordinator.policy import JOB_GRAPH_FEATURE
-from dflash_worker.coordinator.store import MAX_SHARDS, SCHEMA_VERSION, Grant, Registration, RunSpecData, Store
-from dflash_worker.errors import InvalidRequestError, NotFoundError
+from dflash_worker.coordinator.store import MAX_SHARDS, SCHEMA_VERSION, Grant, Quotas, Registration, RunSpecData, Store
+from dflash_worker.errors import InvalidRequestError, NotFoundError, QuotaError
 from dflash_worker.proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2
 
 REG = Registration(
@@ -81,9 +81,33 @@ def test_a_graph_run_has_its_jobs_and_edges(store):
     prepare, captures, train, evals = jobs[0], jobs[1:4], jobs[4], jobs[5:]
     assert prepare.needs == ()
     assert all(c.needs == (prepare.job_id,) == c.waiting_for for c in captures)
-    assert train.needs == tuple(c.job_id for c in captures) == train.waiting_for
-    assert all(e.needs == (train.job_id,) for e in evals)
+    # Every later job needs prepare (the prepared data); train every shard; evaluate shard 0 the other shards.
+    assert train.needs == (prepare.job_id, *(c.job_id for c in captures)) == train.waiting_for
+    assert evals[0].needs == (prepare.job_id, train.job_id, evals[1].job_id)
+    assert evals[1].needs == (prepare.job_id, train.job_id)
     assert run.job_states == {"queued": 7}
+
+
+@pytest.mark.parametrize("n, m", [(1, 1), (1, 3), (4, 2), (2, 5)])
+def test_graph_edges_for_every_shape(n, m):
+    spec = RunSpecData(name="g", spec_json="{}", required_client_version="0.1.0", capture_shards=n, eval_shards=m)
+    graph = spec.graph()
+    kinds = [k for k, *_ in graph]
+    assert kinds == ["prepare", *["capture"] * n, "train", *["evaluate"] * m]
+    needs = {(k, i): set(d) for k, i, _, d in graph}
+    assert needs[("prepare", 0)] == set()
+    assert all(needs[("capture", i)] == {0} for i in range(n))
+    assert needs[("train", 0)] == {0, *range(1, n + 1)}
+    assert needs[("evaluate", 0)] == {0, n + 1, *range(n + 3, n + 2 + m)}
+    assert all(needs[("evaluate", j)] == {0, n + 1} for j in range(1, m))
+    # Every edge points at an existing job, never at itself, and the graph has no cycle (creation order is
+    # not a topological order: evaluate shard 0 needs the shards created after it).
+    assert all(d != i and 0 <= d < len(graph) for i, (*_, ds) in enumerate(graph) for d in ds)
+    done: set[int] = set()
+    while len(done) < len(graph):
+        ready = {i for i, (*_, ds) in enumerate(graph) if i not in done and set(ds) <= done}
+        assert ready, "cycle"
+        done |= ready
 
 
 def test_eval_shards_default_to_one(store):
@@ -119,18 +143,61 @@ def test_leasing_follows_the_graph(store):
     store.finish(pid, c1.lease_id, "succeeded", "")
 
     t = _lease(store, pid)
-    assert t.kind == "train" and [a.sha256 for a in t.inputs] == [shard0.sha256, shard1.sha256]
+    # Train gets the prepared data and every shard, in job order.
+    assert t.kind == "train" and [a.sha256 for a in t.inputs] == [prep.sha256, shard0.sha256, shard1.sha256]
+    assert store.find_input(t.job_id, prep.name, prep.sha256).sha256 == prep.sha256
     with pytest.raises(NotFoundError, match="no artifact"):
-        store.find_input(t.job_id, prep.name, prep.sha256)  # prepare's output is not a train input
+        store.find_input(c0.job_id, shard1.name, shard1.sha256)  # a sibling shard's output is not an input
     assert _lease(store, pid) is None
     model = _record(store, pid, t, "run/export/model.safetensors", kind="export")
     store.finish(pid, t.lease_id, "succeeded", "")
-    e0, e1 = _lease(store, pid), _lease(store, pid)
-    assert [(e.kind, e.shard_index) for e in (e0, e1)] == [("evaluate", 0), ("evaluate", 1)]
-    assert [a.sha256 for a in e0.inputs] == [model.sha256]
-    for e in (e0, e1):
-        store.finish(pid, e.lease_id, "succeeded", "")
+    # Evaluate shard 0 merges the other shards' rows: it waits for shard 1.
+    e1 = _lease(store, pid)
+    assert (e1.kind, e1.shard_index) == ("evaluate", 1)
+    assert [a.sha256 for a in e1.inputs] == [prep.sha256, model.sha256]
+    assert _lease(store, pid) is None
+    (ev0,) = [j for j in store.run_jobs(run.run_id)[0] if j.kind == "evaluate" and j.shard_index == 0]
+    assert ev0.waiting_for == (e1.job_id,)
+    part = _record(store, pid, e1, "eval/part-1.jsonl", kind="report")
+    store.finish(pid, e1.lease_id, "succeeded", "")
+    e0 = _lease(store, pid)
+    assert (e0.kind, e0.shard_index) == ("evaluate", 0)
+    assert [a.sha256 for a in e0.inputs] == [prep.sha256, model.sha256, part.sha256]
+    store.finish(pid, e0.lease_id, "succeeded", "")
     assert store.get_run(run.run_id).job_states == {"succeeded": 6} and store.get_run(run.run_id).failure == ""
+
+
+def test_prepare_s_data_files_are_inputs_of_every_later_job_and_count_against_quotas(tmp_path):
+    """Artifact kind `data`: prepare's split files. Accepted, listed, counted by both quotas, and handed on."""
+    store = Store(tmp_path / "c.db", quotas=Quotas(attempt_records=3, run_bytes=10_000))
+    try:
+        pid = _provider(store)
+        run, jobs = _graph(store, n=1, m=1)
+        g = _lease(store, pid)
+        assert check_kind("data") == "data"
+        with pytest.raises(InvalidRequestError, match="is not one of"):
+            check_kind("dataset")
+        files = [_record(store, pid, g, f"data/{split}.jsonl", kind="data") for split in ("train", "test", "val")]
+        # The attempt quota counts `data` records like any other.
+        with pytest.raises(QuotaError, match="attempt quota is 3 records"):
+            _record(store, pid, g, "data/extra.jsonl", kind="data")
+        listed, _ = store.list_artifacts(g.job_id, all_attempts=True)
+        assert [(a.record.name, a.record.kind) for a in listed] == [(f.name, "data") for f in files]
+        store.finish(pid, g.lease_id, "succeeded", "")
+        assert [a.record.kind for a in store.list_artifacts(g.job_id, all_attempts=False)[0]] == ["data"] * 3
+        c = _lease(store, pid)
+        assert [(a.name, a.kind) for a in c.inputs] == [(f.name, "data") for f in files]
+        store.finish(pid, c.lease_id, "succeeded", "")
+        t = _lease(store, pid)
+        assert [a.kind for a in t.inputs] == ["data"] * 3
+        assert all(store.find_input(t.job_id, f.name, f.sha256).kind == "data" for f in files)
+        # The run quota counts them too: bytes already stored by prepare's `data` files are part of the sum.
+        stored = sum(f.size_bytes for f in files)
+        big = Claim(name="run/export/model.safetensors", kind="export", sha256="0" * 64, size_bytes=10_000 - stored + 1, step=0)
+        with pytest.raises(QuotaError, match=f"run already stores {stored} bytes"):
+            store.record(store.live_lease(pid, t.lease_id), big)
+    finally:
+        store.close()
 
 
 def test_a_retryable_capture_is_requeued_and_train_still_waits(store):
@@ -268,7 +335,11 @@ def test_the_largest_graph_is_created(store):
     train = store.db.execute(
         "SELECT COUNT(*) FROM job_deps d JOIN jobs j ON j.job_id=d.job_id WHERE j.kind='train' AND j.run_id=?", (run.run_id,)
     )
-    assert train.fetchone() == (MAX_SHARDS,)
+    assert train.fetchone() == (MAX_SHARDS + 1,)  # prepare and every shard
+    ev0 = store.db.execute(
+        "SELECT COUNT(*) FROM job_deps d JOIN jobs j ON j.job_id=d.job_id WHERE j.kind='evaluate' AND j.shard_index=0 AND j.run_id=?", (run.run_id,)
+    )
+    assert ev0.fetchone() == (MAX_SHARDS + 1,)  # prepare, train and the other 1,023 shards
     # Exactly as many shards as given; an exact graph's `num_jobs` is accepted too.
     RunSpecData(name="ok", spec_json="{}", required_client_version="0.1.0", capture_shards=2, eval_shards=1, num_jobs=5)
 
@@ -334,10 +405,14 @@ def test_graph_run_over_grpc(coordinator, provider_factory, capsys):
         assert p.acquire().WhichOneof("result") == "no_work"
         data = b'{"examples": 10}'
         p.report(prep.lease_id, "data/manifest.json", data, kind="manifest")
+        p.report(prep.lease_id, "data/test.jsonl", b'{"prompt": "hi"}\n', kind="data")
         assert p.finish(prep.lease_id) == "succeeded"
+        listed = admin.list_artifacts(run.run_id, prep.job_id)
+        assert [(a.artifact.name, a.artifact.kind) for a in listed] == [("data/manifest.json", "manifest"), ("data/test.jsonl", "data")]
         cap = p.acquire().lease
         assert (cap.kind, cap.shard_index, cap.shard_count) == ("capture", 0, 2)
-        (inp,) = cap.inputs
+        inp, split = cap.inputs
+        assert (split.name, split.kind) == ("data/test.jsonl", "data")
         assert (inp.name, inp.sha256, inp.size_bytes) == ("data/manifest.json", hashlib.sha256(data).hexdigest(), len(data))
         # The capture's lease may download its input, though it is another job's.
         header, body = p.download(cap.lease_id, inp.name, inp.sha256)
@@ -354,7 +429,8 @@ def test_graph_run_over_grpc(coordinator, provider_factory, capsys):
             ("train", 0, 1, "failed"),
             ("evaluate", 0, 1, "failed"),
         ]
-        assert list(jobs[3].needs) == [jobs[1].job_id, jobs[2].job_id] and list(jobs[3].waiting_for) == list(jobs[3].needs)
+        assert list(jobs[3].needs) == [jobs[0].job_id, jobs[1].job_id, jobs[2].job_id]
+        assert list(jobs[3].waiting_for) == [jobs[1].job_id, jobs[2].job_id]
         assert cap.job_id in jobs[4].reason
         assert p.acquire().WhichOneof("result") == "no_work"
 
@@ -364,7 +440,7 @@ def test_graph_run_over_grpc(coordinator, provider_factory, capsys):
     assert cli_main(["runs", "show", run2.run_id, *env]) == 0
     out = capsys.readouterr().out
     assert (
-        "prepare  queued" in out and "capture 2/3  queued" in out and "waits for 3 of 3 jobs it needs" in out and "evaluate  queued" in out
+        "prepare  queued" in out and "capture 2/3  queued" in out and "waits for 4 of 4 jobs it needs" in out and "evaluate  queued" in out
     )
     assert cli_main(["runs", "show", run.run_id, *env]) == 0
     out = capsys.readouterr().out

@@ -30,13 +30,12 @@ BACKENDS = ("cuda", "mps", "cpu")
 # Offered by a CPU provider started with `run-manager --cpu-ranks N`: it runs up to `device_count` ranks.
 CPU_RANKS_FEATURE = "cpu_ranks"
 # Required of every job of a job graph (a run with `capture_shards`): a provider that runs a
-# job's own part of the graph (one capture shard, train from the shards' inputs, ...). No
-# run-manager offers it yet (the worker side of graph jobs is not built), so graph runs stay
-# queued instead of running the whole pipeline once per job.
+# job's own part of the graph (one capture shard, train from the shards' inputs, ...), not the
+# whole pipeline once per job, which is what a run-manager without it would do.
 JOB_GRAPH_FEATURE = "job_graph"
 # What workers announce, plus `checkpoint_file`: a file a checkpoint manifest lists, which the
-# run-manager uploads before the manifest itself.
-ARTIFACT_KINDS = ("checkpoint", "export", "manifest", "report", "metrics", "capture", "checkpoint_file")
+# run-manager uploads before the manifest itself; `data`: a graph's prepare job's split files.
+ARTIFACT_KINDS = ("checkpoint", "export", "manifest", "report", "metrics", "capture", "checkpoint_file", "data")
 
 # Semantic version, as the run-manager prints it (pre-release and build allowed).
 _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")

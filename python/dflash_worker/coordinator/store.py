@@ -430,14 +430,23 @@ class RunSpecData:
             raise InvalidRequestError(f"`spec.num_jobs` must be 1-{MAX_JOBS_PER_RUN}, got {self.num_jobs}")
 
     def graph(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
-        """The run's jobs in creation order: `(kind, shard_index, shard_count, needs)`, `needs` indexing this list."""
+        """The run's jobs in creation order: `(kind, shard_index, shard_count, needs)`, `needs` indexing this list.
+
+        Every later job needs prepare (the worker reads the prepared data in each); train needs
+        every capture shard; evaluate shard j needs train, and shard 0 also needs shards 1..M-1
+        (it merges their rows into the run's one report). Runs created before these edges keep
+        the edges they were created with (`job_deps` is not migrated): a job's inputs are always
+        what its own rows say.
+        """
         if not self.capture_shards:
             return [("pipeline", 0, 1, ())] * self.num_jobs
         n, m = self.capture_shards, self.eval_shards
+        train = n + 1
         jobs = [("prepare", 0, 1, ())]
         jobs += [("capture", i, n, (0,)) for i in range(n)]
-        jobs.append(("train", 0, 1, tuple(range(1, n + 1))))
-        jobs += [("evaluate", i, m, (n + 1,)) for i in range(m)]
+        jobs.append(("train", 0, 1, (0, *range(1, n + 1))))
+        jobs.append(("evaluate", 0, m, (0, train, *range(train + 2, train + 1 + m))))
+        jobs += [("evaluate", i, m, (0, train)) for i in range(1, m)]
         return jobs
 
     @classmethod
