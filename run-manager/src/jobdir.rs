@@ -265,6 +265,18 @@ mod tests {
             checkpoint_policy: "durable".into(),
             required_features: vec!["flash_attention_2".into()],
             required_client_version: crate::version::CLIENT_VERSION.into(),
+            // a graph lease, so the fixture carries every key `spec.json` can have
+            kind: "capture".into(),
+            shard_index: 1,
+            shard_count: 3,
+            inputs: vec![crate::proto::Artifact {
+                name: "data/train.jsonl".into(),
+                kind: "data".into(),
+                sha256: "cd".repeat(32),
+                size_bytes: 77,
+                uri: "dflash-artifact://run-fixture/prepare-fixture/1/data/train.jsonl".into(),
+                step: 0,
+            }],
             ..Default::default()
         };
         let caps = DeviceCapabilities {
@@ -285,6 +297,8 @@ mod tests {
         s.resume_checkpoint = Some(job_dir.join("checkpoints/step-000004/manifest.json"));
         s.resume_step = 4;
         s.restart = 1;
+        let inputs = crate::graph::plan(&lease).expect("plan");
+        s.graph = GraphInfo::new(&lease, &inputs, job_dir);
         s
     }
 
@@ -411,6 +425,7 @@ mod tests {
                 "local_ranks",
                 "downgrades",
                 "client_version",
+                "graph",
             ],
         );
         assert_keys(

@@ -40,8 +40,13 @@ def test_the_rust_file_round_trips_field_for_field(rust_spec):
     spec = JobSpec.from_json(rust_spec, job_dir=Path(rust_spec["job_dir"]).resolve())
     assert spec.to_json() == rust_spec
     # every field the Rust side writes is one JobSpec knows (no field left behind)
-    assert set(rust_spec) == spec.present and len(spec.present) == 11
+    assert set(rust_spec) == spec.present and len(spec.present) == 12
     assert spec.downgrades and spec.device is not None and spec.lease is not None
+    # a graph lease's job: kind, shard and the inputs at their local paths
+    g = spec.graph
+    assert g is not None and (g.kind, g.shard_index, g.shard_count) == ("capture", 1, 3)
+    (inp,) = g.inputs
+    assert inp.name == "data/train.jsonl" and inp.path == spec.job_dir / "data" / "train.jsonl" and inp.size_bytes == 77
 
 
 @pytest.mark.slow
@@ -54,6 +59,7 @@ def test_the_worker_applies_device_and_downgrades_and_records_them(rust_spec, tm
     spec = job_spec(world, stages=["prepare", "check", "capture"])
     spec["recipe"]["capture"]["device"] = "auto"
     doc = {**rust_spec, "spec": spec, "job_dir": str(job.resolve()), "resume_checkpoint": None, "resume_step": 0}
+    del doc["graph"]  # the whole pipeline's capture, with its manifest
     doc["downgrades"] = [{"feature": "torch_compile", "replacement": "eager", "reason": "`torch_compile` needs CUDA; this provider runs `cpu`"}]
     (job / "spec.json").write_text(json.dumps(doc))
     p = subprocess.run([sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job)], capture_output=True, text=True, timeout=600)
