@@ -124,14 +124,17 @@ class Provider:
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.provider_id = ""
 
-    def register(self, *, client_version=CLIENT_VERSION, native=False, native_client_version="", backend="cuda", device_count=1, features=("flash_attention_2",), name="box"):
+    def register(
+        self, *, client_version=CLIENT_VERSION, native=False, native_client_version="", backend="cuda", device_count=1, features=("flash_attention_2",),
+        name="box", memory_bytes=8 << 30,
+    ):  # fmt: skip
         resp = self.stub.Register(
             provider_pb2.RegisterRequest(
                 client_version=client_version,
                 protocol_version="dflash.v1",
                 launch_mode=provider_pb2.LAUNCH_MODE_NATIVE if native else provider_pb2.LAUNCH_MODE_DOCKER,
                 capabilities=provider_pb2.DeviceCapabilities(
-                    backend=backend, device_count=device_count, memory_bytes=8 << 30, supports_bf16=True, features=list(features), platform="linux-x86_64"
+                    backend=backend, device_count=device_count, memory_bytes=memory_bytes, supports_bf16=True, features=list(features), platform="linux-x86_64"
                 ),
                 name=name,
                 native_client_version=native_client_version,

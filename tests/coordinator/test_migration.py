@@ -211,7 +211,9 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
     db.execute("DROP TABLE publications")
     db.execute("ALTER TABLE attempts DROP COLUMN phase_started_unix")
     db.execute("ALTER TABLE attempts DROP COLUMN phase_started_step")
-    # Nor what schema 5 added (job graphs).
+    # Nor what schemas 5 and 6 added (job graphs, placements).
+    db.execute("DROP TABLE placements")
+    db.execute("ALTER TABLE providers DROP COLUMN memory_bytes")
     db.execute("DROP TABLE job_deps")
     db.execute("DROP INDEX jobs_ready")
     for table, col in [("jobs", "kind"), ("jobs", "shard_index"), ("jobs", "shard_count"), ("jobs", "reason"), ("jobs", "pending_deps"), ("runs", "capture_shards"), ("runs", "eval_shards"), ("runs", "failure")]:

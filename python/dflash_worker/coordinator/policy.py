@@ -13,14 +13,20 @@ the device checks before launching, as a second line of defence):
 - runs with ``max_local_ranks > 1`` go only to CUDA providers, and to CPU providers
   that offer ``cpu_ranks`` (``run-manager --cpu-ranks N``, a test and development
   switch: N gloo ranks on one machine's cores);
-- every required feature must be offered (the backend name counts as one).
+- every required feature must be offered (the backend name counts as one);
+- a job of a job graph also meets its kind's `placement` (`check_placement`): the provider's
+  declared ``capabilities.memory_bytes`` is at least the kind's ``min_memory_bytes``, it offers
+  the kind's own required features, and the kind's ``local_ranks`` (not the run's maximum)
+  decide whether it must run ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InvalidRequestError
 
@@ -36,6 +42,13 @@ JOB_GRAPH_FEATURE = "job_graph"
 # What workers announce, plus `checkpoint_file`: a file a checkpoint manifest lists, which the
 # run-manager uploads before the manifest itself; `data`: a graph's prepare job's split files.
 ARTIFACT_KINDS = ("checkpoint", "export", "manifest", "report", "metrics", "capture", "checkpoint_file", "data")
+
+# The kinds of a job graph's jobs (`store.JOB_KINDS` less `pipeline`), which `placement` may name.
+GRAPH_KINDS = ("prepare", "capture", "train", "evaluate")
+PLACEMENT_KEYS = ("min_memory_bytes", "required_features", "local_ranks")
+MAX_LOCAL_RANKS = 1024
+# SQLite's INTEGER is signed 64-bit: a larger figure could not be stored or compared.
+MAX_MEMORY_BYTES = 2**63 - 1
 
 # Semantic version, as the run-manager prints it (pre-release and build allowed).
 _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
@@ -82,6 +95,8 @@ class ProviderProfile:
     backend: str
     device_count: int
     features: frozenset[str]
+    # `capabilities.memory_bytes` as registered (per device; 0: not declared).
+    memory_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +108,92 @@ class RunRequirements:
     checkpoint_policy: str
     max_local_ranks: int
     required_features: tuple[str, ...]
+    # A placement's memory floor (`Placement.min_memory_bytes`); 0 for pipeline jobs.
+    min_memory_bytes: int = 0
+
+    def for_kind(self, placement: Placement) -> RunRequirements:
+        """What a job of one kind needs: the run's requirements with its kind's placement on top."""
+        extra = tuple(f for f in placement.required_features if f not in self.required_features)
+        return dataclasses.replace(
+            self, max_local_ranks=placement.local_ranks, min_memory_bytes=placement.min_memory_bytes, required_features=self.required_features + extra
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the jobs of one kind of a job graph may run, on top of the run's own requirements."""
+
+    min_memory_bytes: int = 0
+    required_features: tuple[str, ...] = ()
+    local_ranks: int = 1
+
+
+def default_placement(kind: str, max_local_ranks: int) -> Placement:
+    """A kind's placement when the run names none: train (and a pipeline job) gets the run's ranks, the rest 1."""
+    return Placement(local_ranks=max_local_ranks if kind in ("train", "pipeline") else 1)
+
+
+def _placement_int(value: Any, field: str, lo: int, hi: int, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidRequestError(f"`{field}` must be a whole number from {lo} to {hi}, got `{str(value)[:40]}`\nhint: {hint}")
+    return value
+
+
+def check_placement(value: Any, *, max_local_ranks: int, field: str = "spec.spec_json.placement") -> dict[str, Placement]:
+    """Validate a job spec's `placement` object; every graph kind's resolved `Placement`.
+
+    `{"train": {"min_memory_bytes": 80000000000, "required_features": ["cuda"], "local_ranks": 8}, ...}`:
+    every kind and key is optional; unknown ones are refused, as are numbers out of range
+    (`local_ranks` at most the run's `max_local_ranks`, which caps every job of the run).
+    """
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"`{field}` must be a JSON object mapping job kinds to requirements, got {type(value).__name__}\n"
+            f'hint: e.g. {{"train": {{"min_memory_bytes": 85899345920}}}}'
+        )
+    unknown = sorted(set(value) - set(GRAPH_KINDS))
+    if unknown:
+        raise InvalidRequestError(f"`{field}` names unknown job kind `{str(unknown[0])[:40]}`; the kinds are {list(GRAPH_KINDS)}")
+    out = {}
+    for kind in GRAPH_KINDS:
+        base = default_placement(kind, max_local_ranks)
+        part = value.get(kind, {})
+        where = f"{field}.{kind}"
+        if not isinstance(part, dict):
+            raise InvalidRequestError(f"`{where}` must be a JSON object with {list(PLACEMENT_KEYS)}, got {type(part).__name__}")
+        unknown = sorted(set(part) - set(PLACEMENT_KEYS))
+        if unknown:
+            raise InvalidRequestError(f"`{where}` has unknown key `{str(unknown[0])[:40]}`; the keys are {list(PLACEMENT_KEYS)}")
+        memory = base.min_memory_bytes
+        if "min_memory_bytes" in part:
+            memory = _placement_int(
+                part["min_memory_bytes"], f"{where}.min_memory_bytes", 0, MAX_MEMORY_BYTES,
+                "bytes of device memory a provider must declare; `dflash-worker preflight` prints the peak to put here",
+            )  # fmt: skip
+        features = base.required_features
+        if "required_features" in part:
+            feats = part["required_features"]
+            if not isinstance(feats, list) or not all(isinstance(f, str) for f in feats):
+                raise InvalidRequestError(f"`{where}.required_features` must be a list of feature names")
+            features = check_features(dict.fromkeys(feats), f"{where}.required_features")
+        ranks = base.local_ranks
+        if "local_ranks" in part:
+            ranks = _placement_int(
+                part["local_ranks"], f"{where}.local_ranks", 1, max_local_ranks,
+                "`spec.max_local_ranks` (`--max-local-ranks`) caps every job of the run; raise it to give this kind more ranks",
+            )  # fmt: skip
+        out[kind] = Placement(min_memory_bytes=memory, required_features=features, local_ranks=ranks)
+    return out
+
+
+def format_bytes(n: int) -> str:
+    """`23.5 GiB`, `1.0 TiB`: a memory figure for a message."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
 
 
 def decide(run: RunRequirements, provider: ProviderProfile) -> tuple[Verdict, str]:
@@ -108,6 +209,11 @@ def decide(run: RunRequirements, provider: ProviderProfile) -> tuple[Verdict, st
     missing = [f for f in run.required_features if f not in offered]
     if missing:
         return Verdict.INCAPABLE, f"missing required features {missing}"
+    if provider.memory_bytes < run.min_memory_bytes:
+        return Verdict.INCAPABLE, (
+            f"needs `min_memory_bytes` {format_bytes(run.min_memory_bytes)}, provider declares "
+            + (format_bytes(provider.memory_bytes) if provider.memory_bytes else "none")
+        )
     if provider.client_version == run.required_client_version:
         return Verdict.ELIGIBLE, "client version matches"
     if provider.native and provider.native_client_version and provider.native_client_version in run.approved_native_versions:

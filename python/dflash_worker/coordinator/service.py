@@ -450,6 +450,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
                 features=features,
                 capabilities=caps.SerializeToString(deterministic=True),
                 name=request.name or pid,
+                memory_bytes=check_uint(caps.memory_bytes, "capabilities.memory_bytes"),
             ),
         )
         ttl = self.store.lease_ttl

@@ -95,17 +95,23 @@ from ..strict_json import no_duplicate_keys
 from .artifacts import ArtifactRecord, Claim, artifact_uri, checkpoint_dir, name_conflict
 from .policy import (
     CHECKPOINT_POLICIES,
+    GRAPH_KINDS,
     JOB_GRAPH_FEATURE,
+    MAX_LOCAL_RANKS,
+    MAX_MEMORY_BYTES,
+    Placement,
     ProviderProfile,
     RunRequirements,
     Verdict,
     check_features,
+    check_placement,
     check_version,
     decide,
+    default_placement,
     local_ranks,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # Job kinds: `pipeline` (every stage in one job: runs without a graph) and the graph's stages.
 JOB_KINDS = ("pipeline", "prepare", "capture", "train", "evaluate")
 # Capture / evaluate shards per graph run (each one job).
@@ -162,7 +168,8 @@ CREATE TABLE IF NOT EXISTS providers (
   registered_unix REAL,
   last_seen_unix REAL,
   identity TEXT NOT NULL DEFAULT '',
-  revoked_unix REAL
+  revoked_unix REAL,
+  memory_bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS retired_tokens (
   token_sha256 TEXT PRIMARY KEY,
@@ -247,6 +254,14 @@ CREATE TABLE IF NOT EXISTS job_deps (
   PRIMARY KEY (job_id, needs_job_id)
 );
 CREATE INDEX IF NOT EXISTS job_deps_by_needed ON job_deps(needs_job_id);
+CREATE TABLE IF NOT EXISTS placements (
+  run_id TEXT NOT NULL REFERENCES runs(run_id),
+  kind TEXT NOT NULL,
+  min_memory_bytes INTEGER NOT NULL DEFAULT 0,
+  required_features TEXT NOT NULL DEFAULT '[]',
+  local_ranks INTEGER NOT NULL DEFAULT 1,
+  PRIMARY KEY (run_id, kind)
+);
 """
 
 # Indexes on columns a migration adds: created once the database has them.
@@ -307,8 +322,25 @@ def _migrate_4_to_5(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE runs ADD COLUMN failure TEXT NOT NULL DEFAULT ''")
 
 
+def _migrate_5_to_6(db: sqlite3.Connection) -> None:
+    # Version 5 had no per-kind placement: graph runs get no `placements` rows (created by
+    # _SCHEMA), so their jobs lease with the defaults (`policy.default_placement`), and their
+    # edges stay as created. Providers learn their declared memory from what they registered.
+    from ..proto.dflash.v1 import provider_pb2
+
+    db.execute("ALTER TABLE providers ADD COLUMN memory_bytes INTEGER NOT NULL DEFAULT 0")
+    for pid, caps in db.execute("SELECT provider_id, capabilities FROM providers WHERE capabilities IS NOT NULL").fetchall():
+        try:
+            memory = provider_pb2.DeviceCapabilities.FromString(caps).memory_bytes
+        except Exception:  # a blob this coordinator did not write: the provider declares it again at Register
+            continue
+        db.execute("UPDATE providers SET memory_bytes=? WHERE provider_id=?", (min(memory, MAX_MEMORY_BYTES), pid))
+
+
 # version -> the step that upgrades a database of that version to the next one.
-_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4, 4: _migrate_4_to_5}
+_MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4, 4: _migrate_4_to_5, 5: _migrate_5_to_6,
+}  # fmt: skip
 
 UNKNOWN_TOKEN = "unknown bearer token\nhint: ask the coordinator's admin for a provider token"
 REVOKED_TOKEN = "this provider's token was revoked\nhint: ask the coordinator's admin for a new provider token"
@@ -391,17 +423,20 @@ class RunSpecData:
     # the graph's job count (1 or that count may be given).
     capture_shards: int = 0
     eval_shards: int = 0
+    # Each graph kind's placement, from the spec JSON's `placement` object (validated here,
+    # stored in `placements` at creation so leasing never parses `spec_json`); () for pipeline runs.
+    placements: tuple[tuple[str, Placement], ...] = field(default=(), init=False, compare=False)
 
     def __post_init__(self):
         if not self.name or len(self.name) > 200 or any(ord(c) < 0x20 for c in self.name):
             raise InvalidRequestError("`spec.name` must be 1-200 printable characters")
-        parse_spec_json(self.spec_json)
+        doc = parse_spec_json(self.spec_json)
         check_version(self.required_client_version, "spec.required_client_version")
         if self.checkpoint_policy not in CHECKPOINT_POLICIES:
             raise InvalidRequestError(
                 f"`spec.checkpoint_policy` `{self.checkpoint_policy[:40]}` is not one of {list(CHECKPOINT_POLICIES)}"
             )
-        if not 1 <= self.max_local_ranks <= 1024:
+        if not 1 <= self.max_local_ranks <= MAX_LOCAL_RANKS:
             raise InvalidRequestError(f"`spec.max_local_ranks` must be 1-1024, got {self.max_local_ranks}")
         check_features(self.required_features, "spec.required_features")
         if len(self.image) > 512:
@@ -428,6 +463,14 @@ class RunSpecData:
                 object.__setattr__(self, "required_features", (*self.required_features, JOB_GRAPH_FEATURE))
         if not 1 <= self.num_jobs <= MAX_JOBS_PER_RUN:
             raise InvalidRequestError(f"`spec.num_jobs` must be 1-{MAX_JOBS_PER_RUN}, got {self.num_jobs}")
+        if "placement" in doc and not self.capture_shards:
+            raise InvalidRequestError(
+                "`spec.spec_json.placement` applies to the jobs of a job graph; this run has none\n"
+                "hint: give `--capture-shards N`, or use `--feature` and `--max-local-ranks` for the run's pipeline jobs"
+            )
+        if self.capture_shards:
+            placements = check_placement(doc.get("placement", {}), max_local_ranks=self.max_local_ranks)
+            object.__setattr__(self, "placements", tuple(placements.items()))
 
     def graph(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
         """The run's jobs in creation order: `(kind, shard_index, shard_count, needs)`, `needs` indexing this list.
@@ -584,6 +627,8 @@ class Registration:
     features: tuple[str, ...]
     capabilities: bytes
     name: str
+    # `capabilities.memory_bytes` (per device), what placement's `min_memory_bytes` is compared with.
+    memory_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -922,6 +967,10 @@ class Store(StoreReader):
                     "INSERT INTO job_deps(job_id, needs_job_id) VALUES (?, ?)",
                     [(ids[i], ids[n]) for i, (_, _, _, needs) in enumerate(graph) for n in needs],
                 )
+                db.executemany(
+                    "INSERT INTO placements(run_id, kind, min_memory_bytes, required_features, local_ranks) VALUES (?,?,?,?,?)",
+                    [(run_id, k, p.min_memory_bytes, json.dumps(list(p.required_features)), p.local_ranks) for k, p in spec.placements],
+                )
         except sqlite3.IntegrityError:
             raise ConflictError(f"a run named `{spec.name}` already exists\nhint: pick another `--name`") from None
         self.on_work()
@@ -955,6 +1004,21 @@ class Store(StoreReader):
         # without `spec_json` (up to 1 MiB per run; read only for the run a lease is granted in).
         r = self.db.execute(f"SELECT {self._RUN_COLS.replace('spec_json', chr(39) * 2)} FROM runs WHERE run_id=?", (run_id,)).fetchone()
         return self._run_from_row(r, count_states=False)
+
+    def kind_requirements(self, run: RunRow) -> dict[str, RunRequirements]:
+        """What a job of each kind of `run` needs of a provider: the run's requirements with the kind's
+        stored placement on top (`pipeline` alone for a run without a graph). A few small rows, no `spec_json`."""
+        req = run.requirements()
+        if not run.spec.capture_shards:
+            return {"pipeline": req.for_kind(default_placement("pipeline", req.max_local_ranks))}
+        # A graph run created before placements (schema 5) has no rows: the defaults apply.
+        stored = {
+            kind: Placement(min_memory_bytes=memory, required_features=tuple(json.loads(features)), local_ranks=ranks)
+            for kind, memory, features, ranks in self.db.execute(
+                "SELECT kind, min_memory_bytes, required_features, local_ranks FROM placements WHERE run_id=?", (run.run_id,)
+            )
+        }
+        return {kind: req.for_kind(stored.get(kind) or default_placement(kind, req.max_local_ranks)) for kind in GRAPH_KINDS}
 
     def _spec_json(self, run_id: str) -> str:
         return self.db.execute("SELECT spec_json FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
@@ -1093,7 +1157,7 @@ class Store(StoreReader):
         with self._tx() as db:
             cur = db.execute(
                 "UPDATE providers SET client_version=?, native_client_version=?, launch_mode=?, native=?, backend=?, device_count=?,"
-                " features=?, capabilities=?, name=?, registered_unix=?, last_seen_unix=? WHERE provider_id=?",
+                " features=?, capabilities=?, name=?, registered_unix=?, last_seen_unix=?, memory_bytes=? WHERE provider_id=?",
                 (
                     reg.client_version,
                     reg.native_client_version,
@@ -1106,6 +1170,7 @@ class Store(StoreReader):
                     reg.name,
                     now,
                     now,
+                    min(max(reg.memory_bytes, 0), MAX_MEMORY_BYTES),
                     provider_id,
                 ),
             )
@@ -1129,7 +1194,8 @@ class Store(StoreReader):
 
     def _profile(self, provider_id: str) -> ProviderProfile:
         r = self.db.execute(
-            "SELECT client_version, native_client_version, native, backend, device_count, features, registered_unix FROM providers WHERE provider_id=?",
+            "SELECT client_version, native_client_version, native, backend, device_count, features, registered_unix, memory_bytes"
+            " FROM providers WHERE provider_id=?",
             (provider_id,),
         ).fetchone()
         if r is None:
@@ -1143,6 +1209,7 @@ class Store(StoreReader):
             backend=r[3],
             device_count=r[4],
             features=frozenset(json.loads(r[5])),
+            memory_bytes=r[7],
         )
 
     # --- leases ---------------------------------------------------------
@@ -1169,21 +1236,26 @@ class Store(StoreReader):
         ]
         for run_id in run_ids:
             run = self._run_for_lease(run_id)
-            req = run.requirements()
-            verdict, reason = decide(req, profile)
-            if verdict is Verdict.UPGRADE:
-                upgrade = upgrade or Upgrade(required_client_version=req.required_client_version, message=f"run `{run.spec.name}`: {reason}")
-                continue
-            if verdict is Verdict.INCAPABLE:
+            # Decided per job kind (placement): the oldest ready job of a kind this provider fits.
+            reqs = self.kind_requirements(run)
+            fits, behind, why = [], [], ""
+            for kind, req in reqs.items():
+                verdict, reason = decide(req, profile)
+                if verdict is Verdict.ELIGIBLE:
+                    fits.append(kind)
+                elif verdict is Verdict.UPGRADE:
+                    behind.append(kind)
+                    why = reason
+            if behind and upgrade is None and self._ready_job(run_id, behind) is not None:
+                upgrade = Upgrade(required_client_version=run.spec.required_client_version, message=f"run `{run.spec.name}`: {why}")
+            if not fits:
                 continue
             with self._tx() as db:
-                row = db.execute(
-                    f"SELECT job_id, attempts, kind, shard_index, shard_count FROM jobs j WHERE run_id=? AND state='queued' AND {_READY} ORDER BY seq LIMIT 1",
-                    (run_id,),
-                ).fetchone()
+                row = self._ready_job(run_id, fits)
                 if row is None:
                     continue
                 job_id, attempts, kind, shard_index, shard_count = row
+                req = reqs[kind]
                 inputs = self.inputs(job_id)
                 too_many = self._too_many_inputs(inputs)
                 if too_many:
@@ -1211,7 +1283,7 @@ class Store(StoreReader):
                 resume_checkpoint=self.last_checkpoint(job_id),
                 checkpoint_policy=run.spec.checkpoint_policy,
                 local_ranks=local_ranks(req, profile),
-                required_features=run.spec.required_features,
+                required_features=req.required_features,
                 required_client_version=run.spec.required_client_version,
                 image=run.spec.image,
                 kind=kind,
@@ -1220,6 +1292,14 @@ class Store(StoreReader):
                 inputs=inputs,
             )
         return upgrade
+
+    def _ready_job(self, run_id: str, kinds: list[str]) -> tuple | None:
+        """`(job_id, attempts, kind, shard_index, shard_count)` of the run's oldest leasable job of one of `kinds`."""
+        return self.db.execute(
+            f"SELECT job_id, attempts, kind, shard_index, shard_count FROM jobs j WHERE run_id=? AND state='queued' AND {_READY}"
+            f" AND kind IN ({','.join('?' * len(kinds))}) ORDER BY seq LIMIT 1",
+            (run_id, *kinds),
+        ).fetchone()
 
     @staticmethod
     def _too_many_inputs(inputs: tuple[ArtifactRecord, ...]) -> str:
