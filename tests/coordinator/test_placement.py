@@ -296,3 +296,131 @@ def test_placement_over_grpc(coordinator, provider_factory):
     with pytest.raises(grpc.RpcError) as e:
         bad.register(memory_bytes=2**64 - 1)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "capabilities.memory_bytes" in e.value.details()
+
+
+# --- why a ready job waits (`runs show`) ------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, t: float = 1_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clocked(tmp_path):
+    clock = Clock()
+    s = Store(tmp_path / "clocked.db", clock=clock, lease_ttl=30.0)
+    s.test_clock = clock
+    yield s
+    s.close()
+
+
+def _jobs(store: Store, run_id: str) -> dict[tuple[str, int], object]:
+    return {(j.kind, j.shard_index): j for j in store.run_jobs(run_id)[0]}
+
+
+def test_a_train_job_too_big_for_every_provider_says_why_it_waits(clocked):
+    store = clocked
+    small = _provider(store, "prov-a", memory=int(23.5 * GiB))
+    run = store.create_run(_spec({"train": {"min_memory_bytes": TiB}}, n=2))
+    _succeed(store, small, "prepare")
+    _succeed(store, small, "capture")
+    _succeed(store, small, "capture")
+    assert _lease(store, small) is None  # never leased to the provider that does not fit
+    jobs = _jobs(store, run.run_id)
+    train = jobs[("train", 0)]
+    assert train.state == "queued" and train.waiting_for == ()
+    assert train.waiting_reason == (
+        "waiting for a provider: none of 1 live provider fits this train job: "
+        "prov-a (cpu, 23.5 GiB): needs `min_memory_bytes` 1.0 TiB, provider declares 23.5 GiB"
+    )
+    # A job that waits for another job says that instead (`waiting_for`), not a provider reason.
+    assert jobs[("evaluate", 0)].waiting_for and jobs[("evaluate", 0)].waiting_reason == ""
+    assert all(j.waiting_reason == "" for k, j in jobs.items() if k != ("train", 0))
+
+
+def test_waiting_reasons_name_what_each_provider_misses_and_who_fits(clocked):
+    store = clocked
+    older = store.create_run(RunSpecData(name="older", spec_json="{}", required_client_version="0.1.0"))
+    run = store.create_run(_spec({"prepare": {"required_features": ["liger"], "min_memory_bytes": 16 * GiB}}, n=1))
+    # No provider at all.
+    assert _jobs(store, run.run_id)[("prepare", 0)].waiting_reason == (
+        "waiting for a provider: no live provider is registered (none asked for work in the last 60 s)"
+    )
+    _provider(store, "no-graph", features=("liger",), memory=32 * GiB)
+    _provider(store, "no-liger", memory=32 * GiB)
+    _provider(store, "old", features=(JOB_GRAPH_FEATURE, "liger"), memory=32 * GiB, version="0.0.1")
+    why = _jobs(store, run.run_id)[("prepare", 0)].waiting_reason
+    assert why.startswith("waiting for a provider: none of 3 live providers fits this prepare job: ")
+    assert "no-graph (cpu, 32.0 GiB): missing required features ['job_graph']" in why
+    assert "no-liger (cpu, 32.0 GiB): missing required features ['liger']" in why
+    assert "old (cpu, 32.0 GiB): run requires client version `0.1.0`, provider runs `0.0.1`" in why
+    # The one that fits is busy with the older run's job: it says so.
+    fits = _provider(store, "fits", features=(JOB_GRAPH_FEATURE, "liger"), memory=16 * GiB)
+    g = _lease(store, fits)
+    assert g.run_id == older.run_id
+    why = _jobs(store, run.run_id)[("prepare", 0)].waiting_reason
+    assert why == "waiting for a provider: the live providers that fit this prepare job are busy with other jobs: fits (cpu, 16.0 GiB)"
+    # Idle again: it takes the job when it next asks.
+    store.finish(fits, g.lease_id, "succeeded", "")
+    why = _jobs(store, run.run_id)[("prepare", 0)].waiting_reason
+    assert why == "waiting for a provider: fits (cpu, 16.0 GiB) fit this prepare job; it is leased when one asks for work (older runs' jobs first)"
+    assert _lease(store, fits).kind == "prepare"
+    assert _jobs(store, run.run_id)[("prepare", 0)].waiting_reason == ""
+
+
+def test_only_live_unrevoked_providers_count_and_at_most_200(clocked):
+    store = clocked
+    run = store.create_run(RunSpecData(name="p", spec_json="{}", required_client_version="0.1.0", required_features=("cuda",)))
+    gone = _provider(store, "gone")
+    store.test_clock.t += 61  # not seen for longer than `live_seconds`
+    revoked = _provider(store, "revoked")
+    store.revoke_provider(revoked)
+    (job,) = store.run_jobs(run.run_id)[0]
+    assert "no live provider is registered" in job.waiting_reason
+    store.acquire(gone)  # asking for work makes it live again
+    (job,) = store.run_jobs(run.run_id)[0]
+    assert job.waiting_reason == "waiting for a provider: none of 1 live provider fits this job: gone (cpu, 8.0 GiB): missing required features ['cuda']"
+    for i in range(205):
+        _provider(store, f"p{i:03d}\x7f")
+    (job,) = store.run_jobs(run.run_id)[0]
+    assert job.waiting_reason.startswith("waiting for a provider: none of the 200 most recently seen live providers fits this job: ")
+    assert job.waiting_reason.endswith("; and 195 more") and "\x7f" not in job.waiting_reason and "p204? (cpu" in job.waiting_reason
+
+
+def test_a_failed_graph_run_s_jobs_say_no_waiting_reason(clocked):
+    store = clocked
+    pid = _provider(store, "box")
+    run = store.create_run(_spec(n=1))
+    g = _lease(store, pid)
+    store.finish(pid, g.lease_id, "failed", "broken")
+    assert all(j.waiting_reason == "" for j in store.run_jobs(run.run_id)[0])
+
+
+def test_waiting_reason_over_grpc_and_in_runs_show(coordinator, provider_factory, capsys):
+    from dflash_worker.coordinator.cli import main as cli_main
+
+    p = provider_factory("prov-a")
+    p.register(backend="cpu", features=(JOB_GRAPH_FEATURE,), memory_bytes=int(23.5 * GiB))
+    with coordinator.admin() as admin:
+        spec = run_spec("big-train", capture_shards=1, spec_json=json.dumps({"stages": ["train"], "placement": {"train": {"min_memory_bytes": TiB}}}))
+        run = admin.create_run(spec)
+        for kind in ("prepare", "capture"):
+            lease = p.acquire().lease
+            assert lease.kind == kind
+            assert p.finish(lease.lease_id) == "succeeded"
+        assert p.acquire().WhichOneof("result") == "no_work"
+        train = [j for j in admin.get_run(run.run_id).jobs if j.kind == "train"][0]
+        assert train.state == "queued" and "needs `min_memory_bytes` 1.0 TiB" in train.waiting_reason
+    env = ["--server", coordinator.address, "--admin-token", coordinator.admin_token]
+    assert cli_main(["runs", "show", run.run_id, *env]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "    waiting for a provider: none of 1 live provider fits this train job: prov-a (cpu, 23.5 GiB): needs `min_memory_bytes` 1.0 TiB" in out
+    ), out
+    assert cli_main(["runs", "show", run.run_id, "--json", *env]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [j["waiting_reason"] != "" for j in doc["jobs"]] == [False, False, True, False]

@@ -511,8 +511,9 @@ def _cmd_admin(args) -> int:
                     print(f"  run failed: {resp.run.failure}")
                 for j in resp.jobs:
                     print(f"  {j.job_id}  {_job_label(j)}{j.state}  attempts {j.attempts}{_waits(j)}")
-                    if j.reason:
-                        print(f"    {j.reason}")
+                    for why in (j.reason, j.waiting_reason):
+                        if why:
+                            print(f"    {why}")
                     if j.HasField("publication"):
                         print(_publication_line(j.publication))
                     for a in finals[j.job_id]:

@@ -206,6 +206,8 @@ async def serve(
         on_work=work.notify,
         quotas=config.quotas,
         keep_checkpoints=config.keep_checkpoints,
+        # An idle provider asks again at least every long poll plus its retry delay.
+        live_seconds=max(2 * config.lease_ttl, 2 * (config.max_wait + config.retry_after)),
     )
     try:
         how = ensure_admin_token(store, config.admin_token, config.token_file)

@@ -637,6 +637,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     needs=list(j.needs),
                     waiting_for=list(j.waiting_for),
                     reason=j.reason,
+                    waiting_reason=j.waiting_reason,
                 )
                 for j in jobs
             ],

@@ -68,6 +68,7 @@ At open the database also passes SQLite's ``quick_check`` or is refused.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -108,6 +109,7 @@ from .policy import (
     check_version,
     decide,
     default_placement,
+    format_bytes,
     local_ranks,
 )
 
@@ -122,6 +124,10 @@ MAX_SHARDS = 1024
 MAX_LEASE_INPUTS = 20_000
 MAX_LEASE_INPUT_BYTES = 8 << 20
 MAX_JOBS_PER_RUN = 10_000
+# Providers `runs show` weighs when it says why a ready job waits (the most recently seen first),
+# and how many of them one reason names.
+MAX_WAITING_PROVIDERS = 200
+WAITING_NAMED = 5
 MAX_SPEC_JSON_BYTES = 1 << 20
 FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
 DEFAULT_ROTATE_GRACE_SECONDS = 3600
@@ -254,6 +260,7 @@ CREATE TABLE IF NOT EXISTS job_deps (
   PRIMARY KEY (job_id, needs_job_id)
 );
 CREATE INDEX IF NOT EXISTS job_deps_by_needed ON job_deps(needs_job_id);
+CREATE INDEX IF NOT EXISTS providers_by_seen ON providers(last_seen_unix);
 CREATE TABLE IF NOT EXISTS placements (
   run_id TEXT NOT NULL REFERENCES runs(run_id),
   kind TEXT NOT NULL,
@@ -379,6 +386,11 @@ def hash_token(token: str) -> str:
 def new_token() -> str:
     """A fresh bearer token: 256 random bits, URL-safe."""
     return secrets.token_urlsafe(32)
+
+
+def printable(text: str) -> str:
+    """`text` with control characters replaced by `?` (newlines kept): it reaches an admin's terminal."""
+    return "".join(c if c == "\n" or not (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) else "?" for c in text)
 
 
 def _new_id(prefix: str) -> str:
@@ -541,6 +553,8 @@ class JobRow:
     waiting_for: tuple[str, ...] = ()
     # Why the job failed without an attempt of its own failing ("" otherwise).
     reason: str = ""
+    # Why a queued job whose needs all succeeded is not leased yet ("" otherwise): computed when asked.
+    waiting_reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -738,9 +752,13 @@ class Store(StoreReader):
         on_work: Callable[[], None] | None = None,
         quotas: Quotas | None = None,
         keep_checkpoints: int = 2,
+        live_seconds: float | None = None,
     ):
         if lease_ttl <= 0:
             raise ConfigError(f"`--lease-ttl` must be positive, got {lease_ttl}")
+        # A provider counts as live for `runs show`'s waiting reasons when it asked for work this
+        # recently (a long poll refreshes it) or holds a live lease.
+        self.live_seconds = float(live_seconds) if live_seconds is not None else max(2 * lease_ttl, 60.0)
         if max_attempts < 1:
             raise ConfigError(f"`--max-attempts` must be at least 1, got {max_attempts}")
         self.path = Path(path)
@@ -1036,8 +1054,9 @@ class Store(StoreReader):
         return [self._run_from_row(r[1:]) for r in rows[:size]], next_token(rows, size)
 
     def run_jobs(self, run_id: str, page_size: int = 0, page_token: str = "") -> tuple[list[JobRow], str]:
-        """One page of a run's jobs, each with its final artifacts' count and export, and the next page's token."""
-        self.get_run(run_id)
+        """One page of a run's jobs, each with its final artifacts' count and export, and the next page's token;
+        a ready queued job also says why it waits (`waiting_reasons`)."""
+        run = self.get_run(run_id)
         size, after = page(page_size, page_token)
         rows = self.db.execute(
             "SELECT seq, job_id, state, attempts, kind, shard_index, shard_count, reason FROM jobs WHERE run_id=? AND seq > ? ORDER BY seq LIMIT ?",
@@ -1065,7 +1084,74 @@ class Store(StoreReader):
                     needs=tuple(d for d, _ in deps), waiting_for=tuple(d for d, st in deps if st != "succeeded"),
                 )  # fmt: skip
             )
+        waiting = [j for j in out if j.state == "queued" and not j.waiting_for] if not run.failure else []
+        if waiting:
+            why = self.waiting_reasons(run, {j.kind for j in waiting})
+            ids = {j.job_id for j in waiting}
+            out = [dataclasses.replace(j, waiting_reason=why[j.kind]) if j.job_id in ids else j for j in out]
         return out, next_token(rows, size)
+
+    def _live_providers(self) -> tuple[list[tuple[str, ProviderProfile, bool]], int]:
+        """Up to MAX_WAITING_PROVIDERS live providers (seen within `live_seconds`, or holding a live
+        lease), the most recently seen first: `(label, profile, busy)`; and how many were found
+        (one more than the cap when there are more). Two index range reads, bounded."""
+        now = self.clock()
+        cols = "provider_id, identity, name, client_version, native_client_version, native, backend, device_count, features, memory_bytes"
+        rows = self.db.execute(
+            f"SELECT {cols} FROM providers WHERE last_seen_unix >= ? AND revoked_unix IS NULL AND registered_unix IS NOT NULL"
+            " ORDER BY last_seen_unix DESC LIMIT ?",
+            (now - self.live_seconds, MAX_WAITING_PROVIDERS + 1),
+        ).fetchall()
+        busy = {
+            p
+            for (p,) in self.db.execute(
+                "SELECT DISTINCT provider_id FROM attempts WHERE state='live' AND lease_expires_unix >= ? LIMIT ?", (now, MAX_WAITING_PROVIDERS + 1)
+            )
+        }
+        seen = {r[0] for r in rows}
+        for pid in sorted(busy - seen):
+            if len(rows) > MAX_WAITING_PROVIDERS:
+                break
+            r = self.db.execute(f"SELECT {cols} FROM providers WHERE provider_id=? AND revoked_unix IS NULL AND registered_unix IS NOT NULL", (pid,)).fetchone()
+            if r is not None:
+                rows.append(r)
+        out = []
+        for pid, identity, name, version, native_version, native, backend, count, features, memory in rows[:MAX_WAITING_PROVIDERS]:
+            profile = ProviderProfile(
+                client_version=version, native_client_version=native_version, native=bool(native), backend=backend, device_count=count,
+                features=frozenset(json.loads(features)), memory_bytes=memory,
+            )  # fmt: skip
+            label = f"{printable(identity or name)[:80]} ({backend}, {format_bytes(memory) if memory else 'memory not declared'})"
+            out.append((label, profile, pid in busy))
+        return out, len(rows)
+
+    def waiting_reasons(self, run: RunRow, kinds: set[str]) -> dict[str, str]:
+        """Why a ready queued job of each of `kinds` in `run` is not leased: no live provider, none that
+        fits (each named with the first requirement it misses, `policy.decide`, placement included), or
+        the ones that fit are busy or have not asked for work since it became ready."""
+        providers, found = self._live_providers()
+        if not providers:
+            return dict.fromkeys(kinds, f"waiting for a provider: no live provider is registered (none asked for work in the last {self.live_seconds:.0f} s)")
+        reqs = self.kind_requirements(run)
+        total = f"the {len(providers)} most recently seen live providers" if found > len(providers) else f"{len(providers)} live provider" + ("s" if len(providers) > 1 else "")
+        out = {}
+        for kind in kinds:
+            fit, unfit = [], []
+            for label, profile, busy in providers:
+                verdict, reason = decide(reqs[kind], profile)
+                (fit if verdict is Verdict.ELIGIBLE else unfit).append((label, busy, reason))
+            what = f"{kind} job" if kind != "pipeline" else "job"
+            if not fit:
+                named = "; ".join(f"{label}: {reason}" for label, _, reason in unfit[:WAITING_NAMED])
+                more = f"; and {len(unfit) - WAITING_NAMED} more" if len(unfit) > WAITING_NAMED else ""
+                out[kind] = f"waiting for a provider: none of {total} fits this {what}: {named}{more}"
+                continue
+            names = ", ".join(label for label, _, _ in fit[:WAITING_NAMED]) + (f" and {len(fit) - WAITING_NAMED} more" if len(fit) > WAITING_NAMED else "")
+            if all(busy for _, busy, _ in fit):
+                out[kind] = f"waiting for a provider: the live providers that fit this {what} are busy with other jobs: {names}"
+            else:
+                out[kind] = f"waiting for a provider: {names} fit this {what}; it is leased when one asks for work (older runs' jobs first)"
+        return out
 
     def approve_version(self, run_id: str, version: str) -> RunRow:
         check_version(version, "version")
@@ -1387,7 +1473,7 @@ class Store(StoreReader):
             return
         what = f"{kind} shard {index + 1}/{count}" if count > 1 else kind
         # The message is a provider's text and reaches the admin's terminal (`runs show`): no control characters.
-        message = "".join(c if c == "\n" or not (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) else "?" for c in message[:500])
+        message = printable(message[:500])
         why = f"job `{job_id}` ({what}) {job_state}" + (f": {message}" if message else "")
         db.execute("UPDATE runs SET failure=? WHERE run_id=? AND failure=''", (why, run_id))
         why = db.execute("SELECT failure FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]

@@ -93,7 +93,7 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export", "publication", "kind", "shard_index", "shard_count", "needs", "waiting_for", "reason")
+    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export", "publication", "kind", "shard_index", "shard_count", "needs", "waiting_for", "reason", "waiting_reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class JobInfo(_message.Message):
     NEEDS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     attempts: int
@@ -118,7 +119,8 @@ class JobInfo(_message.Message):
     needs: _containers.RepeatedScalarFieldContainer[str]
     waiting_for: _containers.RepeatedScalarFieldContainer[str]
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ..., kind: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., needs: _Optional[_Iterable[str]] = ..., waiting_for: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    waiting_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ..., kind: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., needs: _Optional[_Iterable[str]] = ..., waiting_for: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., waiting_reason: _Optional[str] = ...) -> None: ...
 
 class Publication(_message.Message):
     __slots__ = ("published", "verdict", "reason", "decided_unix", "override_unix", "override_note", "override_peer", "tau_released", "tau_trained", "split", "tolerance")
