@@ -216,6 +216,7 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
     db.execute("ALTER TABLE providers DROP COLUMN memory_bytes")
     db.execute("DROP TABLE job_deps")
     db.execute("DROP INDEX jobs_ready")
+    db.execute("DROP INDEX jobs_by_kind")
     for table, col in [("jobs", "kind"), ("jobs", "shard_index"), ("jobs", "shard_count"), ("jobs", "reason"), ("jobs", "pending_deps"), ("runs", "capture_shards"), ("runs", "eval_shards"), ("runs", "failure")]:
         db.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
     db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")

@@ -361,6 +361,7 @@ def test_a_version_4_database_is_migrated(tmp_path):
     db.execute("DROP TABLE placements")
     db.execute("ALTER TABLE providers DROP COLUMN memory_bytes")
     db.execute("DROP INDEX jobs_ready")
+    db.execute("DROP INDEX jobs_by_kind")
     for col in ("kind", "shard_index", "shard_count", "reason", "pending_deps"):
         db.execute(f"ALTER TABLE jobs DROP COLUMN {col}")
     for col in ("capture_shards", "eval_shards", "failure"):

@@ -516,6 +516,8 @@ def _cmd_admin(args) -> int:
                             print(f"    {why}")
                     if j.HasField("publication"):
                         print(_publication_line(j.publication))
+                    elif j.HasField("export") and j.kind == "train":
+                        print("    export not decided yet: the regression gate decides on it when the run's evaluate job (shard 0) succeeds")
                     for a in finals[j.job_id]:
                         _print_artifact(a)
         elif key == ("runs", "publish"):

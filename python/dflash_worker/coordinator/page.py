@@ -129,11 +129,20 @@ def _run(r: dict[str, Any]) -> str:
     rows = []
     details = []
     for j in r["jobs"]:
+        kind = j.get("kind", "pipeline")
+        label = ""
+        if kind != "pipeline":
+            label = f' <span class="kind">{_e(kind)}' + (f' {j["shard_index"] + 1}/{j["shard_count"]}' if j["shard_count"] > 1 else "") + "</span>"
         rows.append(
-            f'<tr class="job" data-job-id="{_e(j["job_id"])}" data-state="{_e(j["state"])}"><td><code>{_e(j["job_id"])}</code></td>'
+            f'<tr class="job" data-job-id="{_e(j["job_id"])}" data-state="{_e(j["state"])}" data-kind="{_e(kind)}"><td><code>{_e(j["job_id"])}</code>{label}</td>'
             f'<td class="state">{_e(j["state"])}</td><td>{_e(j["attempts"])}</td>{_progress(j["progress"])}</tr>'
         )
-        extra = _evaluation(r["run_id"], j) + _artifacts(r["run_id"], j)
+        pending = (
+            '<p class="muted pending-gate">export not decided yet: the regression gate decides on it when the run\'s evaluate job (shard 0) succeeds</p>'
+            if j.get("pending_gate")
+            else ""
+        )
+        extra = pending + _evaluation(r["run_id"], j) + _artifacts(r["run_id"], j)
         if extra:
             details.append(f'<div class="job-detail" data-job-id="{_e(j["job_id"])}"><h4>job <code>{_e(j["job_id"])}</code></h4>{extra}</div>')
     more = f'<p class="muted">{r["num_jobs"] - r["jobs_shown"]} more jobs not shown</p>' if r["num_jobs"] > r["jobs_shown"] else ""

@@ -17,6 +17,11 @@ and decides:
   (``spec.evaluate.split``, else ``[evaluate].split``, default ``test``; ``train``
   is never held out).
 
+In a job graph the export is the train job's and the report evaluate shard 0's (it merges
+the other shards' rows): the decision on the train job's export is taken when evaluate shard
+0 succeeds, from its report. Until then the export is undecided, so not served (``artifacts
+get`` says what it waits for); if the run fails first, it is held back for want of a report.
+
 The job still ends ``succeeded``; only what is served by default changes: an unpublished
 export is refused by ``artifacts get`` (FAILED_PRECONDITION naming the reason) and has no
 download link on the status page, until an admin publishes it with ``runs publish RUN
@@ -93,12 +98,15 @@ def _positions(doc: dict, name: str) -> list[float]:
     return out
 
 
-def decide(report: bytes | None, spec_json: str) -> Decision:
-    """The gate's decision on one export from its report's bytes (None: no report) and the run's spec."""
+def decide(report: bytes | None, spec_json: str, *, no_report: str = "") -> Decision:
+    """The gate's decision on one export from its report's bytes (None: no report, for the reason
+    `no_report` when given) and the run's spec."""
     try:
         split, tol = held_out(json.loads(spec_json))
     except (ConfigError, ValueError) as exc:
         return Decision(published=False, verdict="", reason=f"the run's spec does not say how to judge it: {exc}", evaluation={})
+    if report is None and no_report:
+        return Decision(published=False, verdict="", reason=no_report, evaluation={})
     if report is None:
         return Decision(
             published=False,
@@ -158,7 +166,9 @@ class PublishGate:
         self.blobs = blobs
 
     async def decide_job(self, job_id: str) -> PublicationRow | None:
-        """Decide on `job_id` if it is a succeeded job with an export; its publication (None: nothing to decide)."""
+        """Decide on the export a success of `job_id` settles (its own, or for a graph's evaluate shard 0 the
+        train job's); that publication (None: nothing to decide yet)."""
+        job_id = self.store.gated_job(job_id)
         existing = self.store.publication(job_id)
         if existing is not None:
             return existing
@@ -173,7 +183,7 @@ class PublishGate:
                     report = _read_report(self.blobs, inputs.report)
                 except ValueError as exc:
                     return Decision(published=False, verdict="", reason=f"the evaluation report `{REPORT_NAME}` is not usable: {exc}", evaluation={})
-            return decide(report, inputs.spec_json)
+            return decide(report, inputs.spec_json, no_report=inputs.no_report)
 
         try:
             d = await asyncio.to_thread(work)

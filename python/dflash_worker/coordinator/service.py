@@ -9,6 +9,7 @@ for `AcquireLease`. Authentication happened in `auth.AuthInterceptor`;
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import queue
@@ -621,6 +622,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def GetRun(self, request, context):
         run = self.store.get_run(request.run_id)
         jobs, token = self.store.run_jobs(request.run_id, request.page_size, request.page_token)
+        # An export the gate left undecided: a graph run's train job whose run failed before its
+        # evaluate job reported is decided (held back) now; one still waiting stays undecided.
+        for i, j in enumerate(jobs):
+            if j.export is not None and j.publication is None:
+                jobs[i] = dataclasses.replace(j, publication=await self.gate.decide_job(j.job_id))
         return admin_pb2.GetRunResponse(
             run=run_pb(run),
             jobs=[

@@ -5,7 +5,9 @@
 publication and evaluation, and the final attempt's artifacts, up to `MAX_ARTIFACTS`), and
 up to `MAX_PROVIDERS` providers, newest first (device, versions, last heartbeat, current lease).
 The bounds keep one page refresh a fixed amount of work however large the history; the
-coordinator builds it in a process of its own (`snapshot_proc`), off its event loop.
+coordinator builds it in a process of its own (`snapshot_proc`), off its event loop. A job
+graph's train job (its export) and evaluate shard 0 (its report) are always among the jobs
+shown, however many capture shards come before them.
 
 ETA is the current phase's: steps left times the seconds per step since the phase began
 (`attempts.phase_started_unix`), so a fast `prepare` does not make `train` look quick.
@@ -55,9 +57,14 @@ def _progress(row: tuple, now: float) -> dict[str, Any]:
     }
 
 
-def _job(store: StoreReader, run_id: str, job_id: str, state: str, attempts: int, current: str | None, now: float) -> dict[str, Any]:
+def _job(
+    store: StoreReader, run_id: str, job_id: str, state: str, attempts: int, current: str | None, kind: str, shard_index: int, shard_count: int, now: float
+) -> dict[str, Any]:
     db = store.db
-    job: dict[str, Any] = {"job_id": job_id, "state": state, "attempts": attempts, "progress": None, "publication": None, "artifacts": []}
+    job: dict[str, Any] = {
+        "job_id": job_id, "state": state, "attempts": attempts, "progress": None, "publication": None, "artifacts": [],
+        "kind": kind, "shard_index": shard_index, "shard_count": shard_count, "pending_gate": False,
+    }  # fmt: skip
     if current is not None:
         r = db.execute(
             "SELECT phase, step, total_steps, committed_step, metrics_json, last_heartbeat_unix, phase_started_unix, phase_started_step,"
@@ -85,6 +92,8 @@ def _job(store: StoreReader, run_id: str, job_id: str, state: str, attempts: int
                 (final[0], MAX_ARTIFACTS),
             ).fetchall()
             exports_ok = pub is not None and pub.published
+            # A graph's train job: the gate decides on its export when evaluate shard 0 succeeds.
+            job["pending_gate"] = pub is None and kind == "train" and any(r[1] == "export" for r in rows)
             for name, kind, size, sha in rows:
                 job["artifacts"].append(
                     {"name": name, "kind": kind, "size_bytes": size, "sha256": sha, "downloadable": kind != "export" or exports_ok}
@@ -139,8 +148,18 @@ def _steps(store: StoreReader, now: float) -> Iterator[None | dict[str, Any]]:
     ).fetchall():
         states = dict(db.execute("SELECT state, COUNT(*) FROM jobs WHERE run_id=? GROUP BY state", (run_id,)).fetchall())
         jobs = []
-        for r in db.execute("SELECT job_id, state, attempts, current_attempt_id FROM jobs WHERE run_id=? ORDER BY seq LIMIT ?", (run_id, MAX_JOBS)).fetchall():
-            jobs.append(_job(store, run_id, *r, now))
+        cols = "seq, job_id, state, attempts, current_attempt_id, kind, shard_index, shard_count"
+        rows = db.execute(f"SELECT {cols} FROM jobs WHERE run_id=? ORDER BY seq LIMIT ?", (run_id, MAX_JOBS)).fetchall()
+        if len(rows) == MAX_JOBS:
+            # The jobs a graph's result is in, past the first MAX_JOBS (index `jobs_by_kind`).
+            last = rows[-1][0]
+            rows += db.execute(
+                f"SELECT {cols} FROM jobs WHERE run_id=? AND kind=? AND shard_index=0 AND seq > ? UNION ALL"
+                f" SELECT {cols} FROM jobs WHERE run_id=? AND kind=? AND shard_index=0 AND seq > ? ORDER BY seq",
+                (run_id, "train", last, run_id, "evaluate", last),
+            ).fetchall()
+        for r in rows:
+            jobs.append(_job(store, run_id, *r[1:], now))
             yield None
         total = sum(states.values())
         done = sum(states.get(s, 0) for s in ("succeeded", "failed", "cancelled"))

@@ -274,6 +274,7 @@ CREATE TABLE IF NOT EXISTS placements (
 # Indexes on columns a migration adds: created once the database has them.
 _SCHEMA_AFTER_MIGRATIONS = """
 CREATE INDEX IF NOT EXISTS jobs_ready ON jobs(state, run_id, pending_deps, seq);
+CREATE INDEX IF NOT EXISTS jobs_by_kind ON jobs(run_id, kind, shard_index);
 """
 
 
@@ -583,6 +584,8 @@ class GateInputs:
     attempt_id: str
     spec_json: str
     report: ArtifactRecord | None
+    # Why there is no report, where the gate's generic reason would mislead (a graph run's); "" otherwise.
+    no_report: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1705,13 +1708,18 @@ class Store(StoreReader):
         return None if r is None else (r[0], r[1])
 
     def job_of(self, run_id: str, job_id: str) -> str:
-        """The job an admin names: `job_id` in `run_id`, or the run's only job when `job_id` is empty."""
+        """The job an admin names: `job_id` in `run_id`; when `job_id` is empty, the run's only job, or a job
+        graph's train job (whose export is the run's result)."""
         self.get_run(run_id)
         if job_id:
             if self.db.execute("SELECT 1 FROM jobs WHERE job_id=? AND run_id=?", (job_id, run_id)).fetchone() is None:
                 raise NotFoundError(f"run `{run_id}` has no job `{job_id[:80]}`\nhint: `dflash-coordinator runs show {run_id}` lists its jobs")
             return job_id
         jobs = [j for (j,) in self.db.execute("SELECT job_id FROM jobs WHERE run_id=? ORDER BY seq LIMIT 2", (run_id,))]
+        # A job graph's export (the run's result) is its train job's: that is the job a run names.
+        train = self._graph_job(run_id, "train") if len(jobs) > 1 else None
+        if train is not None:
+            return train
         if len(jobs) != 1:
             raise InvalidRequestError(f"run `{run_id}` has several jobs; name one with `--job`\nhint: `dflash-coordinator runs show {run_id}` lists them")
         return jobs[0]
@@ -1762,14 +1770,58 @@ class Store(StoreReader):
         final = self._succeeded_attempt(job_id)
         return final is not None and self.db.execute("SELECT 1 FROM records WHERE attempt_id=? AND kind='export' LIMIT 1", (final[0],)).fetchone() is not None
 
+    def _graph_job(self, run_id: str, kind: str, shard_index: int = 0) -> str | None:
+        r = self.db.execute("SELECT job_id FROM jobs WHERE run_id=? AND kind=? AND shard_index=? ORDER BY seq LIMIT 1", (run_id, kind, shard_index)).fetchone()
+        return None if r is None else r[0]
+
+    def gated_job(self, job_id: str) -> str:
+        """The job whose export a success of `job_id` lets the gate decide on: in a job graph, evaluate
+        shard 0's success decides on the train job's export (shard 0 uploads the run's one report)."""
+        r = self.db.execute("SELECT run_id, kind, shard_index FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if r is not None and r[1] == "evaluate" and r[2] == 0:
+            return self._graph_job(r[0], "train") or job_id
+        return job_id
+
+    def pending_gate(self, job_id: str) -> str:
+        """Why the gate has not decided on `job_id`'s export yet, when it waits for its run's evaluate job; "" otherwise."""
+        r = self.db.execute("SELECT j.run_id, j.kind, r.failure FROM jobs j JOIN runs r ON r.run_id=j.run_id WHERE j.job_id=?", (job_id,)).fetchone()
+        if r is None or r[1] != "train" or r[2]:
+            return ""
+        ev = self._graph_job(r[0], "evaluate")
+        if ev is None or self._succeeded_attempt(ev) is not None:
+            return ""
+        return f"it waits for the run's evaluate job `{ev}` (shard 0), whose report the regression gate decides on"
+
     def gate_inputs(self, job_id: str, report_name: str) -> GateInputs | None:
-        """What the gate needs to decide on a succeeded job with an export; None when there is nothing to decide."""
+        """What the gate needs to decide on a succeeded job with an export; None when there is nothing to decide yet.
+
+        A pipeline job's report is its own attempt's. A job graph's export comes from its train job
+        and its report from evaluate shard 0: the decision waits (None) until that job succeeds, and
+        is taken without a report once the run has failed instead.
+        """
         final = self._succeeded_attempt(job_id)
         if final is None or not self.has_final_export(job_id):
             return None
-        run_id = self.db.execute("SELECT run_id FROM jobs WHERE job_id=?", (job_id,)).fetchone()[0]
-        r = self.db.execute(f"SELECT {_REC_COLS} FROM records WHERE attempt_id=? AND name=? AND kind='report'", (final[0], report_name)).fetchone()
-        return GateInputs(job_id=job_id, run_id=run_id, attempt_id=final[0], spec_json=self._spec_json(run_id), report=None if r is None else self._record(r))
+        run_id, kind, failure = self.db.execute(
+            "SELECT j.run_id, j.kind, r.failure FROM jobs j JOIN runs r ON r.run_id=j.run_id WHERE j.job_id=?", (job_id,)
+        ).fetchone()
+        report_attempt, no_report = final[0], ""
+        ev = self._graph_job(run_id, "evaluate") if kind == "train" else None
+        if ev is not None:
+            ev_final = self._succeeded_attempt(ev)
+            if ev_final is not None:
+                report_attempt = ev_final[0]
+                no_report = f"the run's evaluate job `{ev}` (shard 0) succeeded without an evaluation report (`{report_name}`)"
+            elif failure:
+                report_attempt, no_report = None, f"no evaluation report: {printable(failure)}"
+            else:
+                return None
+        r = None
+        if report_attempt is not None:
+            r = self.db.execute(f"SELECT {_REC_COLS} FROM records WHERE attempt_id=? AND name=? AND kind='report'", (report_attempt, report_name)).fetchone()
+        return GateInputs(
+            job_id=job_id, run_id=run_id, attempt_id=final[0], spec_json=self._spec_json(run_id), report=None if r is None else self._record(r), no_report=no_report
+        )  # fmt: skip
 
     def undecided_jobs(self) -> list[str]:
         """Succeeded jobs whose export the gate has not decided on (a coordinator stopped between the two)."""
@@ -1802,6 +1854,12 @@ class Store(StoreReader):
         if pub is None:
             if not self.has_final_export(job_id):
                 raise PolicyError(f"job `{job_id}` has no export from a succeeded attempt; there is nothing to publish")
+            pending = self.pending_gate(job_id)
+            if pending:
+                raise PolicyError(
+                    f"the regression gate has not decided on job `{job_id}`'s export: {pending}\n"
+                    "hint: `dflash-coordinator runs show RUN_ID` shows what that job waits for; publish once it has succeeded (or the run failed)"
+                )
             raise PolicyError(f"the regression gate has not decided on job `{job_id}` yet\nhint: retry in a few seconds")
         if pub.published:
             return pub
@@ -1824,6 +1882,12 @@ class Store(StoreReader):
         pub = self.publication(job_id)
         if pub is not None and pub.published:
             return
+        pending = self.pending_gate(job_id) if pub is None else ""
+        if pending:
+            raise PolicyError(
+                f"run `{run_id}`'s export (job `{job_id}`) is not published yet: {pending}\n"
+                f"hint: `dflash-coordinator runs show {run_id}` shows what that job waits for"
+            )
         why = pub.reason if pub is not None else "the regression gate has not decided on it yet"
         raise PolicyError(
             f"run `{run_id}`'s export (job `{job_id}`) is not published: {why}\n"
