@@ -282,7 +282,7 @@ def test_cancelling_a_queued_job_fails_the_graph_run(store):
 
 
 def test_graph_jobs_go_only_to_providers_that_run_graph_jobs(store):
-    """Today's run-manager offers no `job_graph` feature: a graph job is never leased to it (it would run the whole pipeline)."""
+    """A run-manager that does not offer `job_graph` (an older one) is never leased a graph job (it would run the whole pipeline)."""
     old = dataclasses.replace(REG, features=("flash_attention_2",))
     pid, _ = store.create_provider("old")
     store.register(pid, old)

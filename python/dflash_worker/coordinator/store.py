@@ -18,10 +18,11 @@ ends retryable (at most ``max_attempts`` attempts, then ``failed``).
 Job graphs: a job has a ``kind``. A run created as today has ``num_jobs``
 independent ``pipeline`` jobs (the worker runs every stage). A graph run
 (``capture_shards`` N > 0) has ``prepare`` -> ``capture`` x N (shard i of N)
--> ``train`` -> ``evaluate`` x M, with the edges in ``job_deps``. A queued job
-is leasable only once every job it needs has succeeded; its lease names the
-needed jobs' final artifacts (``Grant.inputs``), which the provider may
-download. When a job of a graph run ends ``failed`` or ``cancelled`` the run
+-> ``train`` -> ``evaluate`` x M, with the edges in ``job_deps``
+(`RunSpecData.graph`). A queued job is leasable only once every job it needs
+has succeeded, and only by a provider that fits its kind's placement
+(``placements``, written at creation); its lease names the needed jobs' final
+artifacts (``Grant.inputs``), which the provider may download. When a job of a graph run ends ``failed`` or ``cancelled`` the run
 fails: ``runs.failure`` names that job, and every queued job of the run
 (its dependents among them) is failed with that reason, so no more of the
 run's work is leased; attempts already running finish, but a job whose
