@@ -150,6 +150,12 @@ impl<T: Transfer> Fetcher<'_, T> {
                 have = 0;
             }
             if have == size {
+                if size == 0 {
+                    // an empty artifact (an empty split file) has nothing to download: the part file is made here
+                    tokio::fs::write(part, b"").await.map_err(|e| {
+                        FetchError::Unusable(format!("cannot write `{}`: {e}", part.display()))
+                    })?;
+                }
                 return check_part(part, name, sha256, size).await;
             }
             let req = DownloadArtifactRequest {

@@ -399,6 +399,33 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_empty_input_is_placed_without_a_download() {
+        // Found by bench/fanout.py: a prepare job with no test fraction uploads an empty
+        // `data/test.jsonl`; its download read a part file that was never made.
+        let dir = tmp("input-empty");
+        let store = FakeStore::default();
+        let lease = capture_lease(
+            &store,
+            &[("data/test.jsonl", b""), ("data/train.jsonl", b"train")],
+        );
+        let planned = plan(&lease).expect("plan");
+        let done = fetcher(&store, &lease, &dir)
+            .inputs(&planned)
+            .await
+            .expect("fetched");
+        assert_eq!(
+            std::fs::read(dir.join("data/test.jsonl")).expect("empty"),
+            b""
+        );
+        assert_eq!(
+            std::fs::read(dir.join("data/train.jsonl")).expect("train"),
+            b"train"
+        );
+        assert_eq!(done.downloaded + done.kept, 2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
     async fn a_refused_download_names_the_input_and_a_lost_lease_is_lost() {
         let dir = tmp("input-refused");
         let store = FakeStore::default();
