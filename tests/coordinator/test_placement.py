@@ -372,6 +372,17 @@ def test_waiting_reasons_name_what_each_provider_misses_and_who_fits(clocked):
     assert _jobs(store, run.run_id)[("prepare", 0)].waiting_reason == ""
 
 
+def test_with_one_fitting_provider_busy_and_one_idle_the_idle_one_is_named(clocked):
+    store = clocked
+    store.create_run(RunSpecData(name="older", spec_json="{}", required_client_version="0.1.0"))
+    run = store.create_run(_spec(n=1))
+    busy = _provider(store, "busy-one")
+    assert _lease(store, busy).kind == "pipeline"
+    _provider(store, "idle-one")
+    why = _jobs(store, run.run_id)[("prepare", 0)].waiting_reason
+    assert why == "waiting for a provider: idle-one (cpu, 8.0 GiB) fit this prepare job; it is leased when one asks for work (older runs' jobs first)"
+
+
 def test_only_live_unrevoked_providers_count_and_at_most_200(clocked):
     store = clocked
     run = store.create_run(RunSpecData(name="p", spec_json="{}", required_client_version="0.1.0", required_features=("cuda",)))

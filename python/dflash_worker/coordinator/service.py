@@ -625,7 +625,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         # An export the gate left undecided: a graph run's train job whose run failed before its
         # evaluate job reported is decided (held back) now; one still waiting stays undecided.
         for i, j in enumerate(jobs):
-            if j.export is not None and j.publication is None:
+            if j.kind == "train" and j.export is not None and j.publication is None:
                 jobs[i] = dataclasses.replace(j, publication=await self.gate.decide_job(j.job_id))
         return admin_pb2.GetRunResponse(
             run=run_pb(run),

@@ -22,11 +22,12 @@ independent ``pipeline`` jobs (the worker runs every stage). A graph run
 (`RunSpecData.graph`). A queued job is leasable only once every job it needs
 has succeeded, and only by a provider that fits its kind's placement
 (``placements``, written at creation); its lease names the needed jobs' final
-artifacts (``Grant.inputs``), which the provider may download. When a job of a graph run ends ``failed`` or ``cancelled`` the run
-fails: ``runs.failure`` names that job, and every queued job of the run
-(its dependents among them) is failed with that reason, so no more of the
-run's work is leased; attempts already running finish, but a job whose
-attempt is requeued after that fails instead.
+artifacts (``Grant.inputs``), which the provider may download. When a job of a
+graph run ends ``failed`` or ``cancelled`` the run fails: ``runs.failure``
+names that job, and every queued job of the run (its dependents among them)
+is failed with that reason, so no more of the run's work is leased; attempts
+already running finish, but a job whose attempt is requeued after that fails
+instead.
 Attempt states: ``live``, ``succeeded``, ``failed``, ``cancelled``,
 ``retryable``, ``expired``, ``revoked`` (its provider was revoked; the job is
 requeued like an expired one).
@@ -1150,8 +1151,10 @@ class Store(StoreReader):
                 more = f"; and {len(unfit) - WAITING_NAMED} more" if len(unfit) > WAITING_NAMED else ""
                 out[kind] = f"waiting for a provider: none of {total} fits this {what}: {named}{more}"
                 continue
-            names = ", ".join(label for label, _, _ in fit[:WAITING_NAMED]) + (f" and {len(fit) - WAITING_NAMED} more" if len(fit) > WAITING_NAMED else "")
-            if all(busy for _, busy, _ in fit):
+            idle = [label for label, busy, _ in fit if not busy]
+            listed = idle or [label for label, _, _ in fit]
+            names = ", ".join(listed[:WAITING_NAMED]) + (f" and {len(listed) - WAITING_NAMED} more" if len(listed) > WAITING_NAMED else "")
+            if not idle:
                 out[kind] = f"waiting for a provider: the live providers that fit this {what} are busy with other jobs: {names}"
             else:
                 out[kind] = f"waiting for a provider: {names} fit this {what}; it is leased when one asks for work (older runs' jobs first)"
