@@ -10,7 +10,9 @@ so it covers each provider's teacher load, the downloads of the prepared data an
 the shards. The arms alternate (1, 2, 1, 2, ...) so drift in machine load hits both alike; the
 figure per arm is the median over repeats. Prints the speedup K=2 over K=1 (ideal x2.00 on two
 free cores) and checks that both arms captured the same bytes (capture key and shard hashes of the
-assembled manifest).
+assembled manifest). Each capture job pays a fixed start (the worker's imports, the capture plan,
+the teacher load: about 6 s here) and a provider that was idle takes its job on its next poll (about
+4 s later here), so the defaults make the capture itself dominate (about 70 s on one core).
 
 Usage: .venv/bin/python bench/fanout.py [--repeats N] [--examples N] [--hidden H] [--layers L]
 """
@@ -150,7 +152,9 @@ def capture_once(root: Path, spec: dict, k: int, timeout: float) -> tuple[float,
         rows = sys_.query("SELECT a.started_unix, a.ended_unix FROM attempts a JOIN jobs j ON j.job_id=a.job_id"
                           " WHERE j.run_id=? AND j.kind='capture' AND a.state='succeeded'", run_id)
         assert len(rows) == k, rows
-        window = max(e for _, e in rows) - min(s for s, _ in rows)
+        t0 = min(s for s, _ in rows)
+        window = max(e for _, e in rows) - t0
+        print(f"  K={k}: capture jobs ran " + ", ".join(f"{s - t0:.2f}-{e - t0:.2f} s" for s, e in sorted(rows)), flush=True)
         (train_id,) = [j for (j,) in sys_.query("SELECT job_id FROM jobs WHERE run_id=? AND kind='train'", run_id)]
         manifests = list(root.glob(f"p*/work/jobs/{train_id}/capture/manifest.json"))
         assert len(manifests) == 1, manifests
@@ -166,10 +170,10 @@ def _client_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=2, help="runs per arm, alternating (default 2)")
-    p.add_argument("--examples", type=int, default=160, help="rows in the world (default 160)")
+    p.add_argument("--examples", type=int, default=480, help="rows in the world (default 480)")
     p.add_argument("--shard-examples", type=int, default=8, help="examples per capture shard (default 8)")
-    p.add_argument("--hidden", type=int, default=256, help="target width (default 256)")
-    p.add_argument("--layers", type=int, default=8, help="target layers (default 8)")
+    p.add_argument("--hidden", type=int, default=512, help="target width (default 512)")
+    p.add_argument("--layers", type=int, default=16, help="target layers (default 16)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take (default 1800)")
     p.add_argument("--keep", action="store_true", help="keep the work directories (logs) and print where")
     args = p.parse_args(argv)
