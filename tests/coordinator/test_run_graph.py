@@ -211,6 +211,37 @@ def test_a_retryable_capture_is_requeued_and_train_still_waits(store):
     assert _lease(store, pid) is None
 
 
+def test_a_re_leased_capture_job_gets_its_earlier_attempts_shards_as_inputs(store):
+    """A capture provider lost mid-job: the next attempt, anywhere, is handed the shards the lost one
+    committed (the newest record of each name), so it captures only the rest."""
+    pid, other = _provider(store), _provider(store, "other")
+    _graph(store, n=1, m=1)
+    p = _lease(store, pid)
+    prep = _record(store, pid, p, "data/manifest.json", kind="manifest")
+    store.finish(pid, p.lease_id, "succeeded", "")
+    c = _lease(store, pid)
+    assert [a.name for a in c.inputs] == ["data/manifest.json"]
+    shard = _record(store, pid, c, "capture/shard-00000.safetensors")
+    side = _record(store, pid, c, "capture/shard-00000.json")
+    _record(store, pid, c, "capture/notes.txt", kind="report")  # not a capture record: not handed on
+    assert store.finish(pid, c.lease_id, "retryable", "provider lost") == "queued"
+    again = _lease(store, other)
+    assert (again.job_id, again.attempt) == (c.job_id, 2)
+    assert [(a.name, a.sha256) for a in again.inputs] == [(prep.name, prep.sha256), (shard.name, shard.sha256), (side.name, side.sha256)]
+    assert f"/{c.job_id}/" in again.inputs[1].uri
+    # the new provider may download them (its own job's records), the last attempt's when a name repeats
+    assert store.find_input(again.job_id, shard.name, shard.sha256).sha256 == shard.sha256
+    newer = Claim(name=shard.name, kind="capture", sha256=hashlib.sha256(b"newer").hexdigest(), size_bytes=5, step=0)
+    store.record(store.live_lease(other, again.lease_id), newer)
+    assert store.finish(other, again.lease_id, "retryable", "lost again") == "queued"
+    third = _lease(store, pid)
+    assert [(a.name, a.sha256) for a in third.inputs if a.kind == "capture"] == [(side.name, side.sha256), (shard.name, newer.sha256)]
+    # train still waits for the capture job; no other job gets these records
+    store.finish(pid, third.lease_id, "succeeded", "")
+    t = _lease(store, pid)
+    assert t.kind == "train"
+
+
 def test_a_failed_capture_fails_its_dependents_and_the_run(store):
     pid = _provider(store)
     run, jobs = _graph(store, n=3, m=2)

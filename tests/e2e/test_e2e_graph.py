@@ -9,6 +9,7 @@ crash: run-manager and worker SIGKILLed) and its job is re-leased to another pro
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -107,21 +108,25 @@ def test_three_providers_run_one_graph_with_the_one_job_results(tmp_path, procs,
 
 
 def test_a_capture_provider_killed_midway_its_job_is_re_leased_and_the_export_is_unchanged(tmp_path, procs, spec, baseline):
+    """Capture shard 0 of 3 owns two of the capture's shards (0 and 3). Its provider dies once the first
+    one is uploaded: the job is re-leased to another provider, which is handed that shard (the lost
+    attempt's records), keeps it after verifying it, captures the rest, and the export is unchanged."""
     coord, run_id = _graph_run(procs, tmp_path, spec, lease_ttl=3)
     rms = [_provider(procs, coord, tmp_path, f"p{i}") for i in range(3)]
     kinds = _kinds(coord, run_id)
+    (job_id,) = [j for j, kind in kinds.items() if kind == ("capture", 0)]
 
     def capture_start():
         for rm in rms:
-            for v in rm.messages(lambda v: str(v.get("message", "")).startswith("worker started")):
-                if kinds.get(v.get("job_id"), ("",))[0] == "capture":
-                    return rm, v
+            for v in rm.messages(lambda v: v.get("job_id") == job_id and str(v.get("message", "")).startswith("worker started")):
+                return rm, v
         return None
 
-    wait_until(lambda: capture_start() is not None, timeout=300, interval=0.1, what="a capture job's worker to start")
+    wait_until(lambda: capture_start() is not None, timeout=300, interval=0.1, what="capture shard 0's worker to start")
     victim, started = capture_start()
-    job_id = started["job_id"]
-    # A machine crash: the run-manager is frozen so it cannot see its worker die, then both are killed.
+    sidecar = "capture/shard-00000.json"  # reported after its shard file: both are uploaded once this is
+    victim.wait_for("the first shard's upload", lambda v: v.get("message") == "artifact reported" and v.get("artifact") == sidecar)
+    # A machine crash: the run-manager is frozen so it sends nothing more, then it and its worker are killed.
     victim.freeze()
     kill_worker(int(started["pid"]), (victim.work_dir / "jobs" / job_id).resolve())
     victim.kill()
@@ -133,4 +138,8 @@ def test_a_capture_provider_killed_midway_its_job_is_re_leased_and_the_export_is
     assert "lease expired" in attempts[0][2]
     (job,) = [j for j in shown["jobs"] if j["job_id"] == job_id]
     assert job["state"] == "succeeded" and job["attempts"] == 2
+    # the second attempt downloaded the lost one's shard and kept it
+    logs = [v for rm in survivors for v in rm.messages(lambda v: v.get("job_id") == job_id)]
+    assert any(v.get("message") == "input downloaded" and v.get("input") == sidecar for v in logs), logs[-20:]
+    assert any(re.search(r"\(([1-9]\d*) shards reused\)", str(v.get("message", ""))) for v in logs), [v.get("message") for v in logs]
     _check_same_as_one_job(coord, run_id, survivors, baseline, tmp_path)

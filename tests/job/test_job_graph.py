@@ -185,3 +185,18 @@ def test_evaluate_merge_refuses_a_lying_part(graph_run, world, tmp_path, tamper)
     msg = events[-1]["message"]
     assert events[-1]["event"] == "error" and "evaluate part" in msg and "part-1.json" in msg, msg
     assert not (job / "eval" / "report.json").exists()
+
+
+@pytest.mark.slow
+def test_a_re_leased_capture_job_keeps_the_shards_its_lost_attempt_committed(graph_run, world, tmp_path):
+    """The coordinator hands a capture job's next attempt the shards an earlier one uploaded (as inputs, on
+    another machine): they are verified and kept, only the rest is captured, and the bytes are the same."""
+    root, jobs, _ = graph_run
+    spec = _spec(world)
+    first = sorted(jobs["capture0"], key=lambda a: a["name"])
+    shard = min(int(Path(a["name"]).name[6:11]) for a in first)
+    earlier = [a for a in first if int(Path(a["name"]).name[6:11]) == shard]  # the lost attempt committed one shard
+    assert len(earlier) == 2 and len(first) > 2, first
+    again, log = _graph_job(tmp_path / "capture0", spec, "capture", 0, N_CAPTURE, [jobs["prepare"], earlier])
+    assert "(1 shards reused)" in log, log
+    assert sorted((a["name"], a["sha256"]) for a in again) == [(a["name"], a["sha256"]) for a in first]

@@ -1408,13 +1408,24 @@ class Store(StoreReader):
 
     def inputs(self, job_id: str) -> tuple[ArtifactRecord, ...]:
         """The final artifacts of the jobs `job_id` needs (their SUCCEEDED attempts' records, checkpoints
-        aside: those are a job's own), in the needed jobs' order; at most MAX_LEASE_INPUTS + 1 (one more says "too many")."""
+        aside: those are a job's own), in the needed jobs' order; at most MAX_LEASE_INPUTS + 1 (one more says "too many").
+
+        A capture job's earlier attempts (a provider lost mid-job) hand on their `capture` records too,
+        the newest of each name: the shards they committed, which the next attempt verifies and keeps
+        instead of capturing them again (`capture.run._scan_part`), on whichever provider it runs."""
+        cols = ", ".join("r." + c.strip() for c in _REC_COLS.split(","))
         rows = self.db.execute(
-            f"SELECT {', '.join('r.' + c.strip() for c in _REC_COLS.split(','))} FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
+            f"SELECT {cols} FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
             " JOIN attempts a ON a.job_id=n.job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
             " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') ORDER BY n.seq, r.seq LIMIT ?",
             (job_id, MAX_LEASE_INPUTS + 1),
         ).fetchall()
+        if len(rows) <= MAX_LEASE_INPUTS and self.db.execute("SELECT kind FROM jobs WHERE job_id=?", (job_id,)).fetchone() == ("capture",):
+            rows += self.db.execute(
+                f"SELECT {cols} FROM records r WHERE r.seq IN (SELECT MAX(seq) FROM records WHERE job_id=? AND kind='capture' GROUP BY name)"
+                " ORDER BY r.seq LIMIT ?",
+                (job_id, MAX_LEASE_INPUTS + 1 - len(rows)),
+            ).fetchall()
         return tuple(self._record(r) for r in rows)
 
     def find_input(self, job_id: str, name: str, sha256: str) -> ArtifactRecord:

@@ -91,9 +91,11 @@ def run_check(ctx: StageContext) -> None:
     _progress(ctx, "check", 1, 1, examples=float(report.examples))
 
 
-def _capture_events(ctx: StageContext) -> Callable[[Event], None]:
+def _capture_events(ctx: StageContext, on_shard: Callable[[int], None] | None = None) -> Callable[[Event], None]:
     def on_event(e: Event) -> None:
         _relay(ctx, e)
+        if on_shard is not None and isinstance(e, Progress) and "shard" in e.metrics:
+            on_shard(int(e.metrics["shard"]))  # (a shard and its sidecar are on disk once this is emitted)
         if ctx.stop_requested:
             # capture commits whole shards; an interrupted shard is redone on resume
             raise Stopped(0)
@@ -110,14 +112,24 @@ def run_capture_stage(ctx: StageContext) -> None:
     recipe.require("capture")
     graph = ctx.spec.graph
     part = CapturePart(graph.shard_index, graph.shard_count) if graph is not None else None
-    done = run_capture(recipe, on_event=_capture_events(ctx), device=ctx.devices["capture"], part=part)
     out = ctx.job_dir / CAPTURE_DIR
+    reported: set[int] = set()
+
+    def report_shard(k: int) -> None:
+        # A part reports each shard as it commits, so a provider lost mid-job leaves its shards with
+        # the coordinator, which hands them to the job's next attempt (`store.inputs`).
+        if k not in reported:
+            reported.add(k)
+            ctx.report(shard_path(out, k), kind="capture")
+            ctx.report(sidecar_path(out, k), kind="capture")
+
+    on_event = _capture_events(ctx, report_shard if part is not None else None)
+    done = run_capture(recipe, on_event=on_event, device=ctx.devices["capture"], part=part)
     if part is None:
         ctx.report(out / "manifest.json", kind="capture")
     elif dist.ranks_from_env().main:  # a part has no manifest: its shards are what the train job assembles
-        for entry in done["shards"]:
-            ctx.report(shard_path(out, entry["shard"]), kind="capture")
-            ctx.report(sidecar_path(out, entry["shard"]), kind="capture")
+        for entry in done["shards"]:  # the reused ones, and other ranks' (only rank 0 sees its own commits)
+            report_shard(entry["shard"])
         _progress(ctx, "capture", len(done["shards"]), len(done["shards"]), shards=float(len(done["shards"])))
 
 
