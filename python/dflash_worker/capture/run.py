@@ -386,6 +386,19 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def _open_output(out: Path, key: str) -> dict[str, Any] | None:
+    """Make the capture dir; its manifest if any, which must be this capture's (`ResumeError` otherwise)."""
+    out.mkdir(parents=True, exist_ok=True)
+    old = _read_manifest(out / MANIFEST)
+    old_key = old.get("capture_key") if old is not None else None
+    if old_key is not None and old_key != key:
+        raise ResumeError(
+            f"`{out}` holds a different capture (key `{old_key}`, this recipe gives `{key}`)\n"
+            "hint: point `[capture].output` at a new dir, or delete the old capture"
+        )
+    return old
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """What survives in the capture dir: the verified leading shards, and the manifest if it is complete."""
@@ -405,14 +418,7 @@ def resume(out: Path, key: str) -> ResumePoint:
     A finished capture (its manifest counts exactly the verified shards) is left untouched;
     a dir holding another capture is refused with `ResumeError`.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    old = _read_manifest(out / MANIFEST)
-    old_key = old.get("capture_key") if old is not None else None
-    if old_key is not None and old_key != key:
-        raise ResumeError(
-            f"`{out}` holds a different capture (key `{old_key}`, this recipe gives `{key}`)\n"
-            "hint: point `[capture].output` at a new dir, or delete the old capture"
-        )
+    old = _open_output(out, key)
     records: list[ShardRecord] = []
     while (record := _verify_shard(out, len(records), key)) is not None:
         if record.first != (records[-1].end if records else 0):
@@ -856,25 +862,19 @@ def _write_manifest(plan: CapturePlan, records: list[ShardRecord], examples: lis
 
 
 # --------------------------------------------------------------------- several ranks (`dflash_worker.dist`)
-def scan_shards(out: Path, key: str, n: int, per: int) -> tuple[dict[int, ShardRecord], dict[str, Any] | None]:
-    """Rank 0's resume for ranked capture: keep each shard that verifies under `key` and covers exactly its
-    span, remove the others, temporaries and an unfinished manifest; the manifest too when complete."""
-    out.mkdir(parents=True, exist_ok=True)
-    old = _read_manifest(out / MANIFEST)
-    old_key = old.get("capture_key") if old is not None else None
-    if old_key is not None and old_key != key:
-        raise ResumeError(
-            f"`{out}` holds a different capture (key `{old_key}`, this recipe gives `{key}`)\n"
-            "hint: point `[capture].output` at a new dir, or delete the old capture"
-        )
+def scan_shards(out: Path, key: str, n: int, per: int, ours: list[int] | None = None) -> tuple[dict[int, ShardRecord], dict[str, Any] | None]:
+    """Rank 0's resume for a divided capture: keep each shard that verifies under `key` and covers exactly its
+    span, remove the others, temporaries and an unfinished manifest; the manifest too when complete.
+    `ours`: a part's shards (`CapturePart`), the only ones kept; a part has no manifest, so it is never complete."""
+    old = _open_output(out, key)
     total = -(-n // per)
     kept: dict[int, ShardRecord] = {}
-    for k in range(total):
+    for k in range(total) if ours is None else ours:
         record = _verify_shard(out, k, key)
         span = _shard_span(k, per, n)
         if record is not None and (record.first, record.end) == (span.start, span.stop):
             kept[k] = record
-    if old is not None and len(kept) == total and old.get("shards_total") == total:
+    if ours is None and old is not None and len(kept) == total and old.get("shards_total") == total:
         return kept, old
     _remove_shards(out, lambda idx: idx not in kept)
     return kept, None
@@ -909,10 +909,7 @@ def _run_capture_shared(plan: CapturePlan, ranks: Any, emit: EventSink, t0: floa
         n, per = len(examples), cap.shard_examples
         total = -(-n // per)
         ours = [k for k in range(total) if part is None or part.owns(k)]
-        if ranks.main:
-            kept, complete = scan_shards(cap.output, plan.key.key, n, per) if part is None else (_scan_part(cap.output, plan.key.key, n, per, ours), None)
-        else:
-            kept, complete = {}, None
+        kept, complete = scan_shards(cap.output, plan.key.key, n, per, None if part is None else ours) if ranks.main else ({}, None)
         kept, complete = dist.broadcast(ranks, (kept, complete))
         if complete is not None:
             emit(Log(message=f"already complete ({len(kept)} shards verified)"))
@@ -960,27 +957,6 @@ def _run_capture_shared(plan: CapturePlan, ranks: Any, emit: EventSink, t0: floa
 def _ranges(ks: list[int]) -> str:
     """`0, 3, 6` for a short list, else its first and last with the count."""
     return ", ".join(map(str, ks)) if len(ks) <= 6 else f"{ks[0]}, {ks[1]}, ... {ks[-1]} ({len(ks)})"
-
-
-def _scan_part(out: Path, key: str, n: int, per: int, ours: list[int]) -> dict[int, ShardRecord]:
-    """A part's resume: keep each of its shards that verifies under `key` and covers its span; remove the
-    rest (other shards, temporaries, a manifest: a part's directory holds only its own shards)."""
-    out.mkdir(parents=True, exist_ok=True)
-    old = _read_manifest(out / MANIFEST)
-    old_key = old.get("capture_key") if old is not None else None
-    if old_key is not None and old_key != key:
-        raise ResumeError(
-            f"`{out}` holds a different capture (key `{old_key}`, this recipe gives `{key}`)\n"
-            "hint: point `[capture].output` at a new dir, or delete the old capture"
-        )
-    kept: dict[int, ShardRecord] = {}
-    for k in ours:
-        record = _verify_shard(out, k, key)
-        span = _shard_span(k, per, n)
-        if record is not None and (record.first, record.end) == (span.start, span.stop):
-            kept[k] = record
-    _remove_shards(out, lambda idx: idx not in kept)
-    return kept
 
 
 def assemble_capture(recipe: Recipe, *, on_event: EventSink | None = None, device: DeviceChoice | None = None) -> dict[str, Any]:

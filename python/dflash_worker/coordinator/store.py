@@ -1412,7 +1412,7 @@ class Store(StoreReader):
 
         A capture job's earlier attempts (a provider lost mid-job) hand on their `capture` records too,
         the newest of each name: the shards they committed, which the next attempt verifies and keeps
-        instead of capturing them again (`capture.run._scan_part`), on whichever provider it runs."""
+        instead of capturing them again (`capture.run.scan_shards`), on whichever provider it runs."""
         cols = ", ".join("r." + c.strip() for c in _REC_COLS.split(","))
         rows = self.db.execute(
             f"SELECT {cols} FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
