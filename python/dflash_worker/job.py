@@ -9,6 +9,10 @@ This module talks back with the event protocol of ``docs/worker-events.md``: one
 JSON object per line on stdout (``progress``, ``artifact``, ``done``, ``error``,
 ``stopped``), written by one `JsonLinesSink`; logs are JSON lines on stderr.
 
+A job of a run's job graph (``spec.json`` ``graph``: kind, shard, inputs already downloaded
+into DIR) runs only its kind's stages (`dflash_worker.worker.spec.GraphInfo.stages`; what
+each kind reads and reports: `dflash_worker.worker.stages`).
+
 Signals: SIGTERM -> commit a checkpoint at the next step boundary, emit
 ``stopped`` and return 0. SIGUSR1 -> commit a checkpoint at the next step
 boundary and continue.
