@@ -265,6 +265,20 @@ def main() -> int:
                     r = stub.Register(provider_pb2.RegisterRequest(client_version="0.1.0", protocol_version="dflash.v1", launch_mode=1, capabilities=caps), metadata=md)
                     return stub.AcquireLease(provider_pb2.AcquireLeaseRequest(provider_id=r.provider_id), metadata=md).lease.lease_id
 
+            def live_lease(token: str, lease_id: str) -> str:
+                """`lease_id` renewed by one heartbeat; a new lease when it expired meanwhile (nothing
+                heartbeats it during the throughput rounds, which can outlast the lease TTL)."""
+                with grpc.insecure_channel(address) as ch:
+                    stub = provider_pb2_grpc.ProviderServiceStub(ch)
+                    md = (("authorization", f"Bearer {token}"),)
+                    try:
+                        next(iter(stub.Heartbeat(iter([provider_pb2.HeartbeatRequest(lease_id=lease_id)]), metadata=md)))
+                        return lease_id
+                    except grpc.RpcError as exc:
+                        if exc.code() != grpc.StatusCode.ABORTED:
+                            raise
+                return lease_for(token)
+
             up_token = tokens[0]
             up_lease = lease_for(up_token)
             print(f"coordinator pid {info['pid']} on {address}; blob store {info['artifacts']}; {os.cpu_count()} CPUs")
@@ -325,14 +339,16 @@ def main() -> int:
             print(f"goal (>= 0.5 of cp each way, peak RSS < 64 MiB over baseline at every size): {'met' if met else 'NOT met'}")
 
             if n_hb:
-                heartbeat_phases(address, tokens[1 : n_hb + 1], tokens[n_hb + 1], up_token, up_lease, parse_size(args.hb_size), args.hb_seconds, work, ctx)
+                heartbeat_phases(address, tokens[1 : n_hb + 1], tokens[n_hb + 1], up_token, lambda: live_lease(up_token, up_lease),
+                                 parse_size(args.hb_size), args.hb_seconds, work, ctx)
         finally:
             stop_server(proc)
     return 0
 
 
-def heartbeat_phases(address, tokens, base_token, up_token, up_lease, size, seconds, work, ctx) -> None:
-    """Heartbeats from `tokens` at 1/s each: once idle, once while a `size` upload runs."""
+def heartbeat_phases(address, tokens, base_token, up_token, new_lease, size, seconds, work, ctx) -> None:
+    """Heartbeats from `tokens` at 1/s each: once idle, once while a `size` upload runs (under a lease
+    `new_lease()` takes just before it, so it is live for the whole upload)."""
     base = baseline(address, base_token, None)
     base_p = (pct([x * 1000 for x in base], 50), pct([x * 1000 for x in base], 99))
     print(f"\n== heartbeats: {len(tokens)} providers at 1/s, with bench/coordinator.py's client")
@@ -356,6 +372,9 @@ def heartbeat_phases(address, tokens, base_token, up_token, up_lease, size, seco
         up = None
         if label == "during upload":
             parent, child = ctx.Pipe()
+            up_lease = new_lease()
+            if not up_lease:
+                raise SystemExit("bench: no lease for the upload of the heartbeat phase")
             up = ctx.Process(target=transfer, args=(address, up_token, up_lease, str(src), sha, size, "bench/hb.bin", str(work / "hb-down.bin"), child))
             up.start()
             time.sleep(1.0)
