@@ -11,8 +11,9 @@ the shards. The arms alternate (1, 2, 1, 2, ...) so drift in machine load hits b
 figure per arm is the median over repeats. Prints the speedup K=2 over K=1 (ideal x2.00 on two
 free cores) and checks that both arms captured the same bytes (capture key and shard hashes of the
 assembled manifest). Each capture job pays a fixed start (the worker's imports, the capture plan,
-the teacher load: about 6 s here) and a provider that was idle takes its job on its next poll (about
-4 s later here), so the defaults make the capture itself dominate (about 70 s on one core).
+the teacher load: about 6 s here), so the defaults make the capture itself dominate (about 70 s on
+one core). Providers long-poll (`--max-wait 30`, `--poll-wait 30`): the coordinator wakes them when
+prepare's success readies the capture jobs, so both start at once.
 
 Usage: .venv/bin/python bench/fanout.py [--repeats N] [--examples N] [--hidden H] [--layers L]
 """
@@ -82,7 +83,7 @@ class System:
 
     def __enter__(self) -> System:
         coord = subprocess.Popen(
-            [str(BIN / "dflash-coordinator"), "serve", "--db", str(self.db), "--listen", "127.0.0.1:0", "--lease-ttl", "30", "--max-wait", "1"],
+            [str(BIN / "dflash-coordinator"), "serve", "--db", str(self.db), "--listen", "127.0.0.1:0", "--lease-ttl", "30", "--max-wait", "30"],
             stdout=subprocess.PIPE, stderr=open(self.root / "coordinator.log", "wb"), env=_env(DFLASH_ADMIN_TOKEN=self.token),
         )
         self.procs.append(coord)
@@ -109,7 +110,7 @@ class System:
             core = sorted(cores)[i % len(cores)]
             cmd = ["taskset", "-c", str(core), str(BIN / "run-manager"), "--work-dir", str(self.root / name / "work"),
                    "--native-client", str(BIN / "dflash-native-client"), "--device", "cpu", "--log-format", "json",
-                   "--heartbeat-interval", "0.5", "--poll-wait", "1", "--coordinator", self.address, "--token", token, "--name", name]
+                   "--heartbeat-interval", "0.5", "--poll-wait", "30", "--coordinator", self.address, "--token", token, "--name", name]
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.root / f"{name}.log", "wb"), env=_env(HOME=str(home))))
 
     def query(self, sql: str, *params) -> list[tuple]:

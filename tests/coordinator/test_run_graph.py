@@ -242,6 +242,46 @@ def test_a_re_leased_capture_job_gets_its_earlier_attempts_shards_as_inputs(stor
     assert t.kind == "train"
 
 
+def test_a_success_that_makes_jobs_ready_wakes_the_long_polls(tmp_path):
+    """Providers waiting in AcquireLease's long poll are woken when a job's success readies the next jobs
+    (not only when a job is queued), so an idle provider takes a capture shard at once."""
+    woken = []
+    s = Store(tmp_path / "c.db", on_work=lambda: woken.append(1))
+    try:
+        pid = _provider(s)
+        _graph(s, n=2, m=1)
+        woken.clear()
+        p = _lease(s, pid)
+        assert s.finish(pid, p.lease_id, "succeeded", "") == "succeeded"
+        assert woken == [1], "prepare's success readies the capture jobs"
+        c0 = _lease(s, pid)
+        woken.clear()
+        s.finish(pid, c0.lease_id, "succeeded", "")
+        assert woken == [], "train still waits for the other capture: nothing new to lease"
+        c1 = _lease(s, pid)
+        s.finish(pid, c1.lease_id, "succeeded", "")
+        assert woken == [1], "the last capture readies train"
+        t = _lease(s, pid)
+        assert t.kind == "train"
+        woken.clear()
+        s.finish(pid, t.lease_id, "succeeded", "")
+        assert woken == [1]  # train readies evaluate
+        e = _lease(s, pid)
+        assert e.kind == "evaluate"
+        woken.clear()
+        s.finish(pid, e.lease_id, "succeeded", "")
+        assert woken == [], "the last job readies nothing"
+        # a pipeline job's success readies nothing either
+        s.create_run(RunSpecData(name="pipe", spec_json="{}", required_client_version="0.1.0"))
+        pipe = _lease(s, pid)
+        assert pipe.kind == "pipeline"
+        woken.clear()
+        s.finish(pid, pipe.lease_id, "succeeded", "")
+        assert woken == []
+    finally:
+        s.close()
+
+
 def test_a_failed_capture_fails_its_dependents_and_the_run(store):
     pid = _provider(store)
     run, jobs = _graph(store, n=3, m=2)

@@ -1582,9 +1582,19 @@ class Store(StoreReader):
         attempt_id, job_id, _, _, _ = self._live(provider_id, lease_id)
         with self._tx() as db:
             state = self._end_attempt(db, attempt_id, job_id, outcome, message, self.clock())
-        if state == "queued":
-            self.on_work()
+        if state == "queued" or (state == "succeeded" and self._readied_by(job_id)):
+            self.on_work()  # long-polling providers wake for the requeued job, or the jobs this success made ready
         return state
+
+    def _readied_by(self, job_id: str) -> bool:
+        """Whether a queued job needing `job_id` has no unmet need left (a graph's next jobs, once it succeeded)."""
+        return (
+            self.db.execute(
+                "SELECT 1 FROM job_deps d JOIN jobs j ON j.job_id=d.job_id WHERE d.needs_job_id=? AND j.state='queued' AND j.pending_deps=0 LIMIT 1",
+                (job_id,),
+            ).fetchone()
+            is not None
+        )
 
     # --- artifacts ------------------------------------------------------
 
