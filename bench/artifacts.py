@@ -13,7 +13,9 @@ directory), leases a job to one provider and, for each size in `--sizes`
 - **upload**: UploadArtifact in 1 MiB chunks from a client process (Python
   grpc; the run-manager's Rust client streams the same messages), through
   staging, sha256 verification and the commit into the blob store;
-- **download**: DownloadArtifact back to a file, sha256 checked.
+- **download**: DownloadArtifact back to a file through the admin CLI's
+  receiving code (`client.receive_download`: written and hashed as it
+  arrives, sha256 and size checked, fsynced).
 
 Each size runs `--repeats` rounds (fresh bytes each, so no blob is
 deduplicated); printed: each round's seconds, then the medians in seconds and
@@ -197,6 +199,7 @@ def transfer(address: str, token: str, lease_id: str, src: str, sha256: str, siz
     """Upload `src` as `name`, then download it to `dst`; sends (upload s, download s, download sha ok, peak KiB after each)."""
     import grpc
 
+    from dflash_worker.coordinator.client import receive_download
     from dflash_worker.proto.dflash.v1 import provider_pb2, provider_pb2_grpc
 
     opts = [("grpc.max_receive_message_length", 4 * MiB), ("grpc.max_send_message_length", 4 * MiB)]
@@ -219,16 +222,12 @@ def transfer(address: str, token: str, lease_id: str, src: str, sha256: str, siz
         up = time.perf_counter() - t
         peak_up = hwm_kib(os.getpid()) - base
         t = time.perf_counter()
-        h = hashlib.sha256()
-        with open(dst, "wb") as f:
-            for msg in stub.DownloadArtifact(provider_pb2.DownloadArtifactRequest(lease_id=lease_id, name=name, sha256=sha256), metadata=md, timeout=3600):
-                if msg.WhichOneof("msg") == "chunk":
-                    f.write(msg.chunk)
-                    h.update(msg.chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        # The admin CLI's receiving code (`artifacts get`): written and hashed as it arrives, then fsynced.
+        record = receive_download(
+            stub.DownloadArtifact(provider_pb2.DownloadArtifactRequest(lease_id=lease_id, name=name, sha256=sha256), metadata=md, timeout=3600), Path(dst), name=name
+        )
         down = time.perf_counter() - t
-        conn.send((up, down, h.hexdigest() == sha256, peak_up, hwm_kib(os.getpid()) - base))
+        conn.send((up, down, record.sha256 == sha256, peak_up, hwm_kib(os.getpid()) - base))
 
 
 def main() -> int:

@@ -7,6 +7,7 @@ roots, and a client certificate for mutual TLS); `HOST:PORT` and
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import grpc
 
 from ..errors import ConfigError
 from ..proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2
+from .directio import AppendFile, BackgroundWriter
 from .status import error_for
 from .tls import ClientTls
 
@@ -114,50 +116,15 @@ class AdminClient:
 
     def download(self, run_id: str, name: str, dest: Path, *, job_id: str = "", sha256: str = "", progress: bool = False) -> provider_pb2.Artifact:
         """Fetch an artifact to `dest`: resumable (`dest` + `.part` holds what arrived), sha256-verified, renamed into place."""
-        import hashlib
-
         dest = Path(dest)
         part = dest.with_name(dest.name + ".part")
         dest.parent.mkdir(parents=True, exist_ok=True)
         offset = part.stat().st_size if part.exists() else 0
         request = admin_pb2.AdminDownloadRequest(run_id=run_id, job_id=job_id, name=name, sha256=sha256, offset=offset)
-        record = None
-        bar = None
         try:
-            stream = self._stub.DownloadArtifact(request, metadata=self._metadata, timeout=None)
-            with open(part, "ab") as f:
-                for msg in stream:
-                    if msg.WhichOneof("msg") == "artifact":
-                        record = msg.artifact
-                        if offset > record.size_bytes:
-                            raise ConfigError(f"`{part}` holds {offset} bytes, more than `{name}` has ({record.size_bytes}); delete it and retry")
-                        if progress:
-                            from tqdm import tqdm
-
-                            bar = tqdm(total=record.size_bytes, initial=offset, unit="B", unit_scale=True, desc=name.rsplit("/", 1)[-1], file=sys.stderr)
-                        continue
-                    f.write(msg.chunk)
-                    if bar is not None:
-                        bar.update(len(msg.chunk))
-                f.flush()
-                os.fsync(f.fileno())
+            record = receive_download(self._stub.DownloadArtifact(request, metadata=self._metadata, timeout=None), part, name=name, progress=progress)
         except grpc.RpcError as exc:
             raise error_for(exc.code(), f"coordinator refused `DownloadArtifact` ({exc.code().name}): {exc.details()}\nhint: run the same command again to resume from {part}") from None
-        finally:
-            if bar is not None:
-                bar.close()
-        if record is None:
-            raise ConfigError(f"the coordinator sent no artifact header for `{name}`")
-        h = hashlib.sha256()
-        with open(part, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        size = part.stat().st_size
-        if size != record.size_bytes or h.hexdigest() != record.sha256:
-            part.unlink()
-            raise ConfigError(
-                f"`{name}`: received {size} bytes with sha256 `{h.hexdigest()}`, the coordinator recorded {record.size_bytes} bytes with `{record.sha256}`; nothing was kept"
-            )
         os.replace(part, dest)
         return record
 
@@ -188,3 +155,69 @@ class AdminClient:
 
     def publish_run(self, run_id: str, job_id: str = "", *, override: bool = False, note: str = "") -> admin_pb2.PublishRunResponse:
         return self._call("PublishRun", admin_pb2.PublishRunRequest(run_id=run_id, job_id=job_id, override=override, note=note))
+
+
+def receive_download(messages, part: Path, *, name: str, progress: bool = False) -> provider_pb2.Artifact:
+    """Append a `DownloadArtifact` stream to `part` (requested from its length) and verify the whole file.
+
+    The stream's first message is the artifact's record, then its bytes from
+    `part`'s length on. They are written (O_DIRECT where possible) and hashed
+    on a thread of their own while the next ones arrive, after the bytes
+    `part` already held were hashed; nothing is read twice. Returns the
+    record when `part` holds exactly its bytes; deletes `part` and raises
+    ConfigError when the size or sha256 differ. A cut stream leaves in `part`
+    what arrived (grpc.RpcError), for the next call to resume from.
+    """
+    part = Path(part)
+    offset = part.stat().st_size if part.exists() else 0
+    h = hashlib.sha256()
+    if offset:
+        with open(part, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    record, bar, writer, got = None, None, None, offset
+
+    def hashed(f: AppendFile):
+        def write(chunk: bytes) -> None:
+            f.write(chunk)
+            h.update(chunk)
+
+        return write
+
+    try:
+        for msg in messages:
+            if msg.WhichOneof("msg") == "artifact":
+                if record is not None:
+                    raise ConfigError(f"the coordinator sent a second artifact header for `{name}`")
+                record = msg.artifact
+                if offset > record.size_bytes:
+                    raise ConfigError(f"`{part}` holds {offset} bytes, more than `{name}` has ({record.size_bytes}); delete it and retry")
+                f = AppendFile(part, offset)
+                writer = BackgroundWriter(hashed(f), lambda sync, f=f: f.close(sync=sync), name="download-writer")
+                if progress:
+                    from tqdm import tqdm
+
+                    bar = tqdm(total=record.size_bytes, initial=offset, unit="B", unit_scale=True, desc=name.rsplit("/", 1)[-1], file=sys.stderr)
+                continue
+            if writer is None:
+                raise ConfigError(f"the coordinator sent bytes of `{name}` before its artifact header")
+            got += len(msg.chunk)
+            if got > record.size_bytes:
+                break  # more than the record says: refused below, nothing more is written
+            writer.put(msg.chunk)
+            if bar is not None:
+                bar.update(len(msg.chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            # Written out and fsynced when the stream ended; kept for a resume when it was cut.
+            writer.finish(sync=True)
+    if record is None:
+        raise ConfigError(f"the coordinator sent no artifact header for `{name}`")
+    size = part.stat().st_size
+    if got != record.size_bytes or size != record.size_bytes or h.hexdigest() != record.sha256:
+        part.unlink()
+        shown = f"{got} bytes" if got != size else f"{size} bytes with sha256 `{h.hexdigest()}`"
+        raise ConfigError(f"`{name}`: received {shown}, the coordinator recorded {record.size_bytes} bytes with `{record.sha256}`; nothing was kept")
+    return record

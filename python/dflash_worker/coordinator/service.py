@@ -34,6 +34,7 @@ from .artifacts import (
 )
 from .auth import current_principal
 from .blobs import BlobStore
+from .directio import BackgroundWriter
 from .policy import BACKENDS, PROTOCOL_VERSION, check_features, check_version
 from .publish import PublishGate
 from .store import Grant, LiveLease, Progress, ProviderRow, PublicationRow, Registration, RunRow, RunSpecData, Store, Upgrade
@@ -301,52 +302,23 @@ class Artifacts:
 
 
 class _Writer:
-    """Writes and hashes one upload's chunks on a thread of its own, a few chunks behind the network.
+    """Writes and hashes one upload's chunks on a thread of its own (`BackgroundWriter`), a few chunks behind the network.
 
     The event loop only hands chunks over (blocking, off the loop, when the
-    writer is `DEPTH` chunks behind), so receiving the next chunk overlaps
-    writing and hashing the last one; memory stays at `DEPTH` chunks.
+    writer is 4 chunks behind), so receiving the next chunk overlaps writing
+    and hashing the last one; memory stays at 4 chunks.
     """
 
-    DEPTH = 4
-
     def __init__(self, f, hasher):
-        self.f, self.hasher = f, hasher
-        self.error: BaseException | None = None
-        self.q: queue.Queue = queue.Queue(maxsize=self.DEPTH)
-        self.closed = False
-        self.thread = threading.Thread(target=self._run, name="upload-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (chunk := self.q.get()) is not None:
-            if self.error is None:
-                try:
-                    Staging.write(self.f, self.hasher, chunk)
-                except BaseException as exc:  # noqa: BLE001 - raised on the loop by put/close
-                    self.error = exc
+        self.w = BackgroundWriter(lambda chunk: Staging.write(f, hasher, chunk), lambda sync: Staging.close(f, sync=sync), name="upload-writer")
 
     async def put(self, chunk: bytes) -> None:
-        if self.error is not None:
-            raise self.error
-        try:
-            self.q.put_nowait(chunk)
-        except queue.Full:
-            await asyncio.to_thread(self.q.put, chunk)
-
-    def _finish(self, sync: bool) -> None:
-        self.q.put(None)
-        self.thread.join()
-        Staging.close(self.f, sync=sync and self.error is None)
+        if not self.w.try_put(chunk):
+            await asyncio.to_thread(self.w.put, chunk)
 
     async def close(self, *, sync: bool) -> None:
         """Wait for the queued chunks, close the file (fsynced when `sync`); raise the writer's error."""
-        if self.closed:
-            return
-        self.closed = True
-        await asyncio.to_thread(self._finish, sync)
-        if self.error is not None:
-            raise self.error
+        await asyncio.to_thread(self.w.finish, sync=sync)
 
 
 class _Reader:
