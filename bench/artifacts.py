@@ -20,7 +20,7 @@ directory), leases a job to one provider and, for each size in `--sizes`
 Each size runs `--repeats` rounds (fresh bytes each, so no blob is
 deduplicated); printed: each round's seconds, then the medians in seconds and
 MiB/s, the ratio of the median upload and download throughput to `cp`'s
-(goal >= 0.5), and the peak RSS (VmHWM) of the
+(goal for the 1 GiB file: >= 0.5), and the peak RSS (VmHWM) of the
 coordinator and of the client process, each over its own baseline before the
 transfer (goal: the same for every size, under 64 MiB).
 
@@ -334,8 +334,13 @@ def main() -> int:
             print("\nsize        upload/cp  download/cp  coord peak MiB  client peak MiB")
             for size, ru, rd, sp, cpk, ok in rows:
                 print(f"{size / MiB:>7.0f} MiB  x{ru:8.2f}  x{rd:10.2f}  {sp:14.1f}  {cpk:15.1f}" + ("" if ok else "  SHA MISMATCH"))
-            met = all(ru >= 0.5 and rd >= 0.5 and sp < 64 and cpk < 64 and ok for _, ru, rd, sp, cpk, ok in rows)
-            print(f"goal (>= 0.5 of cp each way, peak RSS < 64 MiB over baseline at every size): {'met' if met else 'NOT met'}")
+            # The throughput goal is the 1 GiB file's (issue 14): a 64 MiB copy takes cp ~0.05 s, where
+            # a call's fixed costs (a process's first grpc call, the commit's fsyncs) decide the ratio.
+            big = [r for r in rows if r[0] >= 1 << 30]
+            fast = bool(big) and all(ru >= 0.5 and rd >= 0.5 for _, ru, rd, _, _, _ in big)
+            small = all(sp < 64 and cpk < 64 and ok for _, _, _, sp, cpk, ok in rows)
+            print(f"goal, throughput >= 0.5 of cp each way for files of 1 GiB and more: {'met' if fast else 'NOT met' if big else 'not measured (no size >= 1G)'}")
+            print(f"goal, peak RSS < 64 MiB over baseline at every size, sha256 verified: {'met' if small else 'NOT met'}")
 
             if n_hb:
                 heartbeat_phases(address, tokens[1 : n_hb + 1], tokens[n_hb + 1], up_token, lambda: live_lease(up_token, up_lease),

@@ -61,4 +61,6 @@ def test_artifacts_bench_moves_bytes_both_ways_and_prints_every_figure():
     for way in ("upload", "download"):
         assert re.search(rf"^{way} +\d+\.\d\d s .* x\d+\.\d\d of cp +x\d+\.\d\d of the user-space copy$", text, re.M), text
     assert re.search(r"^peak RSS over baseline +coordinator +\d+\.\d MiB +client +\d+\.\d MiB +\(highest of the rounds\)$", text, re.M), text
+    assert "goal, throughput >= 0.5 of cp each way for files of 1 GiB and more: not measured (no size >= 1G)" in text, text
+    assert re.search(r"^goal, peak RSS < 64 MiB over baseline at every size, sha256 verified: (met|NOT met)$", text, re.M), text
     assert re.search(r"^heartbeat, during upload .* errors 0$", text, re.M) and "sha256 ok" in text, text
