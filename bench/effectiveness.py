@@ -504,7 +504,9 @@ def measure(drafts: dict[str, Any], target, prompts, s: Settings, stop: list[int
     from dflash_worker.evaluate import greedy_generate, speculative_generate
     from dflash_worker.evaluate.report import step_stats
 
-    out: dict[str, Any] = {"greedy_seconds": 0.0, "drafts": {n: {"tau": [], "seconds": 0.0, "lossless": True} for n in drafts}}
+    out: dict[str, Any] = {"greedy_seconds": 0.0, "greedy_tokens": 0,
+                           "drafts": {n: {"tau": [], "seconds": 0.0, "lossless": True, "steps": 0, "tokens": 0,
+                                          "phase_seconds": {}} for n in drafts}}
     # untimed warm-up: the first call of each path pays one-off allocation and dispatch costs
     if prompts:
         x = torch.tensor([prompts[0][1]], dtype=torch.long)
@@ -516,12 +518,18 @@ def measure(drafts: dict[str, Any], target, prompts, s: Settings, stop: list[int
         t0 = time.perf_counter()
         ref = greedy_generate(target, x, max_new_tokens=s.eval_new_tokens, stop_token_ids=stop)
         out["greedy_seconds"] += time.perf_counter() - t0
+        out["greedy_tokens"] += ref.shape[1] - len(ids)
         out.setdefault("sample_new_ids", ref[0, len(ids):].tolist())  # first prompt's teacher output
         for name, d in drafts.items():
             t0 = time.perf_counter()
-            res = speculative_generate(d, target, x, max_new_tokens=s.eval_new_tokens, stop_token_ids=stop)
+            # profiled: on the CPU the phase clock is a perf_counter read, so the wall time is the same
+            res = speculative_generate(d, target, x, max_new_tokens=s.eval_new_tokens, stop_token_ids=stop, profile=True)
             rec = out["drafts"][name]
             rec["seconds"] += time.perf_counter() - t0
+            rec["steps"] += res.steps
+            rec["tokens"] += sum(res.acceptance_lengths)
+            for k, v in res.extra["phase_seconds"].items():
+                rec["phase_seconds"][k] = rec["phase_seconds"].get(k, 0.0) + v
             rec["tau"].append(step_stats(res.acceptance_lengths, d.block_size)["tau"])
             rec["lossless"] &= res.output_ids[0].tolist() == ref[0].tolist()
     return out
@@ -659,7 +667,8 @@ def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path)
                       "change": statistics.fmean(after) / statistics.fmean(before) - 1.0, "counts": counts,
                       "speedup_released": greedy / sum(ps[dom]["drafts"]["released"]["seconds"] for ps in per_seed),
                       "speedup": greedy / sum(ps[dom]["drafts"][name]["seconds"] for ps in per_seed),
-                      "lossless": all(ps[dom]["drafts"][name]["lossless"] for ps in per_seed)}
+                      "lossless": all(ps[dom]["drafts"][name]["lossless"] for ps in per_seed),
+                      "cost": loop_cost([ps[dom] for ps in per_seed], name)}
         rows.append(r)
     total = time.perf_counter() - t_all
     phases["total"] = total
@@ -681,6 +690,38 @@ def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path)
               "load_average": os.getloadavg(), "per_seed": per_seed, "torch_threads": torch.get_num_threads()}
     write_report(report, out)
     return report
+
+
+def loop_cost(measured: list[dict[str, Any]], name: str) -> dict[str, float]:
+    """One draft's speculative loop cost over `measure` results: ms per verify step by phase, the
+    teacher's greedy ms per token, pooled tau, and the speedup bound 0.8 * tau / (1 + draft / target)
+    (issue 16's goal) beside the measured speedup."""
+    recs = [m["drafts"][name] for m in measured]
+    steps = sum(r["steps"] for r in recs) or 1
+    ms = {k: 1000 * sum(r["phase_seconds"].get(k, 0.0) for r in recs) / steps for k in ("draft", "verify", "accept", "crop")}
+    target_ms = 1000 * sum(m["greedy_seconds"] for m in measured) / max(1, sum(m["greedy_tokens"] for m in measured))
+    tau = sum(r["tokens"] for r in recs) / steps
+    bound = 0.8 * tau / (1 + ms["draft"] / target_ms)
+    speedup = sum(m["greedy_seconds"] for m in measured) / sum(r["seconds"] for r in recs)
+    return {**{f"{k}_ms": v for k, v in ms.items()}, "target_ms": target_ms, "tau_pooled": tau, "bound": bound, "speedup": speedup}
+
+
+def cost_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The speculative loop's cost table (reports written before it was measured have none)."""
+    if not all("cost" in row[dom] for row in rows for dom in ("own", "general")):
+        return []
+    lines = ["Speculative loop cost per verify step (ms, all seeds pooled): draft = draft forward and proposal "
+             "(selector included), verify = the teacher's block forward, rest = accepting and cache rollback; "
+             "teacher = its greedy decoding per token. Goal: speedup >= 0.8 x pooled tau / (1 + draft / teacher).",
+             "", "| recipe | domain | draft | verify | rest | teacher | pooled tau | goal speedup | speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for dom in ("own", "general"):
+            c = row[dom]["cost"]
+            lines.append(f"| {row['recipe']} | {dom} | {c['draft_ms']:.2f} | {c['verify_ms']:.2f} | "
+                         f"{c['accept_ms'] + c['crop_ms']:.2f} | {c['target_ms']:.2f} | {c['tau_pooled']:.2f} | "
+                         f"{c['bound']:.2f}x | {c['speedup']:.2f}x {'(met)' if c['speedup'] >= c['bound'] else '(NOT met)'} |")
+    return [*lines, ""]
 
 
 def fmt_ms(ms: tuple[float, float]) -> str:
@@ -719,7 +760,7 @@ def render(r: dict[str, Any]) -> str:
             f"{c1['improved']}/{c1['tied']}/{c1['regressed']} | {fmt_ms(g['before'])} | {fmt_ms(g['after'])} | "
             f"{g['change'] * 100:+.1f}% | {c2['improved']}/{c2['tied']}/{c2['regressed']} | "
             f"{o['speedup']:.2f}x ({o['speedup_released']:.2f}x) | {g['speedup']:.2f}x ({g['speedup_released']:.2f}x) |")
-    lines += ["", f"**Verdict**: {r['goal']}.", ""]
+    lines += ["", f"**Verdict**: {r['goal']}.", "", *cost_lines(r["rows"])]
     for row in r["rows"]:
         if row["recipe"] == CONTROL:
             continue

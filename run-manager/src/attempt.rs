@@ -842,7 +842,7 @@ fn log_lost(job_id: &str, lost: &LeaseLost) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fetch::testing::{fetcher, sha, tmp};
+    use crate::fetch::testing::{fetcher, input, tmp};
     use crate::transfer::testing::FakeStore;
 
     fn config() -> AttemptConfig {
@@ -890,17 +890,6 @@ mod tests {
             shard_count: 2,
             inputs,
             ..Default::default()
-        }
-    }
-
-    fn input(name: &str, bytes: &[u8]) -> Artifact {
-        Artifact {
-            name: name.into(),
-            kind: "data".into(),
-            sha256: sha(bytes),
-            size_bytes: bytes.len() as u64,
-            uri: format!("dflash-artifact://run-1/prepare-1/1/{name}"),
-            step: 0,
         }
     }
 

@@ -304,7 +304,7 @@ pub async fn blocking<R: Send + 'static>(
 
 #[cfg(test)]
 pub(crate) mod testing {
-    //! What the download tests of `resume` and `graph` share.
+    //! What the download tests of `resume`, `graph` and `attempt` share.
 
     use std::path::PathBuf;
     use std::time::Duration;
@@ -312,6 +312,7 @@ pub(crate) mod testing {
     use sha2::Digest;
 
     use super::*;
+    use crate::proto::Artifact;
     use crate::transfer::hex;
     use crate::transfer::testing::FakeStore;
 
@@ -325,6 +326,18 @@ pub(crate) mod testing {
 
     pub fn sha(b: &[u8]) -> String {
         hex(&sha2::Sha256::digest(b))
+    }
+
+    /// A `data` input named `name` holding `bytes`, as a graph lease lists its prepare job's files.
+    pub fn input(name: &str, bytes: &[u8]) -> Artifact {
+        Artifact {
+            name: name.into(),
+            kind: "data".into(),
+            sha256: sha(bytes),
+            size_bytes: bytes.len() as u64,
+            uri: format!("dflash-artifact://run-1/prepare/1/{name}"),
+            step: 0,
+        }
     }
 
     /// A fetcher on `store` with quick retries.

@@ -236,20 +236,9 @@ impl GraphInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fetch::testing::{fetcher, part_files, sha, tmp};
+    use crate::fetch::testing::{fetcher, input, part_files, sha, tmp};
     use crate::lease_lost::LeaseLost;
     use crate::transfer::testing::{Call, FakeStore, Fault};
-
-    fn input(name: &str, bytes: &[u8]) -> Artifact {
-        Artifact {
-            name: name.into(),
-            kind: "data".into(),
-            sha256: sha(bytes),
-            size_bytes: bytes.len() as u64,
-            uri: format!("dflash-artifact://run-1/prepare/1/{name}"),
-            step: 0,
-        }
-    }
 
     /// A capture lease whose inputs are `files`, each offered by `store`.
     fn capture_lease(store: &FakeStore, files: &[(&str, &[u8])]) -> Lease {

@@ -68,6 +68,12 @@ def test_smoke_run_end_to_end(tmp_path):
             # greedy speculative decoding must reproduce the teacher's own greedy output exactly
             assert d["lossless"] is True
             assert d["speedup"] > 0
+            # the loop's cost: every phase timed, the goal's bound computed from the measured costs
+            c = d["cost"]
+            assert all(c[f"{k}_ms"] > 0 for k in ("draft", "verify", "accept", "crop", "target")), c
+            assert 1.0 <= c["tau_pooled"] <= block
+            assert c["bound"] == pytest.approx(0.8 * c["tau_pooled"] / (1 + c["draft_ms"] / c["target_ms"]))
+    assert "| recipe | domain | draft | verify | rest | teacher | pooled tau | goal speedup | speedup |" in (out / "report.md").read_text()
     seed0 = report["per_seed"][0]
     test_mods = {m.replace("/", ".") for m in seed0["split"]["test"]}
     assert set(seed0["own_prompts"]) <= test_mods

@@ -193,3 +193,18 @@ def test_embedding_scale_and_multiplier_reach_generation(target):
     torch.manual_seed(3)
     want = _reference(ref, target, ids, 20, temperature=0.9)
     assert torch.equal(got.output_ids, want.output_ids) and got.acceptance_lengths == want.acceptance_lengths
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dflash"])
+def test_profile_times_each_phase_and_changes_nothing(random_pairs, target, kind):
+    ours, _ = random_pairs[kind]
+    ids = torch.randint(3, 250, (1, 10), generator=torch.Generator().manual_seed(6))
+    plain = speculative_generate(ours, target, ids, max_new_tokens=30)
+    got = speculative_generate(ours, target, ids, max_new_tokens=30, profile=True)
+    assert torch.equal(got.output_ids, plain.output_ids) and got.acceptance_lengths == plain.acceptance_lengths
+    assert plain.extra == {}
+    phases = got.extra["phase_seconds"]
+    assert list(phases) == ["draft", "verify", "accept", "crop"]
+    # every phase ran on every step, and together they are the decode loop (nothing counted twice)
+    assert all(v > 0 for v in phases.values()), phases
+    assert sum(phases.values()) <= got.decode_seconds

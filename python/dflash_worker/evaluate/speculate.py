@@ -98,11 +98,18 @@ def speculative_generate(
     top_k: int = 0,
     block_size: int | None = None,
     generator: torch.Generator | None = None,
+    profile: bool = False,
 ) -> SpeculativeResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, n] with draft + target.
 
     `block_size` (default: the draft's) may be lowered to verify fewer tokens
-    per step. Sampling draws from `generator` or the global torch RNG.
+    per step. Sampling draws from `generator` or the global torch RNG. With
+    `profile`, `extra["phase_seconds"]` holds the decode loop's time by phase,
+    summed over steps: ``draft`` (draft forward and proposal, selector
+    included), ``verify`` (the target's block forward), ``accept`` (comparing,
+    writing the tokens, stop tokens) and ``crop`` (cache rollback and the
+    next step's features); the device is synchronised between phases, which
+    on an accelerator costs some of the overlap an unprofiled run has.
     """
     check_sampling(temperature, top_p, top_k)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -148,9 +155,12 @@ def speculative_generate(
     pos = n  # position of the last verified token = the next block's anchor
     lengths: list[int] = []
     stopped_on = None
+    phase = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "crop": 0.0}
+    clock = (lambda: now(dev)) if profile else (lambda: 0.0)
     if stops is not None and bool(torch.isin(tokens[0, n], stops)):
         stopped_on = int(tokens[0, n])
     while stopped_on is None and pos + 1 < limit:
+        ta = clock()
         span = min(bs, limit - pos)
         block = tokens[:, pos : pos + span].clone()
         hidden = draft.step(features, draft.embed(block, embed_w), d_cache)[:, 1:]
@@ -165,6 +175,7 @@ def speculative_generate(
             else:
                 proposal = d_logits.argmax(dim=-1)
         block[:, 1:] = proposal
+        tb = clock()
 
         out = target(
             block,
@@ -173,6 +184,7 @@ def speculative_generate(
             use_cache=True,
             output_hidden_states=True,
         )
+        tc = clock()
         if temperature > 0:
             t_probs = sampling_probs(out.logits, temperature, top_p, top_k)
             accepted, bonus = accept_by_rejection(proposal, t_probs, draft_probs, support, generator)
@@ -190,10 +202,14 @@ def speculative_generate(
                 produced = int(hit[0, 0]) + 1
                 stopped_on = int(tokens[0, pos + produced])
         pos += produced
+        td = clock()
         _crop(t_cache, pos)
         lengths.append(produced)
         # the verify pass computed target features for the block; keep those now verified
         features = context_features(out.hidden_states, layer_ids)[:, :produced]
+        te = clock()
+        for k, dt in zip(phase, (tb - ta, tc - tb, td - tc, te - td)):
+            phase[k] += dt
 
     t2 = now(dev)
     output = tokens[:, : min(pos + 1, limit)]
@@ -205,6 +221,7 @@ def speculative_generate(
         prefill_seconds=t1 - t0,
         decode_seconds=t2 - t1,
         stopped_on=stopped_on,
+        extra={"phase_seconds": phase} if profile else {},
     )
 
 

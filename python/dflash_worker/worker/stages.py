@@ -235,7 +235,9 @@ def run_evaluate(ctx: StageContext) -> None:
         ctx.report(part.file(out), kind="report")
         _progress(ctx, "evaluate", len(report["rows"]), len(report["rows"]))
         return
-    for f in sorted(p for p in out.rglob("*") if p.is_file() and not (part is not None and p.name.startswith("part-"))):
+    # The other shards' parts (inputs merged into the report) are theirs to report, not this job's.
+    parts = {part.file(out, j) for j in range(part.count)} if part is not None else set()
+    for f in sorted(p for p in out.rglob("*") if p.is_file() and p not in parts):
         ctx.report(f, kind="report")
     n = int(report["prompts"])
     b, t = report["baseline"], report["trained"]
