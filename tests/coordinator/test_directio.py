@@ -185,3 +185,11 @@ def test_background_writer_writes_in_order_and_reports_the_first_error():
         w.finish(sync=True)
     # Nothing after the failed chunk is written, and a failed file is closed without fsync.
     assert got == [0, 1, 2] and closes == [False]
+
+
+def test_chunk_reader_without_preadv_reads_the_same_bytes(tmp_path, monkeypatch):
+    """Platforms without `os.preadv` (older macOS) read with `pread` and a copy."""
+    data = _data(2 * BUFFER_BYTES + 77, seed=6)
+    (tmp_path / "b.bin").write_bytes(data)
+    monkeypatch.delattr(directio.os, "preadv")
+    assert b"".join(ChunkReader(tmp_path / "b.bin", 5, MiB)) == data[5:]

@@ -58,6 +58,15 @@ def _release(view: memoryview, buf: mmap.mmap) -> None:
         pass
 
 
+def _pread_into(fd: int, view: memoryview, pos: int) -> int:
+    """Read into `view` from file offset `pos`: `preadv` where the platform has it, else `pread` and a copy."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], pos)
+    data = os.pread(fd, len(view), pos)
+    view[: len(data)] = data
+    return len(data)
+
+
 def _drop_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
@@ -153,7 +162,8 @@ class ChunkReader:
         if not 0 < chunk <= BUFFER_BYTES // 2:
             raise ValueError(f"chunk must be between 1 and {BUFFER_BYTES // 2} bytes, got {chunk}")
         self.path, self.offset, self.chunk = Path(path), offset, chunk
-        self.fd, self.direct = _open(self.path, os.O_RDONLY, direct=direct)
+        # O_DIRECT reads need the aligned buffer that only `preadv` reads into.
+        self.fd, self.direct = _open(self.path, os.O_RDONLY, direct=direct and hasattr(os, "preadv"))
         try:
             self.size = os.fstat(self.fd).st_size
         except BaseException:
@@ -168,7 +178,7 @@ class ChunkReader:
             at = self.offset  # the next byte to hand out
             while at < self.size:
                 pos = at - at % ALIGN if self.direct else at  # file offset of view[0]
-                n = os.preadv(self.fd, [view], pos)
+                n = _pread_into(self.fd, view, pos)
                 if n < BUFFER_BYTES and pos + n < self.size:
                     raise OSError(errno.EIO, f"`{self.path}` ended at {pos + n} bytes; it had {self.size} when opened")
                 # Whole chunks from what was read; a partial one is read again next time unless the file ends in it.
