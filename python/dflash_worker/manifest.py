@@ -39,11 +39,15 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha256_file(path: str | Path) -> str:
     """Hex sha256 of a file's bytes, streamed."""
-    h = hashlib.sha256()
+    return update_with_file(hashlib.sha256(), path).hexdigest()
+
+
+def update_with_file(h, path: str | Path):
+    """Feed a file's bytes, streamed, into hash object `h`; returns `h` (to go on hashing what follows)."""
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-    return h.hexdigest()
+    return h
 
 
 def sha256_files(paths: Iterable[str | Path], *, root: str | Path | None = None) -> dict[str, str]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidRequestError, PolicyError, StorageError
+from ..manifest import sha256_file
 from ..strict_json import no_duplicate_keys
 from .blobs import SHA256_HEX
 from .directio import AppendFile
@@ -248,14 +249,10 @@ class Staging:
             raise _storage("stage the upload", exc) from None
 
     def digest(self, attempt_id: str, claim: Claim) -> str:
-        h = hashlib.sha256()
         try:
-            with open(self.path(attempt_id, claim), "rb") as f:
-                while chunk := f.read(CHUNK_BYTES):
-                    h.update(chunk)
+            return sha256_file(self.path(attempt_id, claim))
         except OSError as exc:
             raise _storage("read the staged upload", exc) from None
-        return h.hexdigest()
 
     def discard(self, attempt_id: str, claim: Claim) -> None:
         self.path(attempt_id, claim).unlink(missing_ok=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from ..errors import ConfigError
+from ..manifest import update_with_file
 from ..proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2
 from .directio import AppendFile, BackgroundWriter
 from .status import error_for
@@ -170,37 +171,32 @@ def receive_download(messages, part: Path, *, name: str, progress: bool = False)
     """
     part = Path(part)
     offset = part.stat().st_size if part.exists() else 0
-    h = hashlib.sha256()
-    if offset:
-        with open(part, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    record, bar, writer, got = None, None, None, offset
+    it = iter(messages)
+    first = next(it, None)
+    if first is None:
+        raise ConfigError(f"the coordinator sent no artifact header for `{name}`")
+    if first.WhichOneof("msg") != "artifact":
+        raise ConfigError(f"the coordinator sent bytes of `{name}` before its artifact header")
+    record = first.artifact
+    if offset > record.size_bytes:
+        raise ConfigError(f"`{part}` holds {offset} bytes, more than `{name}` has ({record.size_bytes}); delete it and retry")
+    h = update_with_file(hashlib.sha256(), part) if offset else hashlib.sha256()
+    f = AppendFile(part, offset)
 
-    def hashed(f: AppendFile):
-        def write(chunk: bytes) -> None:
-            f.write(chunk)
-            h.update(chunk)
+    def write(chunk: bytes) -> None:
+        f.write(chunk)
+        h.update(chunk)
 
-        return write
-
+    writer = BackgroundWriter(write, lambda sync: f.close(sync=sync), name="download-writer")
+    bar, got = None, offset
     try:
-        for msg in messages:
-            if msg.WhichOneof("msg") == "artifact":
-                if record is not None:
-                    raise ConfigError(f"the coordinator sent a second artifact header for `{name}`")
-                record = msg.artifact
-                if offset > record.size_bytes:
-                    raise ConfigError(f"`{part}` holds {offset} bytes, more than `{name}` has ({record.size_bytes}); delete it and retry")
-                f = AppendFile(part, offset)
-                writer = BackgroundWriter(hashed(f), lambda sync, f=f: f.close(sync=sync), name="download-writer")
-                if progress:
-                    from tqdm import tqdm
+        if progress:
+            from tqdm import tqdm
 
-                    bar = tqdm(total=record.size_bytes, initial=offset, unit="B", unit_scale=True, desc=name.rsplit("/", 1)[-1], file=sys.stderr)
-                continue
-            if writer is None:
-                raise ConfigError(f"the coordinator sent bytes of `{name}` before its artifact header")
+            bar = tqdm(total=record.size_bytes, initial=offset, unit="B", unit_scale=True, desc=name.rsplit("/", 1)[-1], file=sys.stderr)
+        for msg in it:
+            if msg.WhichOneof("msg") == "artifact":
+                raise ConfigError(f"the coordinator sent a second artifact header for `{name}`")
             got += len(msg.chunk)
             if got > record.size_bytes:
                 break  # more than the record says: refused below, nothing more is written
@@ -210,11 +206,8 @@ def receive_download(messages, part: Path, *, name: str, progress: bool = False)
     finally:
         if bar is not None:
             bar.close()
-        if writer is not None:
-            # Written out and fsynced when the stream ended; kept for a resume when it was cut.
-            writer.finish(sync=True)
-    if record is None:
-        raise ConfigError(f"the coordinator sent no artifact header for `{name}`")
+        # Written out and fsynced when the stream ended; kept for a resume when it was cut.
+        writer.finish(sync=True)
     size = part.stat().st_size
     if got != record.size_bytes or size != record.size_bytes or h.hexdigest() != record.sha256:
         part.unlink()
