@@ -210,6 +210,7 @@ class TrainConfig:
     steps: int = 100
     lr: float = 1e-4
     weight_decay: float = 0.0
+    l2sp: float = 0.0  # strength of the pull toward the starting draft's weights (0: off); see `train.loop`
     betas: tuple[float, ...] = (0.9, 0.95)
     warmup_steps: int = 0
     schedule: str = "cosine"
@@ -276,6 +277,7 @@ class TrainConfig:
                 raise ConfigError(f"`[train].{name}` must be >= 0, found `{getattr(self, name)}`")
         _check_number(s, "lr", self.lr, 0.0, lo_open=True)
         _check_number(s, "weight_decay", self.weight_decay, 0.0)
+        _check_number(s, "l2sp", self.l2sp, 0.0)
         if isinstance(self.betas, list):
             object.__setattr__(self, "betas", tuple(self.betas))
         _check_type(s, "betas", self.betas, (tuple,))

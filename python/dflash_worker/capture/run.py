@@ -769,6 +769,8 @@ def capture_manifest(plan: CapturePlan, records: list[ShardRecord], examples: li
         "data": {
             "dir": str(dcfg.dir), "split_fingerprint": plan.prepared.split_fingerprint,
             "manifest_fingerprint": plan.prepared.manifest.get("fingerprint"), "splits": list(cap.splits),
+            # the general rows mixed into train (`prepare-data --replay`), as prepare-data recorded them
+            **({"replay": plan.prepared.manifest["replay"]} if "replay" in plan.prepared.manifest else {}),
         },
         "generation": key.generation,
         "stop_token_ids": plan.stop_tokens["ids"],

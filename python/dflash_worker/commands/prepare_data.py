@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..data.jsonl import DEFAULT_MAX_LINE_BYTES
-from ..data.prepare import SPLIT_NAMES
+from ..data.prepare import DEFAULT_REPLAY_FRACTION, SPLIT_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--holdout-file", default=None, metavar="FILE",
                         help="text file of group keys or row ids (the `id` of a prepared row), one per line, "
                         "`#` comments allowed: their prompt groups land in test whatever the hash says")
+    parser.add_argument("--replay", action="append", default=[], metavar="FILE.jsonl",
+                        help="general-domain rows (same formats as `--input`, repeatable) mixed into train only, so "
+                        "that adapting a draft to the inputs does not forget what it could do; the teacher answers "
+                        "them during capture. Rows whose prompt is also in an input are left out")
+    parser.add_argument("--replay-fraction", type=float, default=DEFAULT_REPLAY_FRACTION, metavar="F",
+                        help=f"share of the train split made of replay rows, in (0, 1) (default {DEFAULT_REPLAY_FRACTION}; "
+                        "fewer when the replay files hold fewer rows, recorded as `replay.short`)")
     parser.add_argument("--skip-invalid", action="store_true",
                         help="drop unusable rows (counted by reason in the manifest and on stderr) instead of failing")
     parser.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES, metavar="N",
@@ -49,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         args.input, args.output, seed=args.seed, val_fraction=args.val_fraction,
         test_fraction=args.test_fraction, skip_invalid=args.skip_invalid,
         max_line_bytes=args.max_line_bytes, on_drop=on_drop, split=args.split, holdout_file=args.holdout_file,
+        replay=args.replay, replay_fraction=args.replay_fraction,
     )
     # The summary on stdout (with `--json`, log lines: stdout holds only the manifest); warnings on stderr.
     summary = sys.stderr if args.json else sys.stdout
@@ -67,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
                 "`holdout.unknown_listed` (first 20)",
                 file=sys.stderr,
             )
+    r = m.get("replay")
+    if r is not None:
+        short = f" (wanted {r['wanted_rows']}: the replay files hold only {r['pool_rows']} usable rows)" if r["short"] else ""
+        print(f"mixed {r['rows']} replay rows into train ({r['rows'] / max(1, r['rows'] + r['own_train_rows']):.0%} of it){short}", file=summary)
     if m["dropped"]:
         print("dropped " + ", ".join(f"{k} {v}" for k, v in m["dropped"].items()), file=summary)
     if args.json:

@@ -18,13 +18,20 @@ group into ``test`` (a group never straddles splits). Neither is recorded
 in the manifest unless used, so an invocation without them writes the same
 bytes as before they existed.
 
+Replay (``replay`` files, ``replay_fraction``): rows of another domain,
+typically general prompts the released draft was made for, mixed into
+``train`` only so that adapting a draft keeps what it could do (`_replay`).
+They are read, normalised and deduplicated like the inputs, never split,
+and recorded in the manifest's ``replay`` section; the teacher answers them
+during capture like any other row.
+
 A prompt that appears in two sources (or with different spacing) is one
 group: all of its rows land in the same split, each keeping its own `source`
 tag; only rows identical in every message are duplicates.
 
 Output is a pure function of the input bytes, their file names, the order
-they are given in, the seed, the fractions, `split` and the holdout file's
-bytes: rows keep input order within a split, JSON is written with sorted keys, and the manifest holds no
+they are given in, the seed, the fractions, `split`, the holdout file's
+bytes and the replay files' bytes and fraction: rows keep input order within a split, JSON is written with sorted keys, and the manifest holds no
 timestamps or absolute paths. Every file is written atomically (temporary
 file, fsync, rename), manifest last, and nothing is written until every input
 has been read, so a failure never touches what is already in the output dir.
@@ -51,6 +58,7 @@ SPLIT_NAMES = ("train", "val", "test")
 MAX_LISTED_DROPS = 50
 MAX_LISTED_UNKNOWN = 20
 _DEFAULT_FRACTION = 0.05
+DEFAULT_REPLAY_FRACTION = 0.25
 # A row id is `exact_key(row)[:16]`; a group key is the whole `prompt_key(row)` (a sha256 hex digest).
 ROW_ID_LEN = 16
 GROUP_KEY_LEN = 64
@@ -64,6 +72,7 @@ class _Kept:
     line: int
     group: str
     exact: str
+    replay: bool = False  # from a `replay` file: mixed into train by `_replay`, never split
 
 
 def split_of(group: str, *, seed: int, val_fraction: float, test_fraction: float) -> str:
@@ -217,6 +226,49 @@ def _assign(kept: Sequence[_Kept], plan: SplitPlan) -> tuple[list[str], dict[str
     return out, section
 
 
+def _check_replay(plan: SplitPlan, fraction: float) -> None:
+    if plan.mode.startswith("all:"):
+        raise ConfigError(
+            f"`--replay` mixes rows into `train`, but `--split {plan.mode[4:]}` sends every row to one split"
+            "\nhint: prepare replay only with the fractions (a held-out set takes no replay)"
+        )
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (0.0 < fraction < 1.0):
+        raise ConfigError(f"`--replay-fraction` must be in (0, 1), found `{fraction}`")
+
+
+def _replay(
+    pool: Sequence[_Kept], kept: Sequence[_Kept], assigned: Sequence[str], *, seed: int, fraction: float,
+    inputs: list[dict[str, Any]],
+) -> tuple[list[_Kept], dict[str, Any]]:
+    """The replay rows mixed into train, and the manifest's `replay` section.
+
+    Replay rows make up `fraction` of the train split: ``round(fraction / (1 - fraction) * own)``
+    rows for ``own`` train rows of the inputs, or all of the pool when it holds fewer (``short``).
+    A replay row whose prompt group is also an input's group is left out (``overlap_dropped``),
+    so replay never puts a held-out prompt into train. The rows are the first of a seeded hash
+    order of their ids and keep their file order, so the choice is a pure function of the bytes.
+    """
+    own_groups = {k.group for k in kept}
+    usable = [k for k in pool if k.group not in own_groups]
+    own_train = sum(1 for s in assigned if s == "train")
+    wanted = round(fraction / (1.0 - fraction) * own_train)
+    rank = sorted(range(len(usable)), key=lambda i: hashlib.sha256(f"dflash-replay\0{seed}\0{usable[i].exact}".encode()).digest())
+    chosen = sorted(rank[:wanted])
+    mixed = [usable[i] for i in chosen]
+    section = {
+        "inputs": inputs,
+        "fraction": fraction,
+        "own_train_rows": own_train,
+        "pool_rows": len(usable),
+        "overlap_dropped": len(pool) - len(usable),
+        "wanted_rows": wanted,
+        "rows": len(mixed),
+        "short": len(mixed) < wanted,
+        "source": dict(sorted(Counter(k.row.source for k in mixed).items())),
+    }
+    return mixed, section
+
+
 def _check_args(inputs: Sequence[Path], seed: int, val_fraction: float, test_fraction: float, max_line_bytes: int) -> None:
     if not inputs:
         raise ConfigError("no `--input` files given")
@@ -266,12 +318,16 @@ def prepare_data(
     on_drop: Callable[[str, int, str, str], None] | None = None,
     split: str | None = None,
     holdout_file: str | Path | None = None,
+    replay: Sequence[str | Path] = (),
+    replay_fraction: float = DEFAULT_REPLAY_FRACTION,
 ) -> dict[str, Any]:
     """Prepare `inputs` into `output`; returns the manifest that was written.
 
     The fractions default to 0.05 each. `split` sends every kept row to that
     one split (exclusive with the fractions and `holdout_file`);
     `holdout_file` forces the groups it lists into ``test`` (see `read_holdout`).
+    `replay` files (general-domain rows, read like the inputs) are mixed into ``train`` only,
+    as `replay_fraction` of the train split (see `_replay`); the manifest's ``replay`` records it.
 
     Raises DataError naming file and line for the first unusable row unless
     `skip_invalid`, in which case each one is dropped, counted by reason in the
@@ -281,7 +337,10 @@ def prepare_data(
     holdout = None if holdout_file is None else read_holdout(holdout_file)
     plan = SplitPlan.resolve(seed=seed, val_fraction=val_fraction, test_fraction=test_fraction,
                              split=split, holdout=holdout)
-    _check_args(paths, seed, plan.val_fraction or 0.0, plan.test_fraction or 0.0, max_line_bytes)
+    replay_paths = [Path(p) for p in replay]
+    _check_args([*paths, *replay_paths], seed, plan.val_fraction or 0.0, plan.test_fraction or 0.0, max_line_bytes)
+    if replay_paths:
+        _check_replay(plan, replay_fraction)
     output = Path(output)
 
     kept: list[_Kept] = []
@@ -299,10 +358,12 @@ def prepare_data(
         if on_drop is not None:
             on_drop(file, line, reason, message)
 
-    for path in paths:
+    replay_meta: list[dict[str, Any]] = []
+    n_inputs = len(paths)
+    for i, path in enumerate([*paths, *replay_paths]):
         name = path.name
         if not path.is_file():
-            raise DataError(f"input `{path}` does not exist or is not a file")
+            raise DataError(f"{'replay file' if i >= n_inputs else 'input'} `{path}` does not exist or is not a file")
         stats = FileStats()
         read = kept_here = 0
         try:
@@ -324,13 +385,13 @@ def prepare_data(
                     drop(name, lineno, "duplicate", f"exact duplicate of `{f0}` line {l0}")
                     continue
                 seen[ek] = (name, lineno)
-                kept.append(_Kept(row=row, file=name, line=lineno, group=prompt_key(row), exact=ek))
+                kept.append(_Kept(row=row, file=name, line=lineno, group=prompt_key(row), exact=ek, replay=i >= n_inputs))
                 kept_here += 1
                 schema_counts[row.schema] += 1
                 ignored.update(row.ignored)
         except OSError as exc:
             raise DataError(f"cannot read input `{path}`: {exc.strerror or exc}") from None
-        inputs_meta.append(
+        (inputs_meta if i < n_inputs else replay_meta).append(
             {
                 "file": name,
                 "sha256": sha256_file(path),
@@ -344,6 +405,8 @@ def prepare_data(
             }
         )
 
+    pool = [k for k in kept if k.replay]
+    kept = [k for k in kept if not k.replay]
     if not kept:
         raise DataError("no usable rows in " + ", ".join(f"`{p}`" for p in paths))
 
@@ -358,6 +421,10 @@ def prepare_data(
     groups_split: dict[str, set[str]] = {s: set() for s in SPLIT_NAMES}
     prompt_only: Counter[str] = Counter()
     assigned, holdout_section = _assign(kept, plan)
+    replay_section = None
+    if replay_paths:
+        mixed, replay_section = _replay(pool, kept, assigned, seed=seed, fraction=replay_fraction, inputs=replay_meta)
+        kept, assigned = [*kept, *mixed], [*assigned, *(["train"] * len(mixed))]
     for k, s in zip(kept, assigned, strict=True):
         split_rows[s].append(dumps_row(_row_json(k)))
         by_split[s] += 1
@@ -373,6 +440,8 @@ def prepare_data(
         for name, blob in blobs.items()
     }
     params = plan.params()
+    if replay_section is not None:
+        params["replay"] = {"fraction": replay_fraction, "sha256": [m["sha256"] for m in replay_meta]}
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "params": {**params, "skip_invalid": skip_invalid, "max_line_bytes": max_line_bytes},
@@ -392,6 +461,7 @@ def prepare_data(
         "drops_listed": drops,
         "ignored_fields": dict(sorted(ignored.items())),
         **({} if holdout_section is None else {"holdout": holdout_section}),
+        **({} if replay_section is None else {"replay": replay_section}),
         "files": files,
         # Identifies the exact split contents; capture and training record it.
         "split_fingerprint": fingerprint({"files": {n: f["sha256"] for n, f in files.items()}, **params}),

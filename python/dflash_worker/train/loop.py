@@ -14,7 +14,8 @@ Run directory::
     RUN/selection.json    the selected checkpoint and why (written when training completes)
     RUN/export/           the export of the selected checkpoint (`[export].format`)
 
-Order of work inside step s: micro-batches (forward, backward) -> clip ->
+Order of work inside step s: micro-batches (forward, backward) -> the L2-SP
+gradient (`[train].l2sp > 0`, `Trainer._l2sp`) -> clip ->
 AdamW step -> scheduler step -> validation (every `val_every` steps and at the
 last step) -> metrics line -> checkpoint (every `checkpoint_every` steps, at
 validation steps, at the last step, and on SIGUSR1/SIGINT/SIGTERM). The
@@ -310,6 +311,8 @@ class TrainSetup:
     train_split: CapturedSplit
     val_split: CapturedSplit | None
     order: Order
+    # `[train].l2sp > 0`: the trained tensors' starting values (the draft the recipe names), FP32
+    start: list[torch.Tensor] | None = None
 
     @classmethod
     def load(
@@ -344,6 +347,7 @@ class TrainSetup:
             device=device, model=model, head=head, tensors=tensors, params=params, weights=weights,
             autocast=_autocast_dtype(cfg.autocast, device), optimizer=optimizer, scheduler=scheduler,
             train_split=train_split, val_split=val_split, order=Order(len(train_split), cfg.seed),
+            start=[p.detach().clone() for p in params] if cfg.l2sp > 0 else None,
         )
 
 
@@ -623,6 +627,26 @@ class Trainer:
         self.step += 1
         return float(gnorm), lr
 
+    def _l2sp(self) -> float | None:
+        """`[train].l2sp` (L2-SP): add the gradient of ``l2sp / 2 * ||w - w_start||^2`` over the trained
+        tensors, `w_start` being the draft the recipe starts from, so adapting pulls back toward the
+        released weights instead of drifting from them. Added once, after the gradients are summed
+        over ranks (every rank holds the same weights); returns the penalty before this step's update."""
+        start = self.parts.start
+        if start is None:
+            return None
+        lam = self.cfg.l2sp
+        total = 0.0
+        with torch.no_grad():
+            for p, p0 in zip(self.parts.params, start):
+                diff = p.detach() - p0
+                total += float(diff.square().sum())
+                if p.grad is None:
+                    p.grad = lam * diff
+                else:
+                    p.grad.add_(diff, alpha=lam)
+        return 0.5 * lam * total
+
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over `grad_accum` micro-batches; returns its metrics line."""
         w, ranks, dev = self.parts.weights, self.ranks, self.parts.device
@@ -651,6 +675,7 @@ class Trainer:
             tot["positions"] += int(b.valid.sum())
             tot["blocks"] += int(b.anchors.numel())
         dist.sum_gradients(ranks, self.parts.params)
+        penalty = self._l2sp()
         gnorm, lr = self._optimizer_step()
         keys = ("loss", "ce", "selector_ce", "positions", "blocks", "accepted")
         tokens = sum(int(b.anchors.numel()) * self.T for b in batch)
@@ -672,6 +697,7 @@ class Trainer:
             "seconds": secs,
             "tokens_per_s": tokens / secs if secs > 0 else None,
             "world_size": ranks.world,
+            **({} if penalty is None else {"l2sp_penalty": penalty}),
         }
 
     def _val_blocks(self) -> Iterator[Blocks]:
