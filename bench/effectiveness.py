@@ -8,10 +8,10 @@ Everything is built on this machine from text every Python install ships (no dow
    - own domain: a DISTINCT fixed list of stdlib modules (`OWN_CODE`), one row per documented function:
      prompt = `# <module path>` + signature + docstring, response = the function body.
 2. a byte-level BPE tokenizer trained on the general corpus, with the project's Qwen3-style chat template;
-3. a small dense Qwen3 teacher pretrained for a bounded time (`--teacher-minutes`) with plain next-token CE
+3. a small dense Qwen3 teacher pretrained for a fixed number of steps (`--teacher-steps`) with plain next-token CE
    on chat-rendered general rows plus general-code function rows (so the teacher knows the
    signature -> body task; the released draft never sees that format), cached by a key of
-   (corpus hashes, config, budget);
+   (corpus hashes, config, steps);
 4. a "released" draft: a fresh `build_draft`, trained by this project (scope `full`) on the general
    domain only, with the teacher's own greedy responses (capture `regenerate = true`), exported BF16, cached;
 5. per seed: own-domain modules split train/val/test BY MODULE (seeded), `prepare_data`, `check_data`,
@@ -21,7 +21,7 @@ Everything is built on this machine from text every Python install ships (no dow
 
 Outputs: `bench/out/effectiveness/report.{md,json}` and PNG plots; caches under
 `bench/out/effectiveness/cache/`. Run: `.venv/bin/python bench/effectiveness.py [--quick] [--seeds N]
-[--teacher-minutes M]`; see docs/effectiveness.md.
+[--recipes A,B] [--threads N]`; see docs/effectiveness.md.
 """
 
 from __future__ import annotations
@@ -40,9 +40,15 @@ import sys
 import sysconfig
 import textwrap
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+# Bitwise reproducible BLAS whatever the thread count (Intel MKL's conditional numerical reproducibility,
+# strict mode, AVX2 code path on any AVX2 or AVX-512 x86 CPU): without it the same step gives other
+# GEMM bits with 1 and 2 threads, and the world's hashes follow. Read by MKL when torch loads it, so
+# it is set before any torch import; a value in the environment wins.
+os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "out" / "effectiveness"
@@ -87,35 +93,39 @@ class Settings:
     teacher_seq: int = 192
     teacher_batch: int = 8
     teacher_lr: float = 2e-3
-    general_rows: int = 360  # cap of general rows given to prepare-data (released draft data)
+    teacher_steps: int = 800  # the world is defined by steps and seeds, never by minutes
+    general_rows: int = 720  # cap of general rows given to prepare-data (released draft data)
     own_train_rows: int = 240  # cap of own-domain rows from the train modules
     block_size: int = 8
     draft_layers: int = 2
     capture_new_tokens: int = 64
     max_length: int = 512
-    released_steps: int = 600
+    released_steps: int = 2400  # to the validation plateau (the report shows the curve and the control)
     released_lr: float = 2e-3
     recipe_steps: int = 200
     recipe_lr: float = 5e-4
     blocks_per_sequence: int = 8
     eval_prompts: int = 16
     eval_new_tokens: int = 64
-    recipes: tuple[str, ...] = ("selector", "recall", "full", "full_prefix_survival", "full_qat_af4g64")
+    replay_fraction: float = 0.25  # recipes `*_replay*`: share of the train split made of general rows
+    l2sp: float = 1.0  # recipes `*_l2sp*`: `[train].l2sp`
+    recipes: tuple[str, ...] = ("selector", "recall", "full", "full_replay", "full_l2sp", "full_replay_l2sp")
 
 
 PRESETS = {
     "full": Settings(),
-    "quick": Settings(name="quick", prose_bytes=250_000, hidden=128, layers=4, teacher_seq=128, general_rows=160,
-                      own_train_rows=120, capture_new_tokens=48, released_steps=120, recipe_steps=60,
+    "quick": Settings(name="quick", prose_bytes=250_000, hidden=128, layers=4, teacher_seq=128, teacher_steps=150,
+                      general_rows=160, own_train_rows=120, capture_new_tokens=48, released_steps=120, recipe_steps=60,
                       eval_prompts=8, eval_new_tokens=48),
     # machinery check only (tests): every phase, miniature sizes; the numbers mean nothing
     "smoke": Settings(name="smoke", vocab=400, prose_bytes=20_000, code_files=4, hidden=64, layers=2, teacher_seq=64,
-                      teacher_batch=4, general_rows=40, own_train_rows=16, block_size=4, capture_new_tokens=8,
-                      max_length=1024, released_steps=3, recipe_steps=2, blocks_per_sequence=2, eval_prompts=2,
-                      eval_new_tokens=8, recipes=("selector", "full_qat_af4g64")),
+                      teacher_batch=4, teacher_steps=3, general_rows=40, own_train_rows=16, block_size=4,
+                      capture_new_tokens=8, max_length=1024, released_steps=3, recipe_steps=2, blocks_per_sequence=2,
+                      eval_prompts=2, eval_new_tokens=8, recipes=("selector", "full_replay_l2sp", "full_qat_af4g64")),
 }
 
-# recipe name -> [train] overrides (on top of the common keys in `_train_table`) and export format
+# recipe name -> [train] overrides (on top of the common keys in `_train_table`) and export format;
+# `recipe_spec` adds the anti-forgetting variants `<base>_replay`, `<base>_l2sp`, `<base>_replay_l2sp`
 RECIPES: dict[str, tuple[dict[str, Any], str]] = {
     "selector": ({"scope": "selector"}, "bf16"),
     "recall": ({"scope": "recall"}, "bf16"),
@@ -127,8 +137,43 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
 # Control: the same `full` training, from the released draft, on the released draft's own general-domain
 # data. Its own-domain change is what "more training" alone buys; the adapted recipes must beat it.
 CONTROL = "control_full_general"
-GOAL_GAIN = 0.15  # full-draft adaptation must raise own-domain tau by >= 15%
-GOAL_REGRESSION = 0.05  # ... while losing <= 5% on the general domain
+# Issue 16's goal for the adopted default recipe, on pooled tau (tokens / verify steps over every prompt and seed)
+ADOPTED = "full_replay_l2sp"
+GOAL_GAIN = 0.25  # own-domain pooled tau >= +25% over the released draft
+GOAL_REGRESSION = 0.03  # general-domain pooled tau within -3% of the released draft
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    name: str
+    train: dict[str, Any]  # [train] overrides
+    fmt: str  # export format
+    replay: float | None  # share of replay rows in the train split (None: the own data alone)
+
+
+def recipe_spec(name: str, s: Settings) -> RecipeSpec:
+    """A recipe name: a `RECIPES` base, optionally followed by `_replay` and/or `_l2sp`, each with an
+    optional `@value` (`full_l2sp@3`, `full_replay@0.5_l2sp`); without a value, the `Settings` default."""
+    parts = name.split("_")
+    base_parts: list[str] = []
+    replay = l2sp = None
+    for part in parts:
+        key, at, val = part.partition("@")
+        if at and not val:
+            raise ValueError(f"recipe `{name}`: `{part}` has no value after `@`")
+        if key == "replay":
+            replay = float(val) if val else s.replay_fraction
+        elif key == "l2sp":
+            l2sp = float(val) if val else s.l2sp
+        elif replay is None and l2sp is None and not val:
+            base_parts.append(part)
+        else:
+            raise ValueError(f"recipe `{name}`: `{part}` is not `replay[@F]` or `l2sp[@L]`")
+    base = "_".join(base_parts)
+    if base not in RECIPES:
+        raise ValueError(f"recipe `{name}`: unknown base `{base}` (one of {', '.join(RECIPES)})")
+    over, fmt = RECIPES[base]
+    return RecipeSpec(name, {**over, **({"l2sp": l2sp} if l2sp else {})}, fmt, replay)
 
 
 def log(msg: str) -> None:
@@ -322,13 +367,16 @@ def teacher_texts(c: Corpus, s: Settings) -> list[str]:
     return texts
 
 
-def build_teacher(c: Corpus, s: Settings, minutes: float, cache: Path) -> tuple[Path, dict[str, Any]]:
-    """Train (or reuse) the teacher; returns its checkpoint dir and metadata."""
+def build_teacher(c: Corpus, s: Settings, cache: Path) -> tuple[Path, dict[str, Any]]:
+    """Train (or reuse) the teacher for `s.teacher_steps` steps; returns its checkpoint dir and metadata.
+
+    Everything that decides the weights is a step count or a seed, so another machine (or another
+    thread count) trains the same teacher: its weights' sha256 is in the metadata and the report."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     cfg_key = {"corpus": c.key(), "settings": [s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.teacher_seq,
-                                                 s.teacher_batch, s.teacher_lr], "minutes": minutes, "v": 1}
+                                                 s.teacher_batch, s.teacher_lr], "steps": s.teacher_steps, "v": 2}
     out = cache / f"teacher-{key_of(cfg_key)}"
     if (out / "teacher.json").is_file():
         return out, json.loads((out / "teacher.json").read_text())
@@ -351,17 +399,14 @@ def build_teacher(c: Corpus, s: Settings, minutes: float, cache: Path) -> tuple[
     model = AutoModelForCausalLM.from_config(config).float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=s.teacher_lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(0)
-    budget = minutes * 60.0
     t0 = time.perf_counter()
     step, losses = 0, []
     L = s.teacher_seq
-    while True:
-        elapsed = time.perf_counter() - t0
-        if elapsed >= budget:
-            break
-        # lr follows elapsed time: linear warmup over 3% of the budget, cosine to 10% after
-        frac = elapsed / budget
-        warm = min(1.0, frac / 0.03)
+    total = s.teacher_steps
+    while step < total:
+        # linear warmup over 3% of the steps, cosine to 10% after
+        frac = step / total
+        warm = min(1.0, (step + 1) / max(1.0, 0.03 * total))
         lr = s.teacher_lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -375,7 +420,8 @@ def build_teacher(c: Corpus, s: Settings, minutes: float, cache: Path) -> tuple[
         losses.append(float(loss.detach()))
         step += 1
         if step % 100 == 0:
-            log(f"  teacher step {step}  loss {statistics.fmean(losses[-100:]):.3f}  {elapsed / 60:.1f}/{minutes} min")
+            log(f"  teacher step {step}/{total}  loss {statistics.fmean(losses[-100:]):.3f}  "
+                f"{(time.perf_counter() - t0) / 60:.1f} min")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.eval().save_pretrained(str(tmp))
@@ -383,11 +429,21 @@ def build_teacher(c: Corpus, s: Settings, minutes: float, cache: Path) -> tuple[
     meta = {"key": cfg_key, "steps": step, "tokens_in_corpus": len(ids), "tokens_seen": step * s.teacher_batch * L,
             "first_loss": statistics.fmean(losses[:20]) if losses else None,
             "final_loss": statistics.fmean(losses[-50:]) if losses else None, "seconds": time.perf_counter() - t0,
-            "vocab": len(tok), "params": sum(p.numel() for p in model.parameters())}
+            "vocab": len(tok), "params": sum(p.numel() for p in model.parameters()),
+            "sha256": weights_sha256(tmp)}
     (tmp / "teacher.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out, meta
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 over a checkpoint's safetensors files (sorted names, then bytes): what identifies its weights."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
@@ -411,19 +467,27 @@ def _train_table(s: Settings, *, steps: int, lr: float, seed: int, out: Path, **
 
 
 def prepare_check_capture(rows_file: Path, work: Path, target: Path, draft: Path, s: Settings, *, seed: int,
-                          val_fraction: float, test_fraction: float) -> tuple[dict, dict]:
-    """prepare-data -> check-data -> capture (teacher greedy responses). Returns (recipe dict, info)."""
+                          val_fraction: float, test_fraction: float, replay: Path | None = None,
+                          replay_fraction: float = 0.25) -> tuple[dict, dict]:
+    """prepare-data (with `replay` rows mixed into train when given) -> check-data -> capture (teacher
+    greedy responses). Returns (recipe dict, info): split counts, replay rows, capture seconds and bytes/token."""
     from dflash_worker.capture import run_capture
     from dflash_worker.data import check_data, prepare_data
     from dflash_worker.recipe import recipe_from_dict
 
     data, capture = work / "data", work / "capture"
-    man = prepare_data([rows_file], data, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction)
+    man = prepare_data([rows_file], data, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction,
+                       replay=[replay] if replay is not None else (), replay_fraction=replay_fraction)
     rep = check_data(data, target, thinking="off", max_length=s.max_length, regenerate=True, splits=("train", "val"))
     rep.raise_if_failed()
     raw = _recipe(target, draft, data, capture, s)
+    t0 = time.perf_counter()
     run_capture(recipe_from_dict(raw, base=work), on_event=progress(f"capture {work.name}"))
-    return raw, {"splits": man.get("counts", man.get("splits")), "checked": rep.examples}
+    seconds = time.perf_counter() - t0
+    totals = json.loads((capture / "manifest.json").read_text())["totals"]
+    return raw, {"splits": man["counts"]["split"], "checked": rep.examples,
+                 "replay_rows": man["replay"]["rows"] if "replay" in man else 0, "capture_seconds": seconds,
+                 "capture_tokens": totals["tokens"], "capture_bytes_per_token": totals["payload_bytes"] / max(1, totals["tokens"])}
 
 
 def train_and_export(raw: dict, run: Path, train_table: dict, fmt: str) -> dict:
@@ -434,10 +498,15 @@ def train_and_export(raw: dict, run: Path, train_table: dict, fmt: str) -> dict:
     raw = dict(raw, train=train_table, export={"format": fmt})
     shutil.rmtree(run, ignore_errors=True)
     recipe = recipe_from_dict(raw, base=run.parent)
+    t0 = time.perf_counter()
     res = train(recipe, run_dir=run, on_event=progress(f"train {run.name}"))
+    seconds = time.perf_counter() - t0
     export_run(run, fmt=fmt, recipe=recipe)
     sel = json.loads((run / "selection.json").read_text()) if (run / "selection.json").is_file() else {}
-    return {"selection_step": sel.get("step"), "result": getattr(res, "status", None)}
+    val = [{"step": v.get("step"), "matching_proposals": v.get("matching_proposals"), "ce": v.get("ce")}
+           for v in sel.get("history") or []]
+    return {"selection_step": sel.get("step"), "result": getattr(res, "status", None), "train_seconds": seconds,
+            "val_history": val}
 
 
 def build_released(target: Path, c: Corpus, s: Settings, cache: Path, teacher_key: str) -> tuple[Path, dict]:
@@ -448,7 +517,9 @@ def build_released(target: Path, c: Corpus, s: Settings, cache: Path, teacher_ke
     from dflash_worker.testing.tiny_draft import tiny_dflash2_config
     from dflash_worker.testing.world import target_config
 
-    key = key_of({"teacher": teacher_key, "s": asdict(s), "v": 1})
+    fields = ("vocab", "prose_bytes", "code_files", "general_rows", "block_size", "draft_layers", "capture_new_tokens",
+              "max_length", "released_steps", "released_lr", "blocks_per_sequence")
+    key = key_of({"teacher": teacher_key, "s": {k: getattr(s, k) for k in fields}, "v": 2})
     root = cache / f"released-{key}"
     released = root / "run" / "export"
     if (root / "done.json").is_file():
@@ -464,9 +535,13 @@ def build_released(target: Path, c: Corpus, s: Settings, cache: Path, teacher_ke
     rows = sorted(random.Random(0).sample(rows, min(len(rows), s.general_rows)), key=lambda r: (r["source"], r["prompt"]))
     rows_file = write_jsonl(root / "general.jsonl", rows)
     raw, info = prepare_check_capture(rows_file, root, target, init, s, seed=0, val_fraction=0.1, test_fraction=0.15)
-    t = _train_table(s, steps=s.released_steps, lr=s.released_lr, seed=0, out=root / "run", scope="full")
+    # validation 8 times over the run, so the report shows where the curve flattens
+    t = _train_table(s, steps=s.released_steps, lr=s.released_lr, seed=0, out=root / "run", scope="full",
+                     val_every=max(1, s.released_steps // 8), checkpoint_every=max(1, s.released_steps // 8),
+                     val_examples=64)
     info["train"] = train_and_export(raw, root / "run", t, "bf16")
     info["rows"] = len(rows)
+    info["sha256"] = weights_sha256(released)
     (root / "done.json").write_text(json.dumps(info, indent=2))
     assert released.is_dir()
     return root, info
@@ -556,7 +631,7 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else (float("nan"), 0.0)
 
 
-def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path) -> dict[str, Any]:
+def run_benchmark(s: Settings, *, seeds: int, out: Path, threads: int = 1) -> dict[str, Any]:
     import torch
 
     from dflash_worker.data import load_tokenizer
@@ -564,9 +639,10 @@ def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path)
     from dflash_worker.model import load_draft
     from dflash_worker.weights import load_model
 
-    # one intra-op thread: these models are tiny, and on a shared, oversubscribed 2-core box a
-    # second spinning OpenMP thread costs more than it gains
-    torch.set_num_threads(1)
+    # one intra-op thread by default: these models are tiny, and on a shared, oversubscribed 2-core
+    # box a second spinning OpenMP thread costs more than it gains; the world does not depend on it
+    torch.set_num_threads(threads)
+    specs = [recipe_spec(name, s) for name in s.recipes]
     out = Path(out).resolve()  # recipes resolve relative paths against their own directory
     cache = out / "cache"
     cache.mkdir(parents=True, exist_ok=True)
@@ -581,12 +657,14 @@ def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path)
     corpus = collect_corpus(s)
     phase("corpus", t0)
     t0 = time.perf_counter()
-    target, tmeta = build_teacher(corpus, s, teacher_minutes, cache)
+    target, tmeta = build_teacher(corpus, s, cache)
     phase("teacher", t0)
     t0 = time.perf_counter()
     rel_root, rel_info = build_released(target, corpus, s, cache, target.name)
     released = rel_root / "run" / "export"
     phase("released_draft", t0)
+    log(f"world: teacher {tmeta['steps']} steps, weights sha256 {tmeta['sha256']}; released draft "
+        f"{s.released_steps} steps, weights sha256 {rel_info['sha256']}")
 
     tokenizer = load_tokenizer(target)
     stop = [tokenizer.eos_token_id]
@@ -596,6 +674,11 @@ def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path)
 
     gen_rows = [{"prompt": ex.prompt_messages[-1]["content"], "source": "general"}
                 for ex in PreparedData(rel_root / "data").iter_split("test")]
+    # replay pool: the prompts of the released draft's own general train split (the user's general
+    # prompts); never the general held-out split. The teacher answers them during capture.
+    replay_file = write_jsonl(out / "replay.jsonl", [
+        {"prompt": ex.prompt_messages[-1]["content"], "source": "general-replay"}
+        for ex in PreparedData(rel_root / "data").iter_split("train")])
     own_rows_by_mod = {rel: function_rows(rel, src) for rel, src in corpus.own_code}
 
     per_seed = []
@@ -614,24 +697,32 @@ def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path)
         raw, info = prepare_check_capture(rows_file, sd, target, released, s, seed=seed, val_fraction=0.12,
                                           test_fraction=0.0)
         phase("own_prepare_check_capture", t0)
+        datasets: dict[float | None, tuple[dict, dict]] = {None: (raw, info)}
+        for frac in sorted({sp.replay for sp in specs if sp.replay is not None}):
+            t0 = time.perf_counter()
+            datasets[frac] = prepare_check_capture(rows_file, sd / f"replay{frac:g}", target, released, s, seed=seed,
+                                                   val_fraction=0.12, test_fraction=0.0, replay=replay_file,
+                                                   replay_fraction=frac)
+            phase("own_replay_prepare_check_capture", t0)
         test_rows = [r for m in split["test"] for r in own_rows_by_mod[m]]
         own_prompts = held_out_prompts(tokenizer, test_rows, s.eval_prompts, seed)
         gen_prompts = held_out_prompts(tokenizer, gen_rows, s.eval_prompts, 0)
         drafts = {"released": base_draft}
         train_info = {}
-        for name in s.recipes:
+        for sp in specs:
             t0 = time.perf_counter()
-            over, fmt = RECIPES[name]
-            run = sd / "runs" / name
-            table = _train_table(s, steps=s.recipe_steps, lr=s.recipe_lr, seed=seed, out=run, **over)
-            train_info[name] = train_and_export(raw, run, table, fmt)
-            drafts[name] = load_trained(run, fmt)
-            phase(f"train_{name}", t0)
+            run = sd / "runs" / sp.name
+            sp_raw, sp_info = datasets[sp.replay]
+            table = _train_table(s, steps=s.recipe_steps, lr=s.recipe_lr, seed=seed, out=run, **sp.train)
+            train_info[sp.name] = {**train_and_export(sp_raw, run, table, sp.fmt), "data": sp_info}
+            drafts[sp.name] = load_trained(run, sp.fmt)
+            phase(f"train_{sp.name}", t0)
         t0 = time.perf_counter()
         run = sd / "runs" / CONTROL
         ctrl_raw = _recipe(target, released, rel_root / "data", rel_root / "capture", s)
         table = _train_table(s, steps=s.recipe_steps, lr=s.recipe_lr, seed=seed, out=run, scope="full")
-        train_info[CONTROL] = train_and_export(ctrl_raw, run, table, "bf16")
+        ctrl_data = {k: rel_info[k] for k in ("capture_seconds", "capture_bytes_per_token", "capture_tokens")}
+        train_info[CONTROL] = {**train_and_export(ctrl_raw, run, table, "bf16"), "data": ctrl_data}
         drafts[CONTROL] = load_trained(run, "bf16")
         phase(f"train_{CONTROL}", t0)
         t0 = time.perf_counter()
@@ -646,18 +737,19 @@ def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path)
             if name == "released":
                 continue
             o, g = own_m["drafts"], gen_m["drafts"]
-            log(f"  seed {seed} {name:22s} own tau {statistics.fmean(o['released']['tau']):.3f} -> "
-                f"{statistics.fmean(o[name]['tau']):.3f}   general {statistics.fmean(g['released']['tau']):.3f} -> "
-                f"{statistics.fmean(g[name]['tau']):.3f}")
+            log(f"  seed {seed} {name:22s} own tau {pooled(o['released']):.3f} -> {pooled(o[name]):.3f} (pooled)   "
+                f"general {pooled(g['released']):.3f} -> {pooled(g[name]):.3f}")
         (out / "partial.json").write_text(json.dumps(per_seed, indent=1))
 
     # ------------------------------------------------------------------ aggregate
     rows = []
-    for name in (*s.recipes, CONTROL):
+    for name in (*(sp.name for sp in specs), CONTROL):
         r: dict[str, Any] = {"recipe": name}
         for dom in ("own", "general"):
             before = [statistics.fmean(ps[dom]["drafts"]["released"]["tau"]) for ps in per_seed]
             after = [statistics.fmean(ps[dom]["drafts"][name]["tau"]) for ps in per_seed]
+            pb = pooled(*(ps[dom]["drafts"]["released"] for ps in per_seed))
+            pa = pooled(*(ps[dom]["drafts"][name] for ps in per_seed))
             counts = {"improved": 0, "tied": 0, "regressed": 0}
             for ps in per_seed:
                 for a, b in zip(ps[dom]["drafts"][name]["tau"], ps[dom]["drafts"]["released"]["tau"]):
@@ -665,31 +757,64 @@ def run_benchmark(s: Settings, *, seeds: int, teacher_minutes: float, out: Path)
             greedy = sum(ps[dom]["greedy_seconds"] for ps in per_seed)
             r[dom] = {"before": mean_std(before), "after": mean_std(after),
                       "change": statistics.fmean(after) / statistics.fmean(before) - 1.0, "counts": counts,
+                      "pooled_before": pb, "pooled_after": pa, "pooled_change": pa / pb - 1.0,
+                      "pooled_after_by_seed": [pooled(ps[dom]["drafts"][name]) for ps in per_seed],
                       "speedup_released": greedy / sum(ps[dom]["drafts"]["released"]["seconds"] for ps in per_seed),
                       "speedup": greedy / sum(ps[dom]["drafts"][name]["seconds"] for ps in per_seed),
                       "lossless": all(ps[dom]["drafts"][name]["lossless"] for ps in per_seed),
                       "cost": loop_cost([ps[dom] for ps in per_seed], name)}
+        tr = [ps["train"][name] for ps in per_seed]
+        r["train_seconds"] = statistics.fmean(t["train_seconds"] for t in tr)
+        data = [t["data"] for t in tr if t["data"]]
+        r["capture_seconds"] = statistics.fmean(d["capture_seconds"] for d in data) if data else None
+        r["capture_bytes_per_token"] = statistics.fmean(d["capture_bytes_per_token"] for d in data) if data else None
+        r["replay_rows"] = statistics.fmean(d.get("replay_rows", 0) for d in data) if data else 0
         rows.append(r)
     total = time.perf_counter() - t_all
     phases["total"] = total
-    full = next((r for r in rows if r["recipe"] == "full"), None)
-    if full is None:
-        goal = "goal not evaluated: recipe `full` was not run"
-    else:
-        ok = full["own"]["change"] >= GOAL_GAIN and full["general"]["change"] >= -GOAL_REGRESSION
-        goal = (f"goal {'MET' if ok else 'NOT MET'}: full-draft adaptation changed held-out own-domain tau by "
-                f"{full['own']['change'] * 100:+.1f}% (goal >= +{GOAL_GAIN * 100:.0f}%) and general-domain tau by "
-                f"{full['general']['change'] * 100:+.1f}% (goal >= -{GOAL_REGRESSION * 100:.0f}%)")
-    ctrl = next(r for r in rows if r["recipe"] == CONTROL)
-    if full is not None:
-        goal += (f"; the control (same training on general data) changed own-domain tau by "
-                 f"{ctrl['own']['change'] * 100:+.1f}%, so {(full['own']['change'] - ctrl['own']['change']) * 100:+.1f} "
-                 f"points of the full recipe's gain come from the own-domain data")
-    report = {"settings": asdict(s), "seeds": seeds, "teacher_minutes": teacher_minutes, "teacher": tmeta,
+    goal = goal_line(rows)
+    world = {"teacher_steps": tmeta["steps"], "teacher_sha256": tmeta["sha256"], "released_steps": s.released_steps,
+             "released_sha256": rel_info["sha256"], "released_val_history": rel_info["train"]["val_history"],
+             "released_selected_step": rel_info["train"]["selection_step"]}
+    report = {"settings": asdict(s), "seeds": seeds, "world": world, "teacher": tmeta,
               "released": rel_info, "corpus_files": corpus.files, "rows": rows, "goal": goal, "phases_seconds": phases,
               "load_average": os.getloadavg(), "per_seed": per_seed, "torch_threads": torch.get_num_threads()}
     write_report(report, out)
     return report
+
+
+def pooled(*recs: dict[str, Any]) -> float:
+    """Pooled tau of `measure` draft records: all tokens over all verify steps."""
+    return sum(r["tokens"] for r in recs) / max(1, sum(r["steps"] for r in recs))
+
+
+def goal_line(rows: list[dict[str, Any]]) -> str:
+    """Issue 16's goal for the adopted default (`ADOPTED`) and what the control says about convergence."""
+    by = {r["recipe"]: r for r in rows}
+    parts = []
+    a = by.get(ADOPTED)
+    if a is None:
+        parts.append(f"goal not evaluated: the adopted default `{ADOPTED}` was not run")
+    else:
+        o, g = a["own"]["pooled_change"], a["general"]["pooled_change"]
+        ok = o >= GOAL_GAIN and g >= -GOAL_REGRESSION
+        parts.append(f"goal {'MET' if ok else 'NOT MET'}: the adopted default `{ADOPTED}` changed held-out pooled tau by "
+                     f"{o * 100:+.1f}% on the own domain (goal >= +{GOAL_GAIN * 100:.0f}%) and {g * 100:+.1f}% on the "
+                     f"general domain (goal >= -{GOAL_REGRESSION * 100:.0f}%)")
+        c = a["own"]["cost"]
+        parts.append(f"its own-domain speedup {c['speedup']:.2f}x vs goal {c['bound']:.2f}x "
+                     f"({'met' if c['speedup'] >= c['bound'] else 'NOT met'})")
+    if "full" in by:
+        f = by["full"]
+        parts.append(f"today's `full` recipe: own {f['own']['pooled_change'] * 100:+.1f}%, general "
+                     f"{f['general']['pooled_change'] * 100:+.1f}%")
+    ctrl = by.get(CONTROL)
+    if ctrl is not None:
+        ch = ctrl["general"]["pooled_change"]
+        parts.append(f"further general training (`{CONTROL}`) changed general pooled tau by {ch * 100:+.1f}% "
+                     + ("(within 2%: the released draft is converged)" if abs(ch) <= 0.02 else
+                        "(more than 2%: the released draft is NOT converged)"))
+    return "; ".join(parts)
 
 
 def loop_cost(measured: list[dict[str, Any]], name: str) -> dict[str, float]:
@@ -729,43 +854,54 @@ def fmt_ms(ms: tuple[float, float]) -> str:
 
 
 def render(r: dict[str, Any]) -> str:
-    s = r["settings"]
+    s, w = r["settings"], r["world"]
     la = r["load_average"]
+    hist = ", ".join(f"{v['step']}: {v['matching_proposals']:.3f}" for v in w["released_val_history"]
+                     if v.get("matching_proposals") is not None)
     lines = [
         "# DFlash2 adaptation effectiveness",
         "",
-        f"Preset `{s['name']}`, {r['seeds']} seed(s), teacher budget {r['teacher_minutes']} min "
-        f"({r['teacher']['steps']} steps, loss {r['teacher']['first_loss']:.2f} -> {r['teacher']['final_loss']:.2f}, "
-        f"{r['teacher']['params'] / 1e6:.2f}M params, vocab {r['teacher']['vocab']}); draft block {s['block_size']}, "
-        f"{s['draft_layers']} layers; released draft {s['released_steps']} steps on general rows; each recipe "
-        f"{s['recipe_steps']} steps; {s['eval_prompts']} held-out prompts per domain and seed, "
-        f"{s['eval_new_tokens']} new tokens, greedy.",
+        f"Preset `{s['name']}`, {r['seeds']} seed(s). World (steps and seeds only): teacher {w['teacher_steps']} steps "
+        f"(loss {r['teacher']['first_loss']:.2f} -> {r['teacher']['final_loss']:.2f}, {r['teacher']['params'] / 1e6:.2f}M "
+        f"params, vocab {r['teacher']['vocab']}), weights sha256 `{w['teacher_sha256']}`; released draft (block "
+        f"{s['block_size']}, {s['draft_layers']} layers) {w['released_steps']} steps on general rows, selected step "
+        f"{w['released_selected_step']}, weights sha256 `{w['released_sha256']}`; validation matching proposals by "
+        f"step: {hist}. Each recipe {s['recipe_steps']} steps (the same number of training sequences); "
+        f"{s['eval_prompts']} held-out prompts per domain and seed, {s['eval_new_tokens']} new tokens, greedy.",
         f"Load average at the end (1/5/15 min): {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} "
-        f"(machine shared with other test runs; wall times and speedups are noisy); torch threads {r['torch_threads']}.",
+        f"(wall times and speedups are noisy); torch threads {r['torch_threads']}.",
         "",
         "tau = acceptance length (tokens per verify step, bonus included); before = released draft, after = adapted; "
-        "mean ± std over seeds; counts are per prompt (tie = within 2%); speedup = teacher greedy wall time / "
-        "speculative wall time on the same prompts (released draft's speedup in brackets). "
+        "pooled = all tokens / all verify steps over every prompt and seed; mean = per-prompt mean, ± std over seeds; "
+        "counts are per prompt (tie = within 2%); replay = general rows mixed into train (mean per seed); capture = "
+        "the recipe's data capture (bytes per token, seconds); train = seconds; speedup = teacher greedy wall time / "
+        "speculative wall time on the same prompts. "
         f"`{CONTROL}` is not an adaptation: the same `full` training on the released draft's own general data.",
         "",
-        "| recipe | own tau before | own tau after | own change | own impr/tied/regr | general tau before | "
-        "general tau after | general change | general impr/tied/regr | speedup own | speedup general |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | own pooled before -> after | own mean after | own impr/tied/regr | general pooled before -> after | "
+        "general mean after | general impr/tied/regr | replay rows | capture B/token | capture s | train s | "
+        "speedup own / general |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         o, g = row["own"], row["general"]
         c1, c2 = o["counts"], g["counts"]
+        cap = (f"{row['capture_bytes_per_token']:.0f} | {row['capture_seconds']:.0f}"
+               if row.get("capture_bytes_per_token") is not None else "- | -")
         lines.append(
-            f"| {row['recipe']} | {fmt_ms(o['before'])} | {fmt_ms(o['after'])} | {o['change'] * 100:+.1f}% | "
-            f"{c1['improved']}/{c1['tied']}/{c1['regressed']} | {fmt_ms(g['before'])} | {fmt_ms(g['after'])} | "
-            f"{g['change'] * 100:+.1f}% | {c2['improved']}/{c2['tied']}/{c2['regressed']} | "
-            f"{o['speedup']:.2f}x ({o['speedup_released']:.2f}x) | {g['speedup']:.2f}x ({g['speedup_released']:.2f}x) |")
+            f"| {row['recipe']} | {o['pooled_before']:.3f} -> {o['pooled_after']:.3f} ({o['pooled_change'] * 100:+.1f}%) | "
+            f"{fmt_ms(o['after'])} ({o['change'] * 100:+.1f}%) | {c1['improved']}/{c1['tied']}/{c1['regressed']} | "
+            f"{g['pooled_before']:.3f} -> {g['pooled_after']:.3f} ({g['pooled_change'] * 100:+.1f}%) | "
+            f"{fmt_ms(g['after'])} ({g['change'] * 100:+.1f}%) | {c2['improved']}/{c2['tied']}/{c2['regressed']} | "
+            f"{row.get('replay_rows', 0):.0f} | {cap} | {row['train_seconds']:.0f} | "
+            f"{o['speedup']:.2f}x / {g['speedup']:.2f}x |")
     lines += ["", f"**Verdict**: {r['goal']}.", "", *cost_lines(r["rows"])]
     for row in r["rows"]:
         if row["recipe"] == CONTROL:
             continue
-        if row["own"]["change"] <= 0.02:
-            lines.append(f"- recipe `{row['recipe']}` does not improve own-domain acceptance ({row['own']['change'] * 100:+.1f}%).")
+        if row["own"]["pooled_change"] <= 0.02:
+            lines.append(f"- recipe `{row['recipe']}` does not improve own-domain acceptance "
+                         f"({row['own']['pooled_change'] * 100:+.1f}%).")
         if not (row["own"]["lossless"] and row["general"]["lossless"]):
             lines.append(f"- recipe `{row['recipe']}`: speculative output differed from greedy on some prompt (not lossless!).")
     ps0 = r["per_seed"][0]
@@ -806,18 +942,40 @@ def write_report(r: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=None, help="number of adaptation seeds (default 3; 1 with --quick)")
-    p.add_argument("--teacher-minutes", type=float, default=None,
-                   help="teacher pretraining budget in minutes (default 8; 1.5 with --quick); part of the cache key")
     p.add_argument("--quick", action="store_true", help="smaller teacher, data and steps: a fast end-to-end run")
     p.add_argument("--smoke", action="store_true", help="miniature sizes for the smoke test (numbers are meaningless)")
+    p.add_argument("--recipes", default=None, metavar="A,B",
+                   help="comma-separated recipes instead of the preset's: a base (" + ", ".join(RECIPES) + ") with "
+                   "optional `_replay[@F]` (general rows as share F of train) and `_l2sp[@L]` ([train].l2sp = L), "
+                   f"e.g. `full_l2sp@3`; the control `{CONTROL}` always runs")
+    p.add_argument("--teacher-steps", type=int, default=None, metavar="N",
+                   help="teacher pretraining steps instead of the preset's (part of the cache key)")
+    p.add_argument("--released-steps", type=int, default=None, metavar="N",
+                   help="released draft training steps instead of the preset's (part of the cache key)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads (default 1); the world's hashes and the tau table do not depend on it")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output and cache directory (default {DEFAULT_OUT})")
     a = p.parse_args(argv)
     s = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
     seeds = a.seeds if a.seeds is not None else (1 if (a.quick or a.smoke) else 3)
-    minutes = a.teacher_minutes if a.teacher_minutes is not None else (0.05 if a.smoke else 1.5 if a.quick else 8.0)
-    if seeds < 1 or not (minutes > 0):
-        p.error("--seeds must be >= 1 and --teacher-minutes > 0")
-    r = run_benchmark(s, seeds=seeds, teacher_minutes=minutes, out=a.out)
+    if seeds < 1 or a.threads < 1:
+        p.error("--seeds and --threads must be >= 1")
+    over: dict[str, Any] = {}
+    if a.recipes:
+        over["recipes"] = tuple(x.strip() for x in a.recipes.split(",") if x.strip())
+    for flag, key in (("teacher_steps", "teacher_steps"), ("released_steps", "released_steps")):
+        v = getattr(a, flag)
+        if v is not None:
+            if v < 1:
+                p.error(f"--{flag.replace('_', '-')} must be >= 1")
+            over[key] = v
+    s = replace(s, **over)
+    try:
+        for name in s.recipes:
+            recipe_spec(name, s)
+    except ValueError as exc:
+        p.error(str(exc))
+    r = run_benchmark(s, seeds=seeds, out=a.out, threads=a.threads)
     print(render(r))
     return 0
 

@@ -46,12 +46,33 @@ def test_corpus_is_deterministic_and_split_by_module():
     assert rows == [{"prompt": '# x.py\ndef f(a):\n    """Doc."""', "response": "b = a + 1\nreturn b * 2 + a", "source": "x.py"}]
 
 
+def _smoke(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *extra], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_recipe_names_parse_into_their_switches():
+    eff = _module()
+    s = eff.PRESETS["full"]
+    sp = eff.recipe_spec("full_replay_l2sp", s)
+    assert sp.replay == s.replay_fraction and sp.train["l2sp"] == s.l2sp and sp.train["scope"] == "full"
+    sp = eff.recipe_spec("full_l2sp@3", s)
+    assert sp.replay is None and sp.train["l2sp"] == 3.0
+    sp = eff.recipe_spec("recall_replay@0.5", s)
+    assert sp.replay == 0.5 and "l2sp" not in sp.train and sp.train["scope"] == "recall"
+    assert eff.recipe_spec("full_qat_af4g64", s).fmt == "af4g64"
+    for bad in ("fulll", "full_l2sp@x", "full_replay@", "selector@2", "full_bogus"):
+        with pytest.raises(ValueError):
+            eff.recipe_spec(bad, s)
+    assert eff.ADOPTED in s.recipes  # the adopted default is always in the ablation
+
+
 @pytest.mark.slow
 def test_smoke_run_end_to_end(tmp_path):
     out = tmp_path / "eff"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _smoke(out)
     assert "| recipe |" in proc.stdout
     for phase in ("teacher", "released_draft", "own_prepare_check_capture", "evaluate"):
         assert f"] {phase}:" in proc.stderr
@@ -82,7 +103,41 @@ def test_smoke_run_end_to_end(tmp_path):
     # the QAT recipe's export is a real AF4G64 export
     manifest = out / "seeds" / "seed0" / "runs" / "full_qat_af4g64" / "export-af4g64" / "manifest.json"
     assert "af4g64" in json.loads(manifest.read_text())["format"]
-    assert "the control (same training on general data)" in report["goal"] or "not evaluated" in report["goal"]
+    assert "further general training (`control_full_general`)" in report["goal"]
     assert seed0["own"]["sample_text"] is not None
     teacher_dirs = list((out / "cache").glob("teacher-*"))
     assert len(teacher_dirs) == 1 and (teacher_dirs[0] / "teacher.json").is_file()
+    # the world is printed by its hashes; the replay recipe trained on own rows plus recorded replay rows
+    w = report["world"]
+    assert f"teacher {w['teacher_steps']} steps" in proc.stderr and w["teacher_sha256"] in proc.stderr
+    assert w["released_sha256"] in proc.stderr and w["released_val_history"]
+    replay_row = next(r for r in report["rows"] if r["recipe"] == "full_replay_l2sp")
+    assert replay_row["replay_rows"] > 0 and replay_row["capture_bytes_per_token"] > 0
+    assert all(r["replay_rows"] == 0 for r in report["rows"] if "replay" not in r["recipe"])
+    cap = json.loads((out / "seeds" / "seed0" / "replay0.25" / "capture" / "manifest.json").read_text())
+    assert cap["data"]["replay"]["rows"] == replay_row["replay_rows"]
+    metrics = (out / "seeds" / "seed0" / "runs" / "full_replay_l2sp" / "metrics.jsonl").read_text().splitlines()
+    assert all("l2sp_penalty" in json.loads(line) for line in metrics)
+    assert "adopted default `full_replay_l2sp`" in report["goal"]
+
+
+def _taus(report: dict) -> list:
+    return [[r["recipe"], r["own"]["pooled_after"], r["general"]["pooled_after"], r["own"]["after"], r["general"]["after"]]
+            for r in report["rows"]] + [[ps[d]["drafts"][n]["tau"] for d in ("own", "general") for n in ps[d]["drafts"]]
+                                        for ps in report["per_seed"]]
+
+
+@pytest.mark.slow
+def test_world_and_table_do_not_depend_on_the_thread_count(tmp_path):
+    """Issue 16: the world is defined by steps and seeds: two cold runs with 1 and 2 torch threads train
+    the same teacher and released draft (same sha256) and give the same tau table."""
+    reports = []
+    for threads in (1, 2):
+        out = tmp_path / f"t{threads}"
+        _smoke(out, "--threads", str(threads), "--recipes", "full_replay_l2sp")
+        reports.append(json.loads((out / "report.json").read_text()))
+    a, b = reports
+    assert a["torch_threads"] == 1 and b["torch_threads"] == 2
+    assert a["world"]["teacher_sha256"] == b["world"]["teacher_sha256"]
+    assert a["world"]["released_sha256"] == b["world"]["released_sha256"]
+    assert _taus(a) == _taus(b)
