@@ -181,18 +181,20 @@ def log(msg: str) -> None:
 
 
 def progress(label: str, every_s: float = 30.0):
-    """An `on_event` callback that logs the latest index/step at most every `every_s` seconds."""
+    """An `on_event` callback (worker events: `Progress`, `Log`, ...) that logs the latest progress
+    step at most every `every_s` seconds."""
     last = [time.perf_counter()]
 
-    def cb(e: dict[str, Any]) -> None:
+    def cb(e: Any) -> None:
+        step = getattr(e, "step", None)
+        if step is None or getattr(e, "phase", None) is None:
+            return
         now = time.perf_counter()
         if now - last[0] < every_s:
             return
         last[0] = now
-        if "index" in e and "total" in e:
-            log(f"  {label}: example {e['index'] + 1}/{e['total']}")
-        elif "step" in e:
-            log(f"  {label}: step {e['step']}" + (f"/{e['total_steps']}" if "total_steps" in e else ""))
+        total = getattr(e, "total_steps", None)
+        log(f"  {label}: {e.phase} {step}" + (f"/{total}" if total else ""))
 
     return cb
 

@@ -141,3 +141,14 @@ def test_world_and_table_do_not_depend_on_the_thread_count(tmp_path):
     assert a["world"]["teacher_sha256"] == b["world"]["teacher_sha256"]
     assert a["world"]["released_sha256"] == b["world"]["released_sha256"]
     assert _taus(a) == _taus(b)
+
+
+def test_progress_logs_real_worker_events(capsys):
+    from dflash_worker.worker.events import Log, Progress
+
+    eff = _module()
+    cb = eff.progress("capture x", every_s=0.0)
+    cb(Progress(phase="capture", step=3, total_steps=9, metrics={"tokens": 5}))
+    cb(Log(level="info", message="not progress"))
+    err = capsys.readouterr().err
+    assert "capture x: capture 3/9" in err and "not progress" not in err

@@ -96,3 +96,38 @@ def test_a_missing_holdout_file_is_named(tmp_path):
     last = json.loads(p.stdout.splitlines()[-1])
     assert p.returncode == 1 and last["event"] == "error" and f"cannot read holdout file `{tmp_path / 'nope.txt'}`" in last["message"], p.stdout
     assert not (tmp_path / "job" / "data" / "manifest.json").exists()
+
+
+def test_replay_in_the_job_spec_prepares_what_the_cli_prepares(tmp_path, capsys):
+    src = _write_rows(tmp_path / "in.jsonl", 40)
+    gen = tmp_path / "general.jsonl"
+    gen.write_text("".join(json.dumps({"prompt": f"general prompt {i}"}) + "\n" for i in range(30)))
+    p = _run_job(tmp_path / "job", {"stages": ["prepare"], "inputs": [str(src)],
+                                     "prepare": {"replay": [str(gen)], "replay_fraction": 0.2}})
+    assert p.returncode == 0, p.stderr
+    m = json.loads((tmp_path / "job" / "data" / "manifest.json").read_text())
+    assert m["replay"]["rows"] > 0 and m["replay"]["fraction"] == 0.2
+    cli = _cli(capsys, "--input", str(src), "--output", str(tmp_path / "cli"), "--replay", str(gen), "--replay-fraction", "0.2")
+    assert m["split_fingerprint"] == cli["split_fingerprint"]
+    assert _digests(tmp_path / "job" / "data") == _digests(tmp_path / "cli")
+
+
+@pytest.mark.parametrize(
+    ("prepare", "needle"),
+    [
+        ({"replay": []}, "`spec.prepare.replay` must be a non-empty list of JSONL paths"),
+        ({"replay": [""]}, "`spec.prepare.replay` must be a non-empty list of JSONL paths"),
+        ({"replay": "g.jsonl"}, "`replay` must be a list of strings"),
+        ({"replay": ["a\0b"]}, "`spec.prepare.replay[0]` contains a NUL character"),
+        ({"replay_fraction": 0.3}, "`spec.prepare.replay_fraction` is set but `spec.prepare.replay` names no file"),
+        ({"replay": ["g.jsonl"], "replay_fraction": "half"}, "`replay_fraction` must be a number"),
+        ({"replay": ["g.jsonl"], "replay_fraction": 1.5}, "`--replay-fraction` must be in (0, 1)"),
+    ],
+)
+def test_bad_replay_options_are_refused_before_anything_is_written(tmp_path, prepare, needle):
+    src = _write_rows(tmp_path / "in.jsonl", 5)
+    (tmp_path / "g.jsonl").write_text(json.dumps({"prompt": "general"}) + "\n")
+    p = _run_job(tmp_path / "job", {"stages": ["prepare"], "inputs": [str(src)], "prepare": prepare})
+    last = json.loads(p.stdout.splitlines()[-1])
+    assert p.returncode == 1 and last["event"] == "error" and needle in last["message"], (p.stdout, p.stderr)
+    assert not (tmp_path / "job" / "data" / "manifest.json").exists()

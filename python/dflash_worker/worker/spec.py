@@ -291,6 +291,8 @@ class PrepareOptions:
     ``split`` sends every row to one split (a file that is all held-out data);
     ``holdout_file`` names groups that go to ``test`` whatever the hash says. Either
     one, as with `prepare-data --split` / `--holdout-file`; `split` excludes the rest.
+    ``replay`` (JSONL paths) and ``replay_fraction`` mix general rows into train, as
+    `prepare-data --replay` / `--replay-fraction` (anti-forgetting, docs/effectiveness.md).
     """
 
     seed: int | None = None
@@ -299,6 +301,8 @@ class PrepareOptions:
     skip_invalid: bool | None = None
     split: str | None = None
     holdout_file: str | None = None
+    replay: tuple[str, ...] | None = None
+    replay_fraction: float | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> PrepareOptions:
@@ -306,7 +310,10 @@ class PrepareOptions:
 
         where = "`spec.prepare`"
         obj = _object(obj, where)
-        _refuse_unknown(obj, ("seed", "val_fraction", "test_fraction", "skip_invalid", "split", "holdout_file"), where)
+        _refuse_unknown(
+            obj, ("seed", "val_fraction", "test_fraction", "skip_invalid", "split", "holdout_file", "replay", "replay_fraction"),
+            where,
+        )
         opts = cls(
             seed=_get(obj, "seed", where, (int,), "an integer", None),
             val_fraction=_get(obj, "val_fraction", where, (int, float), "a number", None),
@@ -314,7 +321,17 @@ class PrepareOptions:
             skip_invalid=_get(obj, "skip_invalid", where, (bool,), "true or false", None),
             split=_get(obj, "split", where, (str,), "a split name", None),
             holdout_file=_get(obj, "holdout_file", where, (str,), "a path", None),
+            replay=_str_list(obj, "replay", where, None) if obj.get("replay") is not None else None,
+            replay_fraction=_get(obj, "replay_fraction", where, (int, float), "a number", None),
         )
+        if opts.replay is not None:
+            if not opts.replay or not all(opts.replay):
+                raise ConfigError("`spec.prepare.replay` must be a non-empty list of JSONL paths")
+            for i, path in enumerate(opts.replay):
+                _check_path(path, f"`spec.prepare.replay[{i}]`")
+        elif opts.replay_fraction is not None:
+            raise ConfigError("`spec.prepare.replay_fraction` is set but `spec.prepare.replay` names no file"
+                              "\nhint: add `replay` (general-domain JSONL files) or remove `replay_fraction`")
         if opts.holdout_file is not None:
             if not opts.holdout_file:
                 raise ConfigError("`spec.prepare.holdout_file` is empty; give the path of a holdout list")
