@@ -5,8 +5,9 @@ Everything is built on this machine from text every Python install ships (no dow
 1. corpora (deterministic: sorted paths, fixed caps, sha256 of every file recorded)
    - general prose: `/usr/share/common-licenses/*`, `/usr/share/doc/*/copyright`, Python's `LICENSE.txt`;
    - general code: a fixed list of stdlib modules (`GENERAL_CODE`);
-   - own domain: a DISTINCT fixed list of stdlib modules (`OWN_CODE`), one row per documented function:
-     prompt = `# <module path>` + signature + docstring, response = the function body.
+   - own domain: Perl modules (Debian's perl-modules; `perl_pool` sends each file to the teacher's pool
+     or to the own domain), one row per top-level sub: prompt = `# <module path>` + comments + `sub NAME {`,
+     response = the body. The teacher also learns Perl from its own pool; the released draft never sees Perl.
 2. a byte-level BPE tokenizer trained on the general corpus, with the project's Qwen3-style chat template;
 3. a small dense Qwen3 teacher pretrained for a fixed number of steps (`--teacher-steps`) with plain next-token CE
    on chat-rendered general rows plus general-code function rows (so the teacher knows the
@@ -34,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -63,19 +65,17 @@ GENERAL_CODE = (
     "json/__init__.py", "json/decoder.py", "json/encoder.py", "collections/__init__.py", "glob.py",
     "fnmatch.py", "copy.py", "operator.py", "inspect.py", "typing.py", "weakref.py", "abc.py",
 )
-OWN_CODE = (
-    "email/_header_value_parser.py", "email/_parseaddr.py", "email/_policybase.py", "email/base64mime.py",
-    "email/charset.py", "email/contentmanager.py", "email/encoders.py", "email/feedparser.py",
-    "email/generator.py", "email/header.py", "email/headerregistry.py", "email/iterators.py",
-    "email/message.py", "email/parser.py", "email/policy.py", "email/quoprimime.py", "email/utils.py",
-    "http/client.py", "http/cookiejar.py", "http/cookies.py", "http/server.py", "urllib/parse.py",
-    "urllib/request.py", "urllib/robotparser.py", "urllib/error.py", "logging/__init__.py",
-    "logging/config.py", "logging/handlers.py", "xml/etree/ElementTree.py", "xml/dom/minidom.py",
-    "xml/dom/pulldom.py", "xml/sax/saxutils.py", "html/__init__.py", "html/parser.py",
-    "wsgiref/handlers.py", "wsgiref/headers.py", "wsgiref/util.py", "wsgiref/validate.py", "smtplib.py",
-    "imaplib.py", "poplib.py", "ftplib.py", "mailbox.py", "mimetypes.py", "base64.py", "quopri.py",
-    "socketserver.py", "ssl.py", "tarfile.py", "zipfile.py", "gzip.py", "plistlib.py",
-)
+# The own domain is Perl: a language the teacher speaks and the released draft never saw (as a user
+# whose own data is in a language or format the released draft's data lacked). Debian's
+# perl-modules (`/usr/share/perl/<version>/`, a dependency of `perl` and `git`): each `.pm` file goes
+# to the teacher's pool or to the own domain by a hash of its path, so the teacher knows Perl from
+# files the own domain never contains, and the own domain is split by module per seed.
+PERL_GLOB = "/usr/share/perl/5*/**/*.pm"
+
+
+def perl_pool(rel: str) -> str:
+    """`teacher` or `own`: which pool a Perl module (path relative to the Perl root) belongs to."""
+    return "own" if hashlib.sha256(rel.encode()).digest()[0] % 3 == 0 else "teacher"
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,9 @@ class Settings:
     name: str = "full"
     vocab: int = 2048
     prose_bytes: int = 600_000
-    code_files: int = 0  # use only the first N modules of each code list (0: all)
+    code_files: int = 0  # use only the first N modules of the general code list (0: all)
+    own_files: int = 120  # Perl modules of the own domain (sorted, the first N with subs)
+    teacher_perl_bytes: int = 400_000  # Perl source the teacher pretrains on (its pool only)
     hidden: int = 256
     layers: int = 4
     heads: int = 4
@@ -116,11 +118,13 @@ PRESETS = {
     "full": Settings(),
     "quick": Settings(name="quick", prose_bytes=250_000, hidden=128, layers=4, teacher_seq=128, teacher_steps=150,
                       general_rows=160, own_train_rows=120, capture_new_tokens=48, released_steps=120, recipe_steps=60,
+                      own_files=60, teacher_perl_bytes=150_000,
                       eval_prompts=8, eval_new_tokens=48),
     # machinery check only (tests): every phase, miniature sizes; the numbers mean nothing
     "smoke": Settings(name="smoke", vocab=400, prose_bytes=20_000, code_files=4, hidden=64, layers=2, teacher_seq=64,
                       teacher_batch=4, teacher_steps=3, general_rows=40, own_train_rows=16, block_size=4,
                       capture_new_tokens=8, max_length=1024, released_steps=3, recipe_steps=2, blocks_per_sequence=2,
+                      own_files=6, teacher_perl_bytes=20_000,
                       eval_prompts=2, eval_new_tokens=8, recipes=("selector", "full_replay_l2sp", "full_qat_af4g64")),
 }
 
@@ -213,7 +217,8 @@ def key_of(obj: Any) -> str:
 class Corpus:
     prose: list[str]
     general_code: list[tuple[str, str]]  # (relpath, source)
-    own_code: list[tuple[str, str]]
+    own_code: list[tuple[str, str]]  # Perl modules of the own domain
+    teacher_perl: list[tuple[str, str]] = field(default_factory=list)  # Perl modules the teacher learns from
     files: list[dict[str, str]] = field(default_factory=list)  # {"path", "sha256", "role"}
 
     def key(self) -> str:
@@ -266,7 +271,29 @@ def collect_corpus(s: Settings) -> Corpus:
             files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": role})
         return out
 
-    return Corpus(prose, code(GENERAL_CODE, "general_code"), code(OWN_CODE, "own_code"), files)
+    own: list[tuple[str, str]] = []
+    teacher_perl: list[tuple[str, str]] = []
+    perl_bytes = 0
+    for path in sorted(glob.glob(PERL_GLOB, recursive=True)):
+        p = Path(path)
+        rel = "/".join(p.parts[5:])  # below /usr/share/perl/<version>/
+        text = _read(p)
+        if not text or not perl_rows(rel, text):
+            continue
+        if perl_pool(rel) == "own":
+            if len(own) < s.own_files:
+                own.append((rel, text))
+                files.append({"path": path, "sha256": sha256_bytes(text.encode()), "role": "own_code"})
+        elif perl_bytes < s.teacher_perl_bytes:
+            teacher_perl.append((rel, text))
+            perl_bytes += len(text)
+            files.append({"path": path, "sha256": sha256_bytes(text.encode()), "role": "teacher_perl"})
+    if len(own) < 5 or not teacher_perl:
+        from dflash_worker.errors import DataError
+
+        raise DataError(f"found {len(own)} own-domain and {len(teacher_perl)} teacher Perl modules under `{PERL_GLOB}`"
+                        "\nhint: install Debian's `perl` (its perl-modules hold the own domain)")
+    return Corpus(prose, code(GENERAL_CODE, "general_code"), own, teacher_perl=teacher_perl, files=files)
 
 
 def function_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[dict[str, str]]:
@@ -291,6 +318,29 @@ def function_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[di
             continue  # trivial bodies teach nothing; very long docstrings would exceed `max_length`
         prompt = f"# {rel}\n{textwrap.dedent(head)}"
         rows.append({"prompt": prompt, "response": rest_text, "source": rel.replace("/", ".")})
+    return rows
+
+
+def perl_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[dict[str, str]]:
+    """Rows of one Perl module: prompt = `# rel` + the comment lines right above a top-level
+    `sub NAME {` + that line, response = the body up to the closing `}` in column 0 (capped)."""
+    lines = source.splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        m = re.match(r"sub\s+(\w+)\s*\{\s*(#.*)?$", line)
+        if not m:
+            continue
+        end = next((j for j in range(i + 1, min(len(lines), i + 400)) if lines[j].startswith("}")), None)
+        if end is None:
+            continue
+        body = textwrap.dedent("\n".join(lines[i + 1 : end][:max_body_lines])).strip("\n")
+        if len(body.strip()) < 20:
+            continue
+        k = i
+        while k > 0 and lines[k - 1].lstrip().startswith("#") and i - k < 12:
+            k -= 1
+        prompt = f"# {rel}\n" + "\n".join(lines[k : i + 1])
+        rows.append({"prompt": prompt, "response": body, "source": rel.replace("/", "::")})
     return rows
 
 
@@ -365,6 +415,9 @@ def teacher_texts(c: Corpus, s: Settings) -> list[str]:
     texts = [chat_text(r["prompt"], r["response"]) for r in general_rows(c, s)]
     for rel, src in c.general_code:
         texts += [chat_text(r["prompt"], r["response"]) for r in function_rows(rel, src)]
+    # the teacher speaks Perl (its own pool of modules, never the own domain's)
+    for rel, src in c.teacher_perl:
+        texts += [chat_text(r["prompt"], r["response"]) for r in perl_rows(rel, src)]
     random.Random(0).shuffle(texts)
     return texts
 
@@ -519,7 +572,7 @@ def build_released(target: Path, c: Corpus, s: Settings, cache: Path, teacher_ke
     from dflash_worker.testing.tiny_draft import tiny_dflash2_config
     from dflash_worker.testing.world import target_config
 
-    fields = ("vocab", "prose_bytes", "code_files", "general_rows", "block_size", "draft_layers", "capture_new_tokens",
+    fields = ("vocab", "prose_bytes", "code_files", "own_files", "teacher_perl_bytes", "general_rows", "block_size", "draft_layers", "capture_new_tokens",
               "max_length", "released_steps", "released_lr", "blocks_per_sequence")
     key = key_of({"teacher": teacher_key, "s": {k: getattr(s, k) for k in fields}, "v": 2})
     root = cache / f"released-{key}"
@@ -681,7 +734,7 @@ def run_benchmark(s: Settings, *, seeds: int, out: Path, threads: int = 1) -> di
     replay_file = write_jsonl(out / "replay.jsonl", [
         {"prompt": ex.prompt_messages[-1]["content"], "source": "general-replay"}
         for ex in PreparedData(rel_root / "data").iter_split("train")])
-    own_rows_by_mod = {rel: function_rows(rel, src) for rel, src in corpus.own_code}
+    own_rows_by_mod = {rel: perl_rows(rel, src) for rel, src in corpus.own_code}
 
     per_seed = []
     for seed in range(seeds):

@@ -34,7 +34,12 @@ def test_corpus_is_deterministic_and_split_by_module():
     a, b = eff.collect_corpus(s), eff.collect_corpus(s)
     assert a.files == b.files and a.files, "corpus file list must be deterministic and non-empty"
     assert all(len(f["sha256"]) == 64 for f in a.files)
-    assert not set(eff.GENERAL_CODE) & set(eff.OWN_CODE), "own domain must be distinct from general code"
+    # the own domain (Perl) is disjoint from the teacher's Perl and never in the released draft's data
+    own_mods = {rel for rel, _ in a.own_code}
+    assert own_mods and a.teacher_perl and not own_mods & {rel for rel, _ in a.teacher_perl}
+    assert all(eff.perl_pool(rel) == "own" for rel in own_mods)
+    assert all(eff.perl_pool(rel) == "teacher" for rel, _ in a.teacher_perl)
+    assert not any("sub " in r["prompt"] for r in eff.general_rows(a, s) if r["source"].endswith(".pm"))
     full = eff.collect_corpus(eff.PRESETS["full"])
     for seed in range(3):
         sp = eff.own_split(full, seed)
@@ -42,6 +47,10 @@ def test_corpus_is_deterministic_and_split_by_module():
         parts = [set(sp[k]) for k in ("train", "val", "test")]
         assert all(parts) and not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
         assert set().union(*parts) == {rel for rel, _ in full.own_code}
+    perl = "# Add one.\n# Twice.\nsub add_one {\n    my ($x) = @_;\n    return $x + 1 + 0 * length('pad');\n}\nsub tiny {\n    1;\n}\n"
+    assert eff.perl_rows("A/B.pm", perl) == [{"prompt": "# A/B.pm\n# Add one.\n# Twice.\nsub add_one {",
+                                               "response": "my ($x) = @_;\nreturn $x + 1 + 0 * length('pad');",
+                                               "source": "A::B.pm"}]
     rows = eff.function_rows("x.py", 'def f(a):\n    """Doc."""\n    b = a + 1\n    return b * 2 + a\n')
     assert rows == [{"prompt": '# x.py\ndef f(a):\n    """Doc."""', "response": "b = a + 1\nreturn b * 2 + a", "source": "x.py"}]
 
@@ -96,7 +105,7 @@ def test_smoke_run_end_to_end(tmp_path):
             assert c["bound"] == pytest.approx(0.8 * c["tau_pooled"] / (1 + c["draft_ms"] / c["target_ms"]))
     assert "| recipe | domain | draft | verify | rest | teacher | pooled tau | goal speedup | speedup |" in (out / "report.md").read_text()
     seed0 = report["per_seed"][0]
-    test_mods = {m.replace("/", ".") for m in seed0["split"]["test"]}
+    test_mods = {m.replace("/", "::") for m in seed0["split"]["test"]}
     assert set(seed0["own_prompts"]) <= test_mods
     fit = [json.loads(line)["source"] for line in (out / "seeds" / "seed0" / "own.jsonl").read_text().splitlines()]
     assert fit and not set(fit) & test_mods, "a test module leaked into the adaptation data"
