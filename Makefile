@@ -63,6 +63,6 @@ proto:
 lock:
 	@scripts/lock.sh
 
-# Does adaptation raise acceptance on a held-out domain? (docs/effectiveness.md; ~20 min cold)
+# Does adaptation raise acceptance on a held-out domain without forgetting? (docs/effectiveness.md; ~45 min cold on 2 cores)
 bench-effectiveness: install
 	$(PY) bench/effectiveness.py $(BENCH_ARGS)

@@ -102,7 +102,7 @@ class Settings:
     draft_layers: int = 2
     capture_new_tokens: int = 64
     max_length: int = 512
-    released_steps: int = 2400  # to the validation plateau (the report shows the curve and the control)
+    released_steps: int = 6000  # to the validation plateau (the report shows the curve and the control)
     released_lr: float = 2e-3
     recipe_steps: int = 2000  # where forgetting shows (issue 16: -45% general at 2,000 steps)
     recipe_lr: float = 5e-4
