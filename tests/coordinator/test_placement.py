@@ -426,7 +426,7 @@ def test_waiting_reason_over_grpc_and_in_runs_show(coordinator, provider_factory
         assert p.acquire().WhichOneof("result") == "no_work"
         train = [j for j in admin.get_run(run.run_id).jobs if j.kind == "train"][0]
         assert train.state == "queued" and "needs `min_memory_bytes` 1.0 TiB" in train.waiting_reason
-    env = ["--server", coordinator.address, "--admin-token", coordinator.admin_token]
+    env = ["--server", coordinator.address, f"--admin-token={coordinator.admin_token}"]
     assert cli_main(["runs", "show", run.run_id, *env]) == 0
     out = capsys.readouterr().out
     assert (

@@ -58,7 +58,7 @@ def spec_json(tolerance: float | None = None, split: str = "test") -> str:
 
 def cli(coord, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     p = subprocess.run(
-        [sys.executable, "-m", "dflash_worker.coordinator", *args, "--server", coord.address, "--admin-token", coord.admin_token],
+        [sys.executable, "-m", "dflash_worker.coordinator", *args, "--server", coord.address, f"--admin-token={coord.admin_token}"],
         capture_output=True, text=True, timeout=60, env=subprocess_env(),
     )  # fmt: skip
     if check:

@@ -509,7 +509,7 @@ def test_graph_run_over_grpc(coordinator, provider_factory, capsys):
 
         # A second graph run, for `runs show` of a queued graph.
         run2 = admin.create_run(run_spec("graph2", capture_shards=3))
-    env = ["--server", coordinator.address, "--admin-token", coordinator.admin_token]
+    env = ["--server", coordinator.address, f"--admin-token={coordinator.admin_token}"]
     assert cli_main(["runs", "show", run2.run_id, *env]) == 0
     out = capsys.readouterr().out
     assert (
