@@ -495,10 +495,12 @@ def build_teacher(c: Corpus, s: Settings, cache: Path) -> tuple[Path, dict[str, 
 
 def weights_sha256(model_dir: Path) -> str:
     """sha256 over a checkpoint's safetensors files (sorted names, then bytes): what identifies its weights."""
+    from dflash_worker.manifest import update_with_file
+
     h = hashlib.sha256()
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         h.update(f.name.encode() + b"\0")
-        h.update(f.read_bytes())
+        update_with_file(h, f)  # streamed: a released draft's weights need not be read into memory at once
     return h.hexdigest()
 
 
@@ -524,7 +526,7 @@ def _train_table(s: Settings, *, steps: int, lr: float, seed: int, out: Path, **
 
 def prepare_check_capture(rows_file: Path, work: Path, target: Path, draft: Path, s: Settings, *, seed: int,
                           val_fraction: float, test_fraction: float, replay: Path | None = None,
-                          replay_fraction: float = 0.25) -> tuple[dict, dict]:
+                          replay_fraction: float | None = None) -> tuple[dict, dict]:
     """prepare-data (with `replay` rows mixed into train when given) -> check-data -> capture (teacher
     greedy responses). Returns (recipe dict, info): split counts, replay rows, capture seconds and bytes/token."""
     from dflash_worker.capture import run_capture
@@ -532,8 +534,8 @@ def prepare_check_capture(rows_file: Path, work: Path, target: Path, draft: Path
     from dflash_worker.recipe import recipe_from_dict
 
     data, capture = work / "data", work / "capture"
-    man = prepare_data([rows_file], data, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction,
-                       replay=[replay] if replay is not None else (), replay_fraction=replay_fraction)
+    mix = {} if replay is None else {"replay": [replay], "replay_fraction": replay_fraction or s.replay_fraction}
+    man = prepare_data([rows_file], data, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction, **mix)
     rep = check_data(data, target, thinking="off", max_length=s.max_length, regenerate=True, splits=("train", "val"))
     rep.raise_if_failed()
     raw = _recipe(target, draft, data, capture, s)
@@ -573,8 +575,8 @@ def build_released(target: Path, c: Corpus, s: Settings, cache: Path, teacher_ke
     from dflash_worker.testing.tiny_draft import tiny_dflash2_config
     from dflash_worker.testing.world import target_config
 
-    fields = ("vocab", "prose_bytes", "code_files", "own_files", "teacher_perl_bytes", "general_rows", "block_size", "draft_layers", "capture_new_tokens",
-              "max_length", "released_steps", "released_lr", "blocks_per_sequence")
+    fields = ("vocab", "prose_bytes", "code_files", "own_files", "teacher_perl_bytes", "general_rows", "block_size",
+              "draft_layers", "capture_new_tokens", "max_length", "released_steps", "released_lr", "blocks_per_sequence")
     key = key_of({"teacher": teacher_key, "s": {k: getattr(s, k) for k in fields}, "v": 2})
     root = cache / f"released-{key}"
     released = root / "run" / "export"
