@@ -10,7 +10,9 @@
 #    when there are two GPUs), which are skipped on machines without a GPU;
 # 3. `bench/gpu.py`: capture, training and speculative generation on a full-width random Qwen3
 #    target (hidden 4096, 36 layers, bf16) with a DFlash2 draft of the released geometry, on 1 GPU
-#    and on every GPU: absolute throughput, peak memory and the scaling ratio.
+#    and on every GPU: absolute throughput, peak memory and the scaling ratio;
+# 4. `bench/verify_cost.py`: on the same full-width geometry, whether a 16-token block verify costs
+#    about one greedy step here (issue 16's speedup goal is reachable only where its ceiling >= 1).
 # Exit status: 0 when every step passed; 3 when this machine has no NVIDIA GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,5 +35,10 @@ echo "== pytest -m cuda"
 echo "== bench/gpu.py"
 # shellcheck disable=SC2086  # the extra arguments are meant to split
 .venv/bin/python bench/gpu.py --device cuda ${GPU_CHECK_BENCH_ARGS:-}
+
+echo "== bench/verify_cost.py"
+.venv/bin/python bench/verify_cost.py --device cuda --dtype bfloat16 --hidden 4096 --layers 36 --heads 32 \
+    --kv-heads 8 --head-dim 128 --intermediate 12288 --vocab 151936 --draft standard --draft-layers 5 \
+    --block-size 16 --context 512 --repeat 30
 
 echo "== gpu-check passed in $(( $(date +%s) - start )) s"
