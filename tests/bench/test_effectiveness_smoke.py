@@ -79,6 +79,7 @@ def test_recipe_names_parse_into_their_switches():
 
 @pytest.mark.slow
 def test_smoke_run_end_to_end(tmp_path):
+    eff = _module()
     out = tmp_path / "eff"
     proc = _smoke(out)
     assert "| recipe |" in proc.stdout
@@ -102,7 +103,15 @@ def test_smoke_run_end_to_end(tmp_path):
             assert all(c[f"{k}_ms"] > 0 for k in ("draft", "verify", "accept", "crop", "target")), c
             assert 1.0 <= c["tau_pooled"] <= block
             assert c["bound"] == pytest.approx(0.8 * c["tau_pooled"] / (1 + c["draft_ms"] / c["target_ms"]))
-    assert "| recipe | domain | draft | verify | rest | teacher | pooled tau | goal speedup | speedup |" in (out / "report.md").read_text()
+            step = sum(c[f"{k}_ms"] for k in ("draft", "verify", "accept", "crop"))
+            assert c["ceiling"] == pytest.approx((c["target_ms"] + c["draft_ms"]) / (0.8 * step))
+            # the baseline is the teacher's greedy decoding at its faster thread count (here only 1)
+            greedy, n = eff.greedy_baseline([ps[dom] for ps in report["per_seed"]])
+            assert n == c["greedy_threads"] == report["torch_threads"] == 1
+            assert d["speedup"] == pytest.approx(greedy / sum(ps[dom]["drafts"][row["recipe"]]["seconds"]
+                                                              for ps in report["per_seed"]))
+    assert ("| recipe | domain | draft | verify | rest | teacher | verify / teacher | ceiling | pooled tau | goal speedup "
+            "| speedup | speedup / goal |") in (out / "report.md").read_text()
     seed0 = report["per_seed"][0]
     test_mods = {m.replace("/", "::") for m in seed0["split"]["test"]}
     assert set(seed0["own_prompts"]) <= test_mods
@@ -149,6 +158,12 @@ def test_world_and_table_do_not_depend_on_the_thread_count(tmp_path):
     assert a["world"]["teacher_sha256"] == b["world"]["teacher_sha256"]
     assert a["world"]["released_sha256"] == b["world"]["released_sha256"]
     assert _taus(a) == _taus(b)
+    # with 2 threads, greedy decoding is also timed at 1 thread, with the same output
+    for ps in b["per_seed"]:
+        for dom in ("own", "general"):
+            assert set(ps[dom]["greedy_seconds_by_threads"]) == {"1", "2"}
+            assert ps[dom]["greedy_threads_agree"] is True
+    assert {b["rows"][0][dom]["cost"]["greedy_threads"] for dom in ("own", "general")} <= {1, 2}
 
 
 def test_progress_logs_real_worker_events(capsys):
@@ -173,3 +188,14 @@ def test_the_adopted_default_is_the_largest_own_gain_that_keeps_the_general_doma
     assert eff.adopted(rows)["recipe"] == "full_replay"  # full forgets; the control is never adopted
     assert eff.adopted([row("full", 3.0, -0.031)]) is None
     assert eff.adopted([row("full", 3.0, -0.03)])["recipe"] == "full"
+
+
+def test_the_greedy_baseline_is_the_faster_thread_count_over_every_result():
+    eff = _module()
+    m = [{"greedy_seconds": 3.0, "greedy_seconds_by_threads": {"1": 2.0, "2": 3.0}},
+         {"greedy_seconds": 1.0, "greedy_seconds_by_threads": {"1": 2.5, "2": 1.0}}]
+    assert eff.greedy_baseline(m) == (4.0, 2)  # totals: 1 thread 4.5 s, 2 threads 4.0 s
+    m[1]["greedy_seconds_by_threads"]["2"] = 2.0
+    assert eff.greedy_baseline(m) == (4.5, 1)
+    # reports written before greedy was timed per thread count
+    assert eff.greedy_baseline([{"greedy_seconds": 1.5}, {"greedy_seconds": 2.0}]) == (3.5, None)
