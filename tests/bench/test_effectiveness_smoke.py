@@ -8,24 +8,20 @@ split are deterministic and keep the own domain's test modules out of everything
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _load import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "effectiveness.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_effectiveness", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("effectiveness")
 
 
 def test_corpus_is_deterministic_and_split_by_module():

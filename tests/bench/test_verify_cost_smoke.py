@@ -6,24 +6,20 @@ quotes is printed and written, and that the ceiling and the verdict follow from 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _load import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "verify_cost.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_verify_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("verify_cost")
 
 
 def test_ceiling_is_one_exactly_where_verify_costs_the_goals_allowance():
