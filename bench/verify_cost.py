@@ -15,12 +15,14 @@ the weights. Where the block's matrix products are bound by arithmetic instead (
 small target), v grows with the block and the goal is out of reach for any draft.
 
 What is timed, each the same call the speculative loop or greedy decoding makes, the median of
-`--repeat` calls taken in interleaved rounds (so drift in the machine's load hits every figure
-alike), per thread count:
-- t(k): the target's forward over k new tokens after a KV cache of `--context` tokens, then the
-  rollback (k = 1 is a greedy step; k = block size is a block verify, hidden states kept);
-- d: one draft step (block forward over the verified features, then the proposal through the
-  candidate selector), its cache rolled back;
+`--repeat` samples taken in interleaved rounds (so drift in the machine's load hits every figure
+alike), per thread count; the caches are rolled back to the context between samples, untimed:
+- t = t(1): a greedy step, timed over 8 back to back as `greedy_generate` runs them (the KV cache
+  of `--context` tokens growing by one each);
+- t(k), k > 1: the target's forward over a k-token block after that cache, hidden states kept, as
+  `speculative_generate` verifies (k = block size is the loop's verify, v), each after a draft step;
+- d: one draft step (block forward over the newly verified features, then the proposal through the
+  candidate selector);
 - the GEMM under both: the target's MLP up-projection with 1 row and with a block of rows, GFLOP/s.
 
 The target is a random Qwen3 of the given geometry and the draft a fresh DFlash2 draft for it (a
@@ -152,9 +154,10 @@ def measure(args, target, draft, threads: int) -> dict[str, Any]:
         torch.set_num_threads(threads)
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocab - 1, (1, args.context + args.block_size), generator=g).to(dev)
     n, bs = args.context, args.block_size
-    positions = torch.arange(n + bs, device=dev)[None]
+    span = max(bs, RUN)
+    ids = torch.randint(0, args.vocab - 1, (1, n + span), generator=g).to(dev)
+    positions = torch.arange(n + span, device=dev)[None]
     head, embed_w = _head(target), target.get_input_embeddings().weight
     rows = sorted({1, 2, bs // 2, bs} - {0})
     w = target.model.layers[0].mlp.up_proj.weight
@@ -171,43 +174,46 @@ def measure(args, target, draft, threads: int) -> dict[str, Any]:
         d_len = n - args.accepted
         new_features = features[:, n - args.accepted :]
 
-        def target_call(k: int):
-            if k == 1:  # exactly greedy_generate's step
-                target(block[:, :1], position_ids=positions[:, n : n + 1], cache=t_cache, use_cache=True)
-            else:  # exactly speculative_generate's verify
-                target(block[:, :k], position_ids=positions[:, n : n + k], cache=t_cache, use_cache=True,
-                       output_hidden_states=True)
-            _crop(t_cache, n)
+        def greedy_steps():  # greedy_generate's steps, the cache growing by one token each
+            for j in range(RUN):
+                target(ids[:, n + j : n + j + 1], position_ids=positions[:, n + j : n + j + 1], cache=t_cache,
+                       use_cache=True)
+
+        def target_call(k: int):  # exactly speculative_generate's verify
+            target(block[:, :k], position_ids=positions[:, n : n + k], cache=t_cache, use_cache=True,
+                   output_hidden_states=True)
 
         def draft_call():
             hidden = draft.step(new_features, draft.embed(block, embed_w), d_cache)[:, 1:]
             draft.propose(hidden, block[:, 0], head, 0.0, None)
             d_cache.crop(d_len)
 
-        def gemm(x):
-            return lambda: torch.nn.functional.linear(x, w)
-
-        for f in (lambda: target_call(1), draft_call, *(lambda k=k: target_call(k) for k in rows),
-                  *(gemm(x) for x in gemm_in.values())):
-            f()  # warm-up: allocations and dispatch caches
-            f()
         samples: dict[str, list[float]] = {}
 
-        def timed(name: str, f, times: int = 1) -> None:
+        def timed(name: str, f, per: int = 1) -> None:
             t0 = now(dev)
-            for _ in range(times):
-                f()
-            samples.setdefault(name, []).append((now(dev) - t0) / times)
+            f()
+            samples.setdefault(name, []).append((now(dev) - t0) / per)
+            _crop(t_cache, n)  # untimed: back to the context (the loop's rollback is timed in its own phase)
 
+        def runs(x):
+            return lambda: [torch.nn.functional.linear(x, w) for _ in range(RUN)]
+
+        for _ in range(2):  # untimed warm-up: allocations and dispatch caches
+            for name, f, per in (("greedy", greedy_steps, RUN), ("draft", draft_call, 1),
+                                 *((f"verify_{k}", lambda k=k: target_call(k), 1) for k in rows[1:]),
+                                 *((f"gemm_{k}", runs(x), RUN) for k, x in gemm_in.items())):
+                timed(name, f, per)
+        samples.clear()
         for _ in range(args.repeat):
             # greedy decoding: target steps back to back (its weights stay in the caches)
-            timed("target_1", lambda: target_call(1), RUN)
+            timed("target_1", greedy_steps, RUN)
             # the speculative loop: each draft step, then a verify, as in `speculative_generate`
             for k in rows[1:]:
                 timed("draft" if k == bs else f"draft_{k}", draft_call)
                 timed(f"target_{k}", lambda k=k: target_call(k))
             for k, x in gemm_in.items():
-                timed(f"gemm_{k}", gemm(x), RUN)
+                timed(f"gemm_{k}", runs(x), RUN)
     ms = {name: 1000 * statistics.median(v) for name, v in samples.items()}
     t, v, d = ms["target_1"], ms[f"target_{bs}"], ms["draft"]
     gemm_flop = {k: 2.0 * k * args.hidden * args.intermediate for k in gemm_in}
