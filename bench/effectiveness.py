@@ -644,7 +644,7 @@ def measure(drafts: dict[str, Any], target, prompts, s: Settings, stop: list[int
 
     threads = torch.get_num_threads()
     counts = sorted({1, threads})
-    out: dict[str, Any] = {"greedy_seconds": 0.0, "greedy_tokens": 0,
+    out: dict[str, Any] = {"greedy_tokens": 0,
                            "greedy_seconds_by_threads": {str(n): 0.0 for n in counts}, "greedy_threads_agree": True,
                            "drafts": {n: {"tau": [], "seconds": 0.0, "lossless": True, "steps": 0, "tokens": 0,
                                           "phase_seconds": {}} for n in drafts}}
@@ -668,7 +668,6 @@ def measure(drafts: dict[str, Any], target, prompts, s: Settings, stop: list[int
         torch.set_num_threads(threads)
         ref = refs[-1]
         out["greedy_threads_agree"] &= all(r.tolist() == ref.tolist() for r in refs)
-        out["greedy_seconds"] = out["greedy_seconds_by_threads"][str(threads)]
         out["greedy_tokens"] += ref.shape[1] - len(ids)
         out.setdefault("sample_new_ids", ref[0, len(ids):].tolist())  # first prompt's teacher output
         for name, d in drafts.items():
@@ -683,6 +682,7 @@ def measure(drafts: dict[str, Any], target, prompts, s: Settings, stop: list[int
                 rec["phase_seconds"][k] = rec["phase_seconds"].get(k, 0.0) + v
             rec["tau"].append(step_stats(res.acceptance_lengths, d.block_size)["tau"])
             rec["lossless"] &= res.output_ids[0].tolist() == ref[0].tolist()
+    out["greedy_seconds"] = out["greedy_seconds_by_threads"][str(threads)]  # at the run's thread count
     return out
 
 
@@ -830,15 +830,17 @@ def run_benchmark(s: Settings, *, seeds: int, out: Path, threads: int = 1) -> di
             for ps in per_seed:
                 for a, b in zip(ps[dom]["drafts"][name]["tau"], ps[dom]["drafts"]["released"]["tau"]):
                     counts[verdict(a, b, 0.02)] += 1
-            greedy, _ = greedy_baseline([ps[dom] for ps in per_seed])
+            measured = [ps[dom] for ps in per_seed]
+            greedy, _ = greedy_baseline(measured)
+            cost = loop_cost(measured, name)
             r[dom] = {"before": mean_std(before), "after": mean_std(after),
                       "change": statistics.fmean(after) / statistics.fmean(before) - 1.0, "counts": counts,
                       "pooled_before": pb, "pooled_after": pa, "pooled_change": pa / pb - 1.0,
                       "pooled_after_by_seed": [pooled(ps[dom]["drafts"][name]) for ps in per_seed],
                       "speedup_released": greedy / sum(ps[dom]["drafts"]["released"]["seconds"] for ps in per_seed),
-                      "speedup": greedy / sum(ps[dom]["drafts"][name]["seconds"] for ps in per_seed),
+                      "speedup": cost["speedup"],
                       "lossless": all(ps[dom]["drafts"][name]["lossless"] for ps in per_seed),
-                      "cost": loop_cost([ps[dom] for ps in per_seed], name)}
+                      "cost": cost}
         tr = [ps["train"][name] for ps in per_seed]
         r["train_seconds"] = statistics.fmean(t["train_seconds"] for t in tr)
         data = [t["data"] for t in tr if t["data"]]
