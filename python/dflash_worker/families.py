@@ -1,4 +1,4 @@
-"""Target families (dense Qwen3, Qwen3-MoE) and target/draft pair validation.
+"""Target families (Qwen3, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE) and target/draft pair validation.
 
 A family says which target checkpoints we can train drafts against: how to
 recognise them (``model_type``), how to load them (`dflash_worker.weights.load_model`),
@@ -12,6 +12,13 @@ whose lines each name the field at fault.
 Released-draft facts: there is no model hub here, so revisions and geometry we
 could not check are recorded as ``None`` with a note; validation always uses the
 configs actually found on disk, never these records.
+
+Qwen3.5 targets (``qwen3_5`` dense, ``qwen3_5_moe``; Qwen3.6 checkpoints share
+both types) are released as a multimodal wrapper: their geometry is read from
+``text_config`` and their text weights from ``model.language_model.*``. The
+text-only configs (``qwen3_5_text``, ``qwen3_5_moe_text``) are the same families.
+Their text towers are hybrid: Gated DeltaNet linear-attention layers, with a
+gated full-attention layer every 4th layer.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FamilyError
-from .weights.checkpoint import TensorEntry, list_tensors, read_config_json
+from .weights.checkpoint import TensorEntry, list_tensors, read_config_json, text_config
 from .weights.header import INTEGER_DTYPES
 
 UNVERIFIED = "unverified: recorded without hub access; validation uses the config.json found on disk"
@@ -53,7 +60,8 @@ class ReleasedDraft:
 
 @dataclass(frozen=True)
 class Family:
-    """A target family: recognised by ``model_type``; `moe` targets carry routed experts."""
+    """A target family: recognised by ``model_type``; `moe` targets carry routed experts, `hybrid`
+    ones linear-attention layers (whose recurrent state speculative decoding must roll back)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -61,6 +69,8 @@ class Family:
     moe: bool
     description: str
     released: tuple[ReleasedDraft, ...] = ()
+    hybrid: bool = False
+    shared_expert: bool = False
 
     @property
     def loader(self) -> Callable[..., Any]:
@@ -80,7 +90,6 @@ FAMILIES: dict[str, Family] = {
         architectures=("Qwen3ForCausalLM",),
         moe=False,
         description="dense Qwen3 decoder",
-        released=(ReleasedDraft(target="Qwen/Qwen3.8-27B", draft="incoai/Qwen3.8-27B-DFlash2"),),
     ),
     "qwen3_moe": Family(
         name="qwen3_moe",
@@ -88,7 +97,37 @@ FAMILIES: dict[str, Family] = {
         architectures=("Qwen3MoeForCausalLM",),
         moe=True,
         description="Qwen3 mixture-of-experts decoder (routers and experts stay frozen)",
-        released=(ReleasedDraft(target="Qwen/Qwen3.6-35B-A3B", draft="incoai/Qwen3.6-35B-A3B-DFlash2"),),
+    ),
+    "qwen3_5": Family(
+        name="qwen3_5",
+        model_types=("qwen3_5", "qwen3_5_text"),
+        architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+        moe=False,
+        hybrid=True,
+        description="dense Qwen3.5 / Qwen3.6 (Gated DeltaNet + gated attention; vision tower and MTP heads skipped)",
+        released=(
+            ReleasedDraft(
+                target="Qwen/Qwen3.8-27B", draft="incoai/Qwen3.8-27B-DFlash2", hidden_size=5120, num_hidden_layers=64,
+                vocab_size=248320, target_layer_ids=(1, 16, 31, 46, 61),
+                note=UNVERIFIED + "; geometry as published for the dense 27B line (5 draft layers, taps 1,16,31,46,61)",
+            ),
+        ),
+    ),
+    "qwen3_5_moe": Family(
+        name="qwen3_5_moe",
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+        moe=True,
+        hybrid=True,
+        shared_expert=True,
+        description="Qwen3.5 / Qwen3.6 mixture of experts (routed + shared expert, frozen; vision tower and MTP heads skipped)",
+        released=(
+            ReleasedDraft(
+                target="Qwen/Qwen3.6-35B-A3B", draft="incoai/Qwen3.6-35B-A3B-DFlash2", hidden_size=2048,
+                num_hidden_layers=40, vocab_size=248320, num_experts=256, num_experts_per_tok=8,
+                note=UNVERIFIED + "; geometry as published (6 draft layers, 8 taps of 40)",
+            ),
+        ),
     ),
 }
 
@@ -227,14 +266,18 @@ def _moe_layers(cfg: dict[str, Any]) -> list[int]:
     return [l for l in range(n_layers) if l not in only and n_exp > 0 and (l + 1) % step == 0]
 
 
+def _layers_prefix(info: CheckpointInfo) -> str:
+    """Where the decoder layers' tensors live: under a wrapper's text tower, or at `model.layers`."""
+    return "model.language_model.layers" if any(n.startswith("model.language_model.") for n in info.tensors) else "model.layers"
+
+
 def target_problems(info: CheckpointInfo) -> tuple[Family | None, list[Problem], str | None]:
-    cfg = info.config
-    probs: list[Problem] = []
     try:
-        fam = detect_family(cfg, where=str(info.config_path))
+        fam = detect_family(info.config, where=str(info.config_path))
     except FamilyError as exc:
         return None, [Problem("model_type", str(exc).split(": ", 1)[-1])], None
-    probs += quantization_problems(info, "target")
+    cfg = text_config(info.config)
+    probs: list[Problem] = quantization_problems(info, "target")
     for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
         v = _as_int(cfg.get(key))
         if v is None or v <= 0:
@@ -251,10 +294,14 @@ def target_problems(info: CheckpointInfo) -> tuple[Family | None, list[Problem],
         missing: list[str] = []
         kinds: set[str] = set()
         names = info.tensors
+        layers = _layers_prefix(info)
         for l in _moe_layers(cfg):
-            base = f"model.layers.{l}.mlp"
+            base = f"{layers}.{l}.mlp"
             if f"{base}.gate.weight" not in names:
                 missing.append(f"{base}.gate.weight")
+            if fam.shared_expert:
+                shared = [f"{base}.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+                missing += [k for k in (*shared, f"{base}.shared_expert_gate.weight") if k not in names]
             packed = [f"{base}.experts.gate_up_proj", f"{base}.experts.down_proj"]
             if all(p in names for p in packed):
                 kinds.add("packed")
@@ -290,7 +337,7 @@ def validate_target(path: str | os.PathLike[str]) -> TargetReport:
 
 
 def _target_report(info: CheckpointInfo, fam: Family, storage: str | None) -> TargetReport:
-    cfg = info.config
+    cfg = text_config(info.config)
     return TargetReport(
         family=fam.name,
         hidden_size=cfg.get("hidden_size"),
@@ -473,7 +520,7 @@ class PairReport:
 def pair_problems(target: CheckpointInfo, draft: CheckpointInfo) -> tuple[Family | None, list[Problem], str | None]:
     fam, probs, storage = target_problems(target)
     probs = probs + draft_problems(draft)
-    tc = target.config
+    tc = text_config(target.config)
     g = draft_geometry(draft)
     tH = _as_int(tc.get("hidden_size"))
     tL = _as_int(tc.get("num_hidden_layers"))

@@ -30,7 +30,7 @@ from .manifest import fingerprint as _fingerprint
 
 # Family names a recipe may name. Kept here (not imported from `families`) so
 # parsing a recipe never needs torch; `families` validates the pair itself.
-FAMILIES = ("qwen3", "qwen3_moe")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 THINKING = ("on", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 SAMPLING = ("greedy", "sampled")

@@ -48,18 +48,26 @@ def _fails(target, draft, field):
 
 
 def test_registry_records_released_pairs_without_invented_facts():
-    assert set(FAMILIES) == {"qwen3", "qwen3_moe"}
+    assert set(FAMILIES) == {"qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"}
     dense, moe = get_family("qwen3"), get_family("qwen3_moe")
-    assert not dense.moe and moe.moe
-    assert [(r.target, r.draft) for r in dense.released] == [("Qwen/Qwen3.8-27B", "incoai/Qwen3.8-27B-DFlash2")]
-    assert [(r.target, r.draft) for r in moe.released] == [("Qwen/Qwen3.6-35B-A3B", "incoai/Qwen3.6-35B-A3B-DFlash2")]
-    for fam in (dense, moe):
+    dense35, moe35 = get_family("qwen3_5"), get_family("qwen3_5_moe")
+    assert not dense.moe and moe.moe and not dense35.moe and moe35.moe
+    assert dense35.hybrid and moe35.hybrid and not dense.hybrid and not moe.hybrid
+    # the seeds' released pairs are Qwen3.5-architecture targets (Qwen3.6 shares `qwen3_5_moe`)
+    assert dense.released == () and moe.released == ()
+    assert [(r.target, r.draft) for r in dense35.released] == [("Qwen/Qwen3.8-27B", "incoai/Qwen3.8-27B-DFlash2")]
+    assert [(r.target, r.draft) for r in moe35.released] == [("Qwen/Qwen3.6-35B-A3B", "incoai/Qwen3.6-35B-A3B-DFlash2")]
+    assert (dense35.released[0].hidden_size, dense35.released[0].num_hidden_layers) == (5120, 64)
+    assert dense35.released[0].target_layer_ids == (1, 16, 31, 46, 61)
+    assert (moe35.released[0].hidden_size, moe35.released[0].num_hidden_layers, moe35.released[0].num_experts) == (2048, 40, 256)
+    for fam in (dense35, moe35):
         for r in fam.released:
-            assert r.target_revision is None and r.draft_revision is None and r.hidden_size is None
-            assert r.note == UNVERIFIED
+            assert r.target_revision is None and r.draft_revision is None
+            assert r.note.startswith(UNVERIFIED)
+    assert detect_family({"model_type": "qwen3_5_moe_text"}) is moe35 and detect_family({"model_type": "qwen3_5"}) is dense35
     from dflash_worker.weights import load_model
 
-    assert dense.loader is load_model and moe.loader is load_model
+    assert all(get_family(f).loader is load_model for f in FAMILIES)
     with pytest.raises(FamilyError, match="unknown target family `llama`"):
         get_family("llama")
     with pytest.raises(FamilyError, match="field `model_type`: `llama`"):

@@ -147,9 +147,9 @@ class TeacherGeometry:
 
 def read_geometry(target: Path, draft: Path, tokenizer: Any) -> TeacherGeometry:
     """The target's geometry from its config.json, checked against the draft's layer ids and the tokenizer."""
-    from ..weights.loader import read_config_json
+    from ..weights.checkpoint import read_text_config
 
-    tcfg = read_config_json(target)
+    tcfg = read_text_config(target)  # a multimodal wrapper's text tower
     layer_ids = read_target_layer_ids(draft)
     n_layers, hidden, vocab = tcfg.get("num_hidden_layers"), tcfg.get("hidden_size"), tcfg.get("vocab_size")
     if not (isinstance(n_layers, int) and isinstance(hidden, int) and isinstance(vocab, int)):

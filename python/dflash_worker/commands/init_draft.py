@@ -15,7 +15,7 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, metavar="T",
-                        help="target checkpoint directory (config.json, tokenizer) of a supported family (qwen3, qwen3_moe)")
+                        help="target checkpoint directory (config.json, tokenizer) of a supported family (qwen3, qwen3_moe, qwen3_5, qwen3_5_moe; a Qwen3.5 multimodal checkpoint loads its text tower)")
     parser.add_argument("--geometry", default="standard", metavar="G",
                         help="`standard` (5 layers, block 16; default), `tiny` (the 2-layer, block-4 test layout), "
                         "or FILE: a draft config.json (or its directory) whose layers, block size, taps and "

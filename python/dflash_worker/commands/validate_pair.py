@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target",
         required=True,
         metavar="T",
-        help="target checkpoint directory (config.json + safetensors shards) of a supported family (qwen3, qwen3_moe)",
+        help="target checkpoint directory (config.json + safetensors shards) of a supported family (qwen3, qwen3_moe, qwen3_5, qwen3_5_moe; a Qwen3.5 multimodal checkpoint loads its text tower)",
     )
     parser.add_argument(
         "--draft",
@@ -28,11 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..weights.checkpoint import text_config
+
     target = read_checkpoint_info(args.target)
     draft = read_checkpoint_info(args.draft)
     fam, problems, storage = pair_problems(target, draft)
     geometry = dataclasses.asdict(draft_geometry(draft))
-    tc = target.config
+    tc = text_config(target.config)  # a multimodal wrapper's text tower
     if args.json:
         doc = {
             "ok": not problems,

@@ -14,6 +14,15 @@ geometry chooses is the rest:
     that divides the width. These are this project's defaults for a new
     draft, not a copy of any released file: to match a released draft, pass
     its `config.json` as the geometry.
+
+    Qwen3.5 targets follow the layout of the drafts released for them: dense
+    (``qwen3_5``, e.g. 27B: 64 layers) 5 full-attention layers with 5 taps
+    (1,16,31,46,61 of 64); MoE (``qwen3_5_moe``, e.g. 35B-A3B: 40 layers)
+    6 layers, 5 sliding-window (window 2048) and a last full-attention one,
+    with 8 taps spread the same way; block size 16, 8 for DFlash2. The draft's rotary embedding is the
+    plain (``default``) one at the target's ``rope_theta`` over the whole
+    head: the target's partial and multimodal rotary settings belong to its
+    own attention, not to the draft's.
 ``tiny``
     The layout of the test world (`dflash_worker.testing.tiny_draft`): 2
     layers (the first a causal sliding-window layer of 6 positions), block
@@ -71,8 +80,20 @@ def _group_size(hidden: int) -> int:
     return next(g for g in (64, 32, 16, 8, 4, 2, 1) if hidden % g == 0)
 
 
+def _draft_rope(t: dict[str, Any]) -> dict[str, Any]:
+    """The rotary keys a draft copies from a (text) target config; see the module docstring."""
+    rp = t.get("rope_parameters")
+    if t.get("model_type", "").startswith("qwen3_5") and isinstance(rp, dict):
+        theta = rp.get("rope_theta", t.get("rope_theta", 10000.0))
+        out = {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+        if "max_position_embeddings" in t:
+            out["max_position_embeddings"] = t["max_position_embeddings"]
+        return out
+    return {key: copy.deepcopy(t[key]) for key in _ROTARY_KEYS if key in t}
+
+
 def _shared_with_target(t: dict[str, Any], where: Path) -> dict[str, Any]:
-    """The fields a draft must share with its target."""
+    """The fields a draft must share with its target (`t`: the text tower's config)."""
     hidden = _target_int(t, "hidden_size", where)
     heads = _target_int(t, "num_attention_heads", where)
     out = {
@@ -85,23 +106,31 @@ def _shared_with_target(t: dict[str, Any], where: Path) -> dict[str, Any]:
         "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
         "num_target_layers": _target_int(t, "num_hidden_layers", where),
     }
-    for key in _ROTARY_KEYS:
-        if key in t:
-            out[key] = copy.deepcopy(t[key])
+    out.update(_draft_rope(t))
     return out
 
 
-def _standard(t: dict[str, Any], shared: dict[str, Any], kind: str, layers: int | None, where: Path) -> dict[str, Any]:
-    n = layers or 5
+# Released-draft layouts for the Qwen3.5 families: (layers, sliding-window layers, taps, sliding window).
+_QWEN3_5_STANDARD = {"qwen3_5": (5, 0, 5, None), "qwen3_5_moe": (6, 5, 8, 2048)}
+
+
+def _standard(t: dict[str, Any], shared: dict[str, Any], kind: str, layers: int | None, family: str) -> dict[str, Any]:
+    n_default, n_sliding, n_taps, window = _QWEN3_5_STANDARD.get(family, (5, 0, None, None))
+    n = layers or n_default
+    n_sliding = min(n_sliding, n - 1)
     L = shared["num_target_layers"]
-    taps = sorted(set(default_target_layer_ids(L, n))) if L >= 4 else [L // 2]
+    taps = sorted(set(default_target_layer_ids(L, n_taps or n))) if L >= 4 else [L // 2]
     cfg = {
         **shared,
         "intermediate_size": t.get("intermediate_size") or 4 * shared["hidden_size"],
         "num_hidden_layers": n,
-        "layer_types": [FULL_ATTENTION] * n,
+        "layer_types": [SLIDING_ATTENTION] * n_sliding + [FULL_ATTENTION] * (n - n_sliding),
         "dflash_config": {"target_layer_ids": taps, "block_size": 16},
     }
+    if n_sliding:
+        cfg.update(use_sliding_window=True, sliding_window=window)
+    if family in _QWEN3_5_STANDARD and kind == DFLASH2:
+        cfg["dflash_config"]["block_size"] = 8  # the released DFlash2 drafts' block; DFlash (v1) keeps 16
     if kind == DFLASH2:
         cfg["dflash_config"].update(
             selector_rank=64, selector_top_k=min(16, shared["vocab_size"]), conv_kernel_size=4,
@@ -186,12 +215,13 @@ def plan_draft(
 ) -> DraftPlan:
     """The config of a fresh draft for `target` (see the module docstring for the rules)."""
     from ..families import detect_family
-    from ..weights.checkpoint import read_config_json
+    from ..weights.checkpoint import read_config_json, text_config
 
     target = Path(target)
-    t = read_config_json(target)
+    raw = read_config_json(target)
     where = target / "config.json"
-    family = detect_family(t, where=str(where))
+    family = detect_family(raw, where=str(where))
+    t = text_config(raw)
     if kind is not None and kind not in (DFLASH, DFLASH2):
         raise ConfigError(f"unknown draft kind `{kind}`\nhint: use `dflash2` or `dflash` (v1)")
     if layers is not None and layers <= 0:
@@ -200,7 +230,7 @@ def plan_draft(
     plan = DraftPlan(config={})
     if geometry in GEOMETRIES:
         kind = kind or DFLASH2
-        cfg = _standard(t, shared, kind, layers, where) if geometry == "standard" else _tiny(shared, kind, layers)
+        cfg = _standard(t, shared, kind, layers, family.name) if geometry == "standard" else _tiny(shared, kind, layers)
         plan.notes.append(f"geometry `{geometry}` for a {family.name} target of {shared['num_target_layers']} layers")
     else:
         path = Path(geometry)

@@ -1,4 +1,13 @@
-"""Tiny Qwen3 / Qwen3-MoE targets built from real transformers configs."""
+"""Tiny Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3.5-MoE targets built from real transformers configs.
+
+The Qwen3.5 families are saved the way they are released: transformers' own
+multimodal wrapper (`Qwen3_5ForConditionalGeneration`,
+`Qwen3_5MoeForConditionalGeneration`) with a small vision tower, text weights
+under `model.language_model.*`, plus `mtp.*` tensors that transformers does not
+write (added as their own shard, as released checkpoints carry them). Experts
+are stored individually (what `save_pretrained` writes) or packed
+(`experts.gate_up_proj` / `experts.down_proj`, `expert_layout="packed"`).
+"""
 
 from __future__ import annotations
 
@@ -35,6 +44,39 @@ _TINY_QWEN3_MOE_EXTRA: dict[str, Any] = dict(
 )
 
 
+# The text tower of the tiny Qwen3.5 families: 4 layers, 3 Gated DeltaNet + 1 gated attention
+# (transformers' default `full_attention_interval` 4), the dense geometry's width.
+_TINY_QWEN3_5_TEXT: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+_TINY_QWEN3_5_MOE_EXTRA: dict[str, Any] = dict(
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+)
+_TINY_VISION: dict[str, Any] = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, num_position_embeddings=16
+)
+
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
 def tiny_qwen3_config(**overrides: Any):
     """A dense Qwen3 config small enough for CPU tests (4 layers, hidden 64)."""
     from transformers import Qwen3Config
@@ -49,6 +91,22 @@ def tiny_qwen3_moe_config(**overrides: Any):
     return Qwen3MoeConfig(**{**_TINY_QWEN3, **_TINY_QWEN3_MOE_EXTRA, **overrides})
 
 
+def tiny_qwen3_5_config(*, moe: bool = False, **text_overrides: Any):
+    """A Qwen3.5 (or Qwen3.5-MoE) multimodal wrapper config: a tiny hybrid text tower and vision tower."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    text = {**_TINY_QWEN3_5_TEXT, **(_TINY_QWEN3_5_MOE_EXTRA if moe else {}), **text_overrides}
+    if moe:
+        text.pop("intermediate_size", None)  # the MoE text config has no dense MLP width
+    cls = Qwen3_5MoeConfig if moe else Qwen3_5Config
+    return cls(text_config=text, vision_config=dict(_TINY_VISION), tie_word_embeddings=text["tie_word_embeddings"])
+
+
+def target_text_config(config):
+    """The text tower's config of a transformers target config (a wrapper's `text_config`, else itself)."""
+    return getattr(config, "text_config", None) or config
+
+
 def save_tiny_target(
     path: str | Path,
     *,
@@ -56,21 +114,143 @@ def save_tiny_target(
     dtype: str = "float32",
     seed: int = 0,
     max_shard_size: str | int = "64KB",
+    expert_layout: str = "individual",
+    mtp: bool = True,
     **overrides: Any,
 ):
     """Build a randomly initialised tiny target and `save_pretrained` it (sharded).
 
-    Returns the in-memory model (in `dtype`) that was saved.
+    `family`: one of `FAMILIES`. Qwen3.5 families are saved as the multimodal
+    wrapper with `mtp.*` tensors added (`mtp=False` leaves them out);
+    `expert_layout="packed"` rewrites MoE experts into the packed tensors.
+    Returns the in-memory model (in `dtype`) that was saved: the wrapper for
+    Qwen3.5 families.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = tiny_qwen3_config(**overrides) if family == "qwen3" else tiny_qwen3_moe_config(**overrides)
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny family `{family}`; use one of {FAMILIES}")
+    if expert_layout not in ("individual", "packed"):
+        raise ValueError(f"expert_layout must be `individual` or `packed`, found `{expert_layout}`")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    if family in HYBRID_FAMILIES:
+        from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+        config = tiny_qwen3_5_config(moe=family == "qwen3_5_moe", **overrides)
+        cls = Qwen3_5MoeForConditionalGeneration if family == "qwen3_5_moe" else Qwen3_5ForConditionalGeneration
+        model = cls(config)
+    else:
+        config = tiny_qwen3_config(**overrides) if family == "qwen3" else tiny_qwen3_moe_config(**overrides)
+        model = AutoModelForCausalLM.from_config(config)
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
+    if expert_layout == "packed" and family.endswith("_moe"):
+        pack_experts(path)
+    if mtp and family in HYBRID_FAMILIES:
+        add_mtp_shard(path, target_text_config(config), dtype=getattr(torch, dtype), seed=seed)
     return model
+
+
+def _read_index(path: Path) -> dict[str, Any]:
+    """The checkpoint's weight map (file per tensor), writing an index for a single-file checkpoint."""
+    import json
+
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    return {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}
+
+
+def _write_index(path: Path, doc: dict[str, Any]) -> None:
+    """Write `model.safetensors.index.json` for `doc["weight_map"]`, with the tensors' total size."""
+    import json
+
+    from ..weights.header import read_header
+
+    total = sum(t.nbytes for f in sorted(set(doc["weight_map"].values())) for t in read_header(path / f).tensors.values())
+    doc["metadata"] = {**doc.get("metadata", {}), "total_size": total}
+    (path / "model.safetensors.index.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    single = path / "model.safetensors"
+    if single.is_file() and "model.safetensors" not in doc["weight_map"].values():
+        single.unlink()
+
+
+def add_mtp_shard(path: str | Path, text_config, *, dtype, seed: int = 0) -> list[str]:
+    """Add `mtp.*` tensors (one MTP layer's worth, shapes as released) in their own shard `mtp.safetensors`.
+
+    transformers does not write the multi-token-prediction heads; released Qwen3.5
+    checkpoints carry them, and the loader must skip them unread. Returns their names.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    H = text_config.hidden_size
+    gen = torch.Generator().manual_seed(seed + 1)
+    shapes = {
+        "mtp.fc.weight": (H, 2 * H),
+        "mtp.pre_fc_norm_embedding.weight": (H,),
+        "mtp.pre_fc_norm_hidden.weight": (H,),
+        "mtp.norm.weight": (H,),
+        "mtp.layers.0.input_layernorm.weight": (H,),
+        "mtp.layers.0.post_attention_layernorm.weight": (H,),
+        "mtp.layers.0.mlp.down_proj.weight": (H, 2 * H),
+    }
+    tensors = {n: (torch.randn(s, generator=gen) * 0.02).to(dtype) for n, s in shapes.items()}
+    save_file(tensors, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    doc = _read_index(path)
+    doc["weight_map"].update({n: "mtp.safetensors" for n in tensors})
+    _write_index(path, doc)
+    return sorted(tensors)
+
+
+def pack_experts(path: str | Path) -> int:
+    """Rewrite per-expert MoE tensors (`experts.{e}.{gate,up,down}_proj.weight`) of a saved
+    checkpoint as packed `experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]`
+    (gate rows first), in a shard `experts.safetensors`. Returns the number of packed layers."""
+    import re
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    doc = _read_index(path)
+    pat = re.compile(r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+    by_file: dict[str, dict[str, torch.Tensor]] = {}
+    experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for file in sorted(set(doc["weight_map"].values())):
+        with safe_open(str(path / file), "pt") as f:
+            keep = {}
+            for k in f.keys():
+                m = pat.match(k)
+                if m:
+                    experts.setdefault(m["base"], {})[(int(m["e"]), m["proj"])] = f.get_tensor(k)
+                else:
+                    keep[k] = f.get_tensor(k)
+        by_file[file] = keep
+    packed: dict[str, torch.Tensor] = {}
+    for base, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        packed[f"{base}.gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(n)])
+        packed[f"{base}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    weight_map: dict[str, str] = {}
+    for file, tensors in by_file.items():
+        if tensors:
+            save_file(tensors, str(path / file), metadata={"format": "pt"})
+            weight_map.update({k: file for k in tensors})
+        else:
+            (path / file).unlink()
+    save_file(packed, str(path / "experts.safetensors"), metadata={"format": "pt"})
+    weight_map.update({k: "experts.safetensors" for k in packed})
+    doc["weight_map"] = weight_map
+    _write_index(path, doc)
+    return len(experts)
 
 
 def tiny_dflash2_draft_config(target_config, **overrides: Any) -> dict[str, Any]:
@@ -79,6 +259,7 @@ def tiny_dflash2_draft_config(target_config, **overrides: Any) -> dict[str, Any]
     Qwen3-style top level plus `dflash_config`; `overrides` replace top-level
     keys, except draft fields (`DRAFT_FIELDS`), which go to `dflash_config`.
     """
+    target_config = target_text_config(target_config)
     n_target = target_config.num_hidden_layers
     cfg: dict[str, Any] = {
         "architectures": ["DFlash2DraftModel"],
@@ -173,6 +354,7 @@ def save_tiny_dflash2_draft(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    target_config = target_text_config(target_config)
     cfg = tiny_dflash2_draft_config(target_config, **overrides)
     layout = dflash2_draft_shapes(cfg) if shapes is None else shapes
     gen = torch.Generator().manual_seed(seed)

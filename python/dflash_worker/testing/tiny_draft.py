@@ -19,6 +19,9 @@ def _base(target_config, num_layers: int) -> dict[str, Any]:
     t = target_config
     n_target = t.num_hidden_layers
     rope = copy.deepcopy(dict(getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}))
+    if str(getattr(t, "model_type", "")).startswith("qwen3_5"):
+        # a Qwen3.5 target's partial / multimodal rotary is its own; the draft's is plain (as `init-draft` does)
+        rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
     return {
         "model_type": "qwen3",
         "vocab_size": t.vocab_size,

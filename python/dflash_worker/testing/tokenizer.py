@@ -56,6 +56,22 @@ QWEN3_STYLE_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+# Qwen3.5's template differs where generation starts: with thinking on, the generation
+# prompt opens the think block (``<|im_start|>assistant\n<think>\n``); off, it is the
+# empty think block as in Qwen3. Completed turns render the same.
+QWEN3_5_STYLE_CHAT_TEMPLATE = QWEN3_STYLE_CHAT_TEMPLATE.replace(
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}",
+)
+assert QWEN3_5_STYLE_CHAT_TEMPLATE != QWEN3_STYLE_CHAT_TEMPLATE
+
+
+def chat_template_for(family: str) -> str:
+    """The tiny tokenizer's chat template for a target family (Qwen3.5 families: the Qwen3.5 style)."""
+    return QWEN3_5_STYLE_CHAT_TEMPLATE if family.startswith("qwen3_5") else QWEN3_STYLE_CHAT_TEMPLATE
+
+
 _WORDS = (
     "the a an draft target model token block anchor verify accept reject cache feature layer hidden "
     "state train data prompt response reason think answer question because therefore first second "
@@ -128,7 +144,9 @@ def save_tiny_target_with_tokenizer(
     """
     from .tiny import save_tiny_target
 
-    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    if tokenizer is None:
+        tokenizer = build_tiny_tokenizer()
+        tokenizer.chat_template = chat_template_for(family)
     kw: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),

@@ -4,7 +4,9 @@ Used by the demo (`make demo`), the job end-to-end tests and the training tests.
 Everything is real: a real Qwen3 checkpoint (random weights) with a trained BPE
 tokenizer and a Qwen3-style chat template, a DFlash2 draft saved in the
 released upstream layout (BF16), and JSONL rows in the `prompt`/`response`
-schema.
+schema. `family` builds the target of another family instead (`qwen3_moe`,
+`qwen3_5`, `qwen3_5_moe`: the Qwen3.5 ones as released, a multimodal wrapper
+with a vision tower and MTP tensors, and a Qwen3.5-style chat template).
 """
 
 from __future__ import annotations
@@ -26,16 +28,15 @@ class World:
     target: Path
     draft: Path
     rows: Path
+    family: str = "qwen3"
 
 
 def target_config(target: Path):
-    """The saved target's config.json as a `Qwen3Config`."""
-    from transformers import Qwen3Config
+    """The saved target's text-tower config (a transformers config: `Qwen3Config`, `Qwen3_5TextConfig`, ...)."""
+    from transformers import AutoConfig
 
-    raw = json.loads((Path(target) / "config.json").read_text())
-    for k in ("architectures", "model_type", "transformers_version"):
-        raw.pop(k, None)
-    return Qwen3Config(**raw)
+    config = AutoConfig.from_pretrained(str(target), local_files_only=True)
+    return getattr(config, "text_config", None) or config
 
 
 def write_rows(path: Path, *, examples: int, seed: int) -> Path:
@@ -51,8 +52,12 @@ def write_rows(path: Path, *, examples: int, seed: int) -> Path:
     return path
 
 
-def build_world(root: str | Path, *, examples: int = 24, seed: int = 0, block_size: int = 4) -> World:
-    """Write target, released draft and own-data rows under `root`."""
+def build_world(
+    root: str | Path, *, examples: int = 24, seed: int = 0, block_size: int = 4, family: str = "qwen3", **target_kwargs
+) -> World:
+    """Write target (of `family`), released draft and own-data rows under `root`.
+
+    `target_kwargs` go to `save_tiny_target` (e.g. `expert_layout="packed"`)."""
     import torch
 
     from ..model import DraftConfig, build_draft, save_draft
@@ -62,12 +67,12 @@ def build_world(root: str | Path, *, examples: int = 24, seed: int = 0, block_si
     root = Path(root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     target = root / "target"
-    save_tiny_target_with_tokenizer(target, seed=seed)
+    save_tiny_target_with_tokenizer(target, seed=seed, family=family, **target_kwargs)
     cfg = tiny_dflash2_config(target_config(target), block_size=block_size, selector_top_k=64)
     draft = root / "draft"
     save_draft(build_draft(DraftConfig.from_dict(cfg), seed=seed), draft, dtype=torch.bfloat16)
     rows = write_rows(root / "rows.jsonl", examples=examples, seed=seed)
-    return World(root, target, draft, rows)
+    return World(root, target, draft, rows, family)
 
 
 def job_spec(
@@ -86,7 +91,7 @@ def job_spec(
         "inputs": [str(world.rows)],
         "prepare": {"seed": 0, "val_fraction": 0.2, "test_fraction": 0.2},
         "recipe": {
-            "model": {"target": str(world.target), "draft": str(world.draft), "family": "qwen3"},
+            "model": {"target": str(world.target), "draft": str(world.draft), "family": world.family},
             "data": {"thinking": "off", "max_length": 256},
             "capture": capture,
             "train": {

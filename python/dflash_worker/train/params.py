@@ -25,6 +25,8 @@ from ..errors import CheckpointError, ConfigError
 
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
+# A Qwen3.5 multimodal wrapper keeps the text tower's embedding here (its `lm_head` stays at the top)
+WRAPPER_EMBED_KEY = "model.language_model.embed_tokens.weight"
 
 
 class TargetHead(nn.Module):
@@ -41,19 +43,23 @@ def load_target_head(target_dir, *, device="cpu", dtype: torch.dtype = torch.flo
     from ..weights import list_tensors, stream_into
 
     entries = list_tensors(target_dir)
-    if EMBED_KEY not in entries:
-        raise CheckpointError(f"target `{target_dir}` has no `{EMBED_KEY}`\nhint: is this a Qwen3 causal LM checkpoint?")
-    vocab, hidden = entries[EMBED_KEY].shape
+    embed_key = next((k for k in (EMBED_KEY, WRAPPER_EMBED_KEY) if k in entries), None)
+    if embed_key is None:
+        raise CheckpointError(
+            f"target `{target_dir}` has no `{EMBED_KEY}` (nor `{WRAPPER_EMBED_KEY}`)"
+            "\nhint: is this a Qwen3 / Qwen3.5 causal LM checkpoint?"
+        )
+    vocab, hidden = entries[embed_key].shape
     tied = HEAD_KEY not in entries
     with torch.device("meta"):
         module = TargetHead(vocab, hidden)
     if tied:
         del module._parameters["head"]
         module.register_parameter("head", None)
-    only = {EMBED_KEY: entries[EMBED_KEY]} if tied else {EMBED_KEY: entries[EMBED_KEY], HEAD_KEY: entries[HEAD_KEY]}
+    only = {embed_key: entries[embed_key]} if tied else {embed_key: entries[embed_key], HEAD_KEY: entries[HEAD_KEY]}
 
     def mapping(key: str) -> str:
-        return {EMBED_KEY: "embed", HEAD_KEY: "head"}.get(key, f"__unused__.{key}")
+        return {embed_key: "embed", HEAD_KEY: "head"}.get(key, f"__unused__.{key}")
 
     stream_into(module, target_dir, dtype=dtype, device=device, key_mapping=mapping, strict=False)
     if tied:

@@ -185,3 +185,28 @@ def read_config_json(path: str | os.PathLike[str]) -> dict:
     if not isinstance(doc, dict):
         raise CheckpointError(f"`{cfg}`: expected a JSON object")
     return doc
+
+
+# Multimodal wrappers whose language model is the target: config.json holds the text
+# tower's geometry under `text_config`, and the checkpoint its weights under
+# `model.language_model.*` (next to `model.visual.*` and, in released files, `mtp.*`).
+WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def text_config(config: dict) -> dict:
+    """The text tower's view of a target `config.json` dict: `text_config` of a multimodal
+    wrapper (`qwen3_5`, `qwen3_5_moe`), the dict itself otherwise (never a copy to mutate)."""
+    sub = config.get("text_config")
+    if config.get("model_type") in WRAPPER_MODEL_TYPES and isinstance(sub, dict):
+        return sub
+    return config
+
+
+def is_wrapper_config(config: dict) -> bool:
+    """True for a multimodal wrapper config (the text tower sits under `text_config`)."""
+    return text_config(config) is not config
+
+
+def read_text_config(path: str | os.PathLike[str]) -> dict:
+    """`text_config(read_config_json(path))`: the geometry (layers, width, vocabulary) of the text tower."""
+    return text_config(read_config_json(path))

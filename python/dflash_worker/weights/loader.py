@@ -1,9 +1,18 @@
-"""Load a target model (Qwen3 dense or Qwen3-MoE) from a local checkpoint by streaming.
+"""Load a target model (Qwen3, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE) from a local checkpoint by streaming.
 
 The model is built from ``config.json`` on the meta device (no memory, no
 random init), then `stream_into` fills it shard by shard. The result equals
 ``AutoModelForCausalLM.from_pretrained`` tensor for tensor, without ever holding
 a state dict.
+
+Qwen3.5 checkpoints are released as the multimodal wrapper
+(``Qwen3_5ForConditionalGeneration``): the target is its text tower alone,
+built as transformers' text-only ``Qwen3_5ForCausalLM`` /
+``Qwen3_5MoeForCausalLM`` from ``text_config`` (the class transformers' own
+``from_pretrained`` gives for such a file). ``model.language_model.*`` maps to
+``model.*``; the vision tower (``model.visual.*``) and the multi-token
+prediction heads (``mtp.*``) are skipped by name, so their bytes are never
+read; the load report counts them.
 
 On the CPU, tensors stored in the model's dtype are copy-on-write views of the
 mapped shards (``mmap=True``, the default there): a frozen teacher costs no
@@ -21,11 +30,15 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from .checkpoint import _config_dir, read_config_json, resolve_checkpoint
+from .checkpoint import _config_dir, is_wrapper_config, read_config_json, resolve_checkpoint
 from .stream import TORCH_DTYPES, LoadReport, ProgressFn, Source, stream_into
 
 # model_type values this loader knows how to fill (the families in `dflash_worker.families`)
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+# Where a multimodal wrapper keeps its text tower, and what the target never needs.
+TEXT_TOWER_PREFIX = "model.language_model."
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -68,14 +81,38 @@ def build_meta_model(path: str | os.PathLike[str], dtype: torch.dtype | None):
         config = AutoConfig.from_pretrained(str(_config_dir(Path(path))), local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"`{cfg_path}`: invalid config: {exc}") from None
+    if is_wrapper_config(raw):
+        config = config.text_config  # the text tower alone, as `Qwen3_5ForCausalLM.from_pretrained` builds it
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model
 
 
+def checkpoint_key_mapping(raw_config: dict):
+    """(key_mapping, skip) for `stream_into` on a target with config.json contents `raw_config`.
+
+    Qwen3.5 families: the wrapper's ``model.language_model.*`` is the text model's ``model.*``
+    (a text-only file already uses ``model.*``), and the vision tower and MTP heads are
+    skipped unread. Other families: (None, None).
+    """
+    if not str(raw_config.get("model_type", "")).startswith("qwen3_5"):
+        return None, None
+
+    def key_mapping(key: str) -> str:
+        return "model." + key[len(TEXT_TOWER_PREFIX) :] if key.startswith(TEXT_TOWER_PREFIX) else key
+
+    def skip(key: str) -> bool:
+        return key.startswith(SKIPPED_PREFIXES)
+
+    return key_mapping, skip
+
+
 def _auto_dtype(raw_config: dict, checkpoint: Path | None) -> torch.dtype:
     """What `from_pretrained(dtype="auto")` picks: config dtype, else the checkpoint's first floating dtype."""
     name = raw_config.get("dtype") or raw_config.get("torch_dtype")
+    sub = raw_config.get("text_config")
+    if not name and is_wrapper_config(raw_config) and isinstance(sub, dict):
+        name = sub.get("dtype") or sub.get("torch_dtype")
     if isinstance(name, str):
         try:
             found = parse_dtype(name)
@@ -101,7 +138,7 @@ def load_model(
     progress: ProgressFn | None = None,
     mmap: bool | None = None,
 ):
-    """Load the Qwen3 / Qwen3-MoE model at `path` by streaming; returns it in eval mode.
+    """Load the target model at `path` by streaming; returns it in eval mode (a wrapper: its text tower).
 
     `path`: checkpoint directory (with config.json), or a ``.safetensors`` file
     next to its config.json. `dtype`: floating-point dtype of the result;
@@ -112,15 +149,18 @@ def load_model(
     ``None`` means yes on the CPU.
     """
     path = Path(path)
+    raw = read_config_json(path)
     want = parse_dtype(dtype)
     if want is None:
         ckpt = path if source is None else (None if isinstance(source, Mapping) else Path(source))
-        want = _auto_dtype(read_config_json(path), ckpt)
+        want = _auto_dtype(raw, ckpt)
     model = build_meta_model(path, want)
     if mmap is None:
         mmap = str(device).split(":")[0] == "cpu"
+    key_mapping, skip = checkpoint_key_mapping(raw)
     report: LoadReport = stream_into(
-        model, path if source is None else source, dtype=None, device=device, progress=progress, mmap=mmap
+        model, path if source is None else source, dtype=None, device=device, progress=progress, mmap=mmap,
+        key_mapping=key_mapping, skip=skip,
     )
     model.eval()
     model.load_report = report  # type: ignore[attr-defined]
@@ -135,4 +175,5 @@ def check_model_checkpoint(path: str | os.PathLike[str]) -> LoadReport:
     """
     path = Path(path)
     model = build_meta_model(path, None)
-    return stream_into(model, path, dtype=None, dry_run=True)
+    key_mapping, skip = checkpoint_key_mapping(read_config_json(path))
+    return stream_into(model, path, dtype=None, dry_run=True, key_mapping=key_mapping, skip=skip)

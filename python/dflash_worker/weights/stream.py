@@ -89,6 +89,7 @@ SAFETENSORS_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 
 Source = str | os.PathLike | Mapping[str, torch.Tensor]
 KeyMapping = Mapping[str, str] | Callable[[str], str] | None
+SkipFn = Callable[[str], bool] | None
 ProgressFn = Callable[[int, int], None]
 
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -106,6 +107,8 @@ class LoadReport:
     bytes_read: int = 0  # tensor bytes taken from files (read or mapped)
     bytes_mapped: int = 0  # of which mapped
     files: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # checkpoint names `skip` left out, never read
+    bytes_skipped: int = 0  # their tensor bytes
 
 
 # --------------------------------------------------------------------------- targets
@@ -632,6 +635,7 @@ def stream_into(
     progress: ProgressFn | None = None,
     dry_run: bool = False,
     mmap: bool = False,
+    skip: SkipFn = None,
 ) -> LoadReport:
     """Fill `module` (typically built under ``torch.device("meta")``) from `source`.
 
@@ -648,6 +652,10 @@ def stream_into(
     device, tensors stored whole in the final dtype become copy-on-write views
     of the mapped checkpoint instead of copies (see the module docstring); the
     rest is copied as usual. Ignored for in-memory sources and other devices.
+    `skip(name)`: checkpoint names (before `key_mapping`) that belong to no
+    part of this module on purpose (a multimodal wrapper's vision tower, MTP
+    heads); they are neither read nor reported unexpected, but counted in
+    `report.skipped` and `report.bytes_skipped`.
 
     Returns a `LoadReport`; the module's tensors are replaced in place.
     """
@@ -668,12 +676,21 @@ def stream_into(
                 raise CheckpointError(f"in-memory source, tensor `{key}`: expected a torch.Tensor, found `{type(t).__name__}`")
             if t.is_meta:
                 raise CheckpointError(f"in-memory source, tensor `{key}`: is on the meta device (holds no data)")
-            entries.append((key, "<mapping>", t.dtype, tuple(t.shape), t.numel() * t.element_size()))
+            nbytes = t.numel() * t.element_size()
+            if skip is not None and skip(key):
+                report.skipped.append(key)
+                report.bytes_skipped += nbytes
+                continue
+            entries.append((key, "<mapping>", t.dtype, tuple(t.shape), nbytes))
     else:
         ckpt = resolve_checkpoint(source)
         for h in ckpt.shards:
             report.files.append(str(h.path))
             for key, info in h.tensors.items():  # already in file order
+                if skip is not None and skip(key):
+                    report.skipped.append(key)
+                    report.bytes_skipped += info.nbytes
+                    continue
                 entries.append((key, str(h.path), TORCH_DTYPES[info.dtype], info.shape, info.nbytes))
                 file_of[key] = (h.path, info.begin)
 
