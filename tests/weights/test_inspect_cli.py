@@ -174,3 +174,23 @@ def test_single_shard_of_sharded_checkpoint(tiny_target, capsys):
     assert main(["inspect-checkpoint", str(shard), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["kind"] == "shard" and doc["verdict"] == "ok" and doc["files"] == [str(shard)]
+
+
+def test_qwen3_5_wrapper_target_reports_skipped_tensors(tmp_path, capsys):
+    """A multimodal Qwen3.5 checkpoint checks against its text tower; the vision tower and MTP
+    tensors are reported as skipped with their exact byte total (from the headers)."""
+    from dflash_worker.testing.tiny import save_tiny_target
+    from dflash_worker.weights import list_tensors
+
+    target = tmp_path / "q35moe"
+    save_tiny_target(target, family="qwen3_5_moe", dtype="bfloat16")
+    entries = list_tensors(target)
+    outside = {n: t.nbytes for n, t in entries.items() if n.startswith(("model.visual.", "mtp."))}
+    assert any(n.startswith("mtp.") for n in outside) and any(n.startswith("model.visual.") for n in outside)
+    assert main(["inspect-checkpoint", str(target), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["family"] == "qwen3_5_moe" and doc["verdict"] == "ok"
+    assert sorted(doc["skipped"]) == sorted(outside) and doc["skipped_bytes"] == sum(outside.values())
+    assert main(["inspect-checkpoint", str(target)]) == 0
+    text = capsys.readouterr().out
+    assert f"skips {len(outside)} tensors unread ({sum(outside.values())} bytes" in text

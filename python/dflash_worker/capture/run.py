@@ -36,7 +36,8 @@ Events (`worker.events`, to the `on_event` sink, in this order):
   shard and the manifest verify (the manifest is returned as it is);
 - ``Log`` ``N examples, resuming at S (K shards reused)`` and
   ``Progress(phase="capture", step=S, total_steps=N, metrics={"shards_reused": K})``;
-- ``Log`` ``teacher loaded in X.Xs`` (only when examples are left to capture);
+- ``Log`` ``teacher loaded in X.Xs`` (only when examples are left to capture; a multimodal
+  target's line adds the vision / MTP tensors skipped unread);
 - per example i: ``Progress(step=i + 1, total_steps=N, metrics={"tokens": ...})``;
 - per committed shard: ``Progress(step=<examples captured so far>, total_steps=N,
   metrics={"shard": index, "shards_committed": count, "examples_committed": end,
@@ -719,7 +720,12 @@ def _run_teacher(plan: CapturePlan, examples: list[Example], records: list[Shard
     model = load_model(plan.recipe.model.target, device=plan.choice.device, dtype=getattr(torch, plan.cap.dtype))
     load_seconds = time.perf_counter() - t
     model_ref = weakref.ref(model)
-    emit(Log(message=f"teacher loaded in {load_seconds:.1f}s"))
+    rep = getattr(model, "load_report", None)
+    skipped = (
+        f" (skipped unread: {len(rep.skipped)} tensors, {rep.bytes_skipped} bytes outside the text tower)"
+        if rep is not None and rep.skipped else ""
+    )
+    emit(Log(message=f"teacher loaded in {load_seconds:.1f}s{skipped}"))
     if shards is None:
         _capture_examples(plan, model, examples, records, emit)
     else:

@@ -45,6 +45,8 @@ def _fmt_bytes(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     info = read_checkpoint_info(args.path, need_config=False)
     problems: list[Problem] = []
+    skipped: list[str] = []
+    skipped_bytes = 0
     kind: str | None = None
     family: str | None = None
     path = Path(args.path)
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
                 # (built on the meta device: no weights are read or allocated).
                 from ..weights.loader import check_model_checkpoint
 
-                check_model_checkpoint(args.path)
+                report = check_model_checkpoint(args.path)
+                skipped, skipped_bytes = report.skipped, report.bytes_skipped
     files = sorted({str(t.file) for t in info.tensors.values()})
     total = sum(t.nbytes for t in info.tensors.values())
     verdict = "ok" if not problems else "invalid"
@@ -83,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
             "family": family,
             "config_found": bool(info.config),
             "verdict": verdict,
+            "skipped": skipped,  # tensors a target load leaves unread (vision tower, MTP heads)
+            "skipped_bytes": skipped_bytes,
             "problems": [{"field": p.field, "message": p.message} for p in problems],
         }
         json.dump(doc, sys.stdout, indent=2)
@@ -98,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
             out.write(f"kind: shard of a sharded checkpoint (pass `{path.parent}` to check the whole model)\n")
         elif info.config:
             out.write(f"kind: {kind}  family: {family or 'unsupported'}\n")
+            if skipped:
+                out.write(
+                    f"loads the text tower; skips {len(skipped)} tensors unread ({skipped_bytes} bytes, "
+                    f"{_fmt_bytes(skipped_bytes)}): vision tower and MTP heads\n"
+                )
         else:
             out.write("kind: unknown (no config.json; headers checked only)\n")
         out.write(f"verdict: {verdict}\n")
