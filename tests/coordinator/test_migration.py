@@ -167,7 +167,7 @@ def test_a_failed_migration_leaves_the_database_at_version_1(tmp_path, monkeypat
         db.execute("ALTER TABLE providers ADD COLUMN identity TEXT NOT NULL DEFAULT ''")
         raise sqlite3.OperationalError("disk on fire")
 
-    monkeypatch.setitem(store_mod._MIGRATIONS, 1, broken)
+    monkeypatch.setitem(store_mod.schema.MIGRATIONS, 1, broken)
     with pytest.raises(ConfigError, match="disk on fire"):
         Store(path)
     db = sqlite3.connect(path)

@@ -305,7 +305,7 @@ def test_a_failed_capture_fails_its_dependents_and_the_run(store):
 def test_a_job_needing_more_inputs_than_a_lease_names_fails(store, monkeypatch):
     from dflash_worker.coordinator import store as store_mod
 
-    monkeypatch.setattr(store_mod, "MAX_LEASE_INPUTS", 1)
+    monkeypatch.setattr(store_mod.leases, "MAX_LEASE_INPUTS", 1)
     pid = _provider(store)
     run, jobs = _graph(store, n=2, m=1)
     store.finish(pid, _lease(store, pid).lease_id, "succeeded", "")

@@ -27,8 +27,8 @@ def test_acquire_parses_no_queued_runs_spec_json(tmp_path, monkeypatch):
     store.create_run(RunSpecData(name="small", spec_json='{"stages": ["noop"]}', required_client_version="0.1.0"))
     pid = _register(store, "p")
     calls = []
-    real = store_mod.parse_spec_json
-    monkeypatch.setattr(store_mod, "parse_spec_json", lambda text: calls.append(len(text)) or real(text))
+    real = store_mod.spec.parse_spec_json
+    monkeypatch.setattr(store_mod.spec, "parse_spec_json", lambda text: calls.append(len(text)) or real(text))
     reads = []
     store.db.set_trace_callback(lambda sql: reads.append(sql) if "spec_json" in sql and sql.lstrip().upper().startswith("SELECT") else None)
     grant = store.acquire(pid)

@@ -1,0 +1,135 @@
+"""How a job moves between states: an attempt ending, leases expiring, a graph run failing, an admin's directives.
+
+Job states: ``queued`` -> ``leased`` (-> ``cancelling``) -> ``succeeded`` | ``failed`` |
+``cancelled``, or back to ``queued`` when an attempt expires or ends retryable (at most
+``max_attempts`` attempts, then ``failed``).
+Attempt states: ``live``, ``succeeded``, ``failed``, ``cancelled``, ``retryable``, ``expired``,
+``revoked`` (its provider was revoked; the job is requeued like an expired one).
+
+When a job of a graph run ends ``failed`` or ``cancelled`` the run fails: ``runs.failure``
+names that job, and every queued job of the run (its dependents among them) is failed with
+that reason, so no more of the run's work is leased; attempts already running finish, but a
+job whose attempt is requeued after that fails instead. A job's ``pending_deps`` counts the
+jobs it needs that have not succeeded (a succeeded job never changes state again).
+"""
+
+from __future__ import annotations
+
+from ...errors import NotFoundError, PolicyError
+from .db import Database, Part, printable
+from .records import Records
+
+FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
+
+
+class Jobs(Part):
+    """The job state machine every lease, revocation and admin directive goes through."""
+
+    def __init__(self, database: Database, *, records: Records, max_attempts: int):
+        super().__init__(database)
+        self.records = records
+        self.max_attempts = max_attempts
+        # Attempts that ended since the server last looked (their staged uploads go).
+        self.ended_attempts: set[str] = set()
+
+    def end_attempt(self, db, attempt_id: str, job_id: str, attempt_state: str, message: str, now: float) -> str:
+        """Close an attempt and move its job on; returns the job's new state."""
+        cancel, attempts = db.execute("SELECT cancel_requested, attempts FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if attempt_state == "succeeded":
+            job_state = "succeeded"
+        elif attempt_state == "failed":
+            job_state = "failed"
+        elif attempt_state == "cancelled" or cancel:
+            job_state = "cancelled"
+        elif attempts >= self.max_attempts:
+            job_state = "failed"
+        else:
+            job_state = "queued"
+        failure = ""
+        if job_state == "queued":
+            # A graph run that failed meanwhile leases nothing more.
+            failure = db.execute("SELECT r.failure FROM runs r JOIN jobs j ON j.run_id=r.run_id WHERE j.job_id=?", (job_id,)).fetchone()[0]
+            if failure:
+                job_state = "failed"
+        db.execute("UPDATE attempts SET state=?, ended_unix=?, message=? WHERE attempt_id=?", (attempt_state, now, message[:4000], attempt_id))
+        self.counts[f"attempt_{attempt_state}"] += 1
+        self.records.drop_loose_checkpoint_files(db, attempt_id)
+        self.ended_attempts.add(attempt_id)
+        db.execute(
+            "UPDATE jobs SET state=?, current_attempt_id=NULL, checkpoint_requested=0, reason=?, updated_unix=? WHERE job_id=?",
+            (job_state, f"run failed: {failure}" if failure else "", now, job_id),
+        )
+        if job_state == "succeeded":
+            db.execute("UPDATE jobs SET pending_deps=pending_deps-1 WHERE job_id IN (SELECT job_id FROM job_deps WHERE needs_job_id=?)", (job_id,))
+        if job_state in ("failed", "cancelled") and not failure:
+            self.fail_graph_run(db, job_id, job_state, message, now)
+        return job_state
+
+    def fail_graph_run(self, db, job_id: str, job_state: str, message: str, now: float) -> None:
+        """A job of a graph run ended `job_state` (failed or cancelled): the run fails, naming it, and
+        its queued jobs (the job's dependents among them) fail with that reason. Pipeline runs: nothing."""
+        run_id, kind, index, count = db.execute("SELECT run_id, kind, shard_index, shard_count FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if kind == "pipeline":
+            return
+        what = f"{kind} shard {index + 1}/{count}" if count > 1 else kind
+        # The message is a provider's text and reaches the admin's terminal (`runs show`): no control characters.
+        message = printable(message[:500])
+        why = f"job `{job_id}` ({what}) {job_state}" + (f": {message}" if message else "")
+        db.execute("UPDATE runs SET failure=? WHERE run_id=? AND failure=''", (why, run_id))
+        why = db.execute("SELECT failure FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]
+        db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE run_id=? AND state='queued'", (f"run failed: {why}", now, run_id))
+
+    def expire_due(self) -> int:
+        """Expire every live lease past its TTL; their jobs are requeued (or failed/cancelled). Returns the count."""
+        now = self.clock()
+        due = self.db.execute("SELECT attempt_id, job_id FROM attempts WHERE state='live' AND lease_expires_unix < ?", (now,)).fetchall()
+        if not due:
+            return 0
+        requeued = False
+        with self._tx() as db:
+            for attempt_id, job_id in due:
+                state = self.end_attempt(db, attempt_id, job_id, "expired", "lease expired without a heartbeat", now)
+                requeued |= state == "queued"
+        if requeued:
+            self.on_work()
+        return len(due)
+
+    def readied_by(self, job_id: str) -> bool:
+        """Whether a queued job needing `job_id` has no unmet need left (a graph's next jobs, once it succeeded)."""
+        return (
+            self.db.execute(
+                "SELECT 1 FROM job_deps d JOIN jobs j ON j.job_id=d.job_id WHERE d.needs_job_id=? AND j.state='queued' AND j.pending_deps=0 LIMIT 1",
+                (job_id,),
+            ).fetchone()
+            is not None
+        )
+
+    def _job(self, job_id: str) -> tuple[str, str | None]:
+        r = self.db.execute("SELECT state, current_attempt_id FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if r is None:
+            raise NotFoundError(f"no job `{job_id}`\nhint: `dflash-coordinator runs show RUN_ID` lists a run's jobs")
+        return r
+
+    def cancel_job(self, job_id: str) -> str:
+        """Cancel a queued job now, or ask its live attempt to stop; returns the job state."""
+        self.expire_due()
+        state, current = self._job(job_id)
+        if state in FINAL_JOB_STATES or state == "cancelling":
+            return state
+        with self._tx() as db:
+            if current is None:
+                db.execute("UPDATE jobs SET state='cancelled', cancel_requested=1, updated_unix=? WHERE job_id=?", (self.clock(), job_id))
+                self.fail_graph_run(db, job_id, "cancelled", "cancelled by an admin", self.clock())
+                return "cancelled"
+            db.execute("UPDATE jobs SET state='cancelling', cancel_requested=1, updated_unix=? WHERE job_id=?", (self.clock(), job_id))
+            return "cancelling"
+
+    def request_checkpoint(self, job_id: str) -> str:
+        """Ask the job's live attempt to checkpoint on its next heartbeat; returns the job state."""
+        self.expire_due()
+        state, current = self._job(job_id)
+        if current is None or state != "leased":
+            raise PolicyError(f"job `{job_id}` is `{state}`; only a leased job can be asked to checkpoint")
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET checkpoint_requested=1 WHERE job_id=?", (job_id,))
+        return state

@@ -1,0 +1,305 @@
+"""Leases: handing a provider the oldest job it can run, renewing the lease, and ending it.
+
+Leases live on the ``attempts`` table: each attempt of a job holds exactly one lease
+(``lease_id``, ``lease_expires_unix``), valid while the attempt's state is ``live``, it is its
+job's ``current_attempt_id`` and it has not expired. A lease names the final artifacts of the
+jobs its job needs (`Grant.inputs`), which the provider may download (`find_input`), and the
+job's newest checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ...errors import InvalidRequestError, NotFoundError, PermissionDeniedError, StaleLeaseError
+from ..artifacts import ArtifactRecord
+from ..policy import Verdict, decide, local_ranks
+from .db import Database, Part, new_id
+from .jobs import Jobs
+from .providers import Providers
+from .records import REC_COLS, Records, record_from_row
+from .runs import Runs
+
+# Input artifacts one lease names at most (a train job's: every capture shard's final records),
+# and their size in the Lease message, so a lease stays well inside the 16 MiB message limit
+# that server and run-manager share. A job needing more fails (never a lease missing inputs).
+MAX_LEASE_INPUTS = 20_000
+MAX_LEASE_INPUT_BYTES = 8 << 20
+# A queued job `j` is leasable when every job it needs has SUCCEEDED (pipeline jobs need none):
+# `pending_deps` counts those that have not (a succeeded job never changes state again), so
+# finding a leasable job is an index lookup (`jobs_ready`), however many jobs wait.
+_READY = "j.pending_deps=0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grant:
+    """A lease handed to a provider."""
+
+    lease_id: str
+    run_id: str
+    job_id: str
+    attempt: int
+    spec_json: str
+    ttl_seconds: float
+    resume_checkpoint: ArtifactRecord | None
+    checkpoint_policy: str
+    local_ranks: int
+    required_features: tuple[str, ...]
+    required_client_version: str
+    image: str
+    kind: str = "pipeline"
+    shard_index: int = 0
+    shard_count: int = 1
+    # The final (SUCCEEDED attempt's) artifacts of the jobs this one needs, to download before it starts.
+    inputs: tuple[ArtifactRecord, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Upgrade:
+    required_client_version: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveLease:
+    """The attempt behind a live lease, as a write sees it."""
+
+    attempt_id: str
+    job_id: str
+    run_id: str
+
+
+@dataclass(kw_only=True)
+class Progress:
+    phase: int = 0
+    step: int = 0
+    total_steps: int = 0
+    committed_step: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+
+class Leases(Part):
+    """Granting, renewing and ending leases, and the inputs a lease names."""
+
+    def __init__(self, database: Database, *, lease_ttl: float, runs: Runs, providers: Providers, jobs: Jobs, records: Records):
+        super().__init__(database)
+        self.lease_ttl = lease_ttl
+        self.runs = runs
+        self.providers = providers
+        self.jobs = jobs
+        self.records = records
+
+    def acquire(self, provider_id: str) -> Grant | Upgrade | None:
+        """Lease the oldest eligible queued job to `provider_id`.
+
+        Returns a `Grant`, an `Upgrade` when queued work exists that only a
+        different client version could take, or None when there is nothing
+        this provider can run.
+        """
+        self.jobs.expire_due()
+        profile = self.providers.profile(provider_id)
+        now = self.clock()
+        self.db.execute("UPDATE providers SET last_seen_unix=? WHERE provider_id=?", (now, provider_id))
+        upgrade: Upgrade | None = None
+        # EXISTS over the (state, run_id) index: O(runs), not O(queued jobs). A run whose queued
+        # jobs all wait for others has nothing to lease (and so asks no provider to upgrade).
+        run_ids = [
+            r
+            for (r,) in self.db.execute(
+                f"SELECT r.run_id FROM runs r WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.state='queued' AND j.run_id=r.run_id AND {_READY}) ORDER BY r.seq"
+            )
+        ]
+        for run_id in run_ids:
+            run = self.runs.run_for_lease(run_id)
+            # Decided per job kind (placement): the oldest ready job of a kind this provider fits.
+            reqs = self.runs.kind_requirements(run)
+            fits, behind, why = [], [], ""
+            for kind, req in reqs.items():
+                verdict, reason = decide(req, profile)
+                if verdict is Verdict.ELIGIBLE:
+                    fits.append(kind)
+                elif verdict is Verdict.UPGRADE:
+                    behind.append(kind)
+                    why = reason
+            if behind and upgrade is None and self._ready_job(run_id, behind) is not None:
+                upgrade = Upgrade(required_client_version=run.spec.required_client_version, message=f"run `{run.spec.name}`: {why}")
+            if not fits:
+                continue
+            with self._tx() as db:
+                row = self._ready_job(run_id, fits)
+                if row is None:
+                    continue
+                job_id, attempts, kind, shard_index, shard_count = row
+                req = reqs[kind]
+                inputs = self.inputs(job_id)
+                too_many = self._too_many_inputs(inputs)
+                if too_many:
+                    db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE job_id=?", (too_many, now, job_id))
+                    self.jobs.fail_graph_run(db, job_id, "failed", too_many, now)
+                    continue
+                attempt_id, lease_id = new_id("att"), new_id("lease")
+                db.execute(
+                    "INSERT INTO attempts(attempt_id, job_id, number, provider_id, lease_id, state, lease_expires_unix, started_unix)"
+                    " VALUES (?,?,?,?,?,'live',?,?)",
+                    (attempt_id, job_id, attempts + 1, provider_id, lease_id, now + self.lease_ttl, now),
+                )
+                db.execute(
+                    "UPDATE jobs SET state='leased', attempts=?, current_attempt_id=?, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
+                    (attempts + 1, attempt_id, now, job_id),
+                )
+            self.counts["leases_granted"] += 1
+            return Grant(
+                lease_id=lease_id,
+                run_id=run_id,
+                job_id=job_id,
+                attempt=attempts + 1,
+                spec_json=self.runs.spec_json(run_id),
+                ttl_seconds=self.lease_ttl,
+                resume_checkpoint=self.records.last_checkpoint(job_id),
+                checkpoint_policy=run.spec.checkpoint_policy,
+                local_ranks=local_ranks(req, profile),
+                required_features=req.required_features,
+                required_client_version=run.spec.required_client_version,
+                image=run.spec.image,
+                kind=kind,
+                shard_index=shard_index,
+                shard_count=shard_count,
+                inputs=inputs,
+            )
+        return upgrade
+
+    def _ready_job(self, run_id: str, kinds: list[str]) -> tuple | None:
+        """`(job_id, attempts, kind, shard_index, shard_count)` of the run's oldest leasable job of one of `kinds`."""
+        return self.db.execute(
+            f"SELECT job_id, attempts, kind, shard_index, shard_count FROM jobs j WHERE run_id=? AND state='queued' AND {_READY}"
+            f" AND kind IN ({','.join('?' * len(kinds))}) ORDER BY seq LIMIT 1",
+            (run_id, *kinds),
+        ).fetchone()
+
+    @staticmethod
+    def _too_many_inputs(inputs: tuple[ArtifactRecord, ...]) -> str:
+        """Why a lease cannot name `inputs` (too many, or too large a message), or ""."""
+        size = sum(len(a.name) + len(a.uri) + len(a.kind) + 100 for a in inputs)
+        if len(inputs) <= MAX_LEASE_INPUTS and size <= MAX_LEASE_INPUT_BYTES:
+            return ""
+        return (
+            f"the jobs this one needs have {'more than ' if len(inputs) > MAX_LEASE_INPUTS else ''}{min(len(inputs), MAX_LEASE_INPUTS)} final artifacts"
+            f" (about {size} bytes of names); a lease names at most {MAX_LEASE_INPUTS} ({MAX_LEASE_INPUT_BYTES} bytes)\n"
+            "hint: have each capture shard commit fewer, larger files"
+        )
+
+    def inputs(self, job_id: str) -> tuple[ArtifactRecord, ...]:
+        """The final artifacts of the jobs `job_id` needs (their SUCCEEDED attempts' records, checkpoints
+        aside: those are a job's own), in the needed jobs' order; at most MAX_LEASE_INPUTS + 1 (one more says "too many").
+
+        A capture job's earlier attempts (a provider lost mid-job) hand on their `capture` records too,
+        the newest of each name: the shards they committed, which the next attempt verifies and keeps
+        instead of capturing them again (`capture.run.scan_shards`), on whichever provider it runs."""
+        cols = ", ".join("r." + c.strip() for c in REC_COLS.split(","))
+        rows = self.db.execute(
+            f"SELECT {cols} FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
+            " JOIN attempts a ON a.job_id=n.job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
+            " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') ORDER BY n.seq, r.seq LIMIT ?",
+            (job_id, MAX_LEASE_INPUTS + 1),
+        ).fetchall()
+        if len(rows) <= MAX_LEASE_INPUTS and self.db.execute("SELECT kind FROM jobs WHERE job_id=?", (job_id,)).fetchone() == ("capture",):
+            rows += self.db.execute(
+                f"SELECT {cols} FROM records r WHERE r.seq IN (SELECT MAX(seq) FROM records WHERE job_id=? AND kind='capture' GROUP BY name)"
+                " ORDER BY r.seq LIMIT ?",
+                (job_id, MAX_LEASE_INPUTS + 1 - len(rows)),
+            ).fetchall()
+        return tuple(record_from_row(r) for r in rows)
+
+    def find_input(self, job_id: str, name: str, sha256: str) -> ArtifactRecord:
+        """A record a lease of `job_id` may download: its own job's (`find_record`), or one of its `inputs`."""
+        try:
+            return self.records.find_record(job_id, name, sha256)
+        except NotFoundError:
+            r = self.db.execute(
+                f"SELECT {', '.join('r.' + c.strip() for c in REC_COLS.split(','))} FROM job_deps d"
+                " JOIN attempts a ON a.job_id=d.needs_job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
+                " WHERE d.job_id=? AND r.name=? AND r.sha256=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') LIMIT 1",
+                (job_id, name, sha256),
+            ).fetchone()
+            if r is None:
+                raise
+            return record_from_row(r)
+
+    def _live(self, provider_id: str, lease_id: str) -> tuple:
+        """Return (attempt_id, job_id, run_id, cancel, checkpoint) for a live lease, or raise ABORTED."""
+        if not lease_id:
+            raise InvalidRequestError("`lease_id` is empty")
+        r = self.db.execute(
+            "SELECT a.attempt_id, a.job_id, j.run_id, a.provider_id, a.state, a.lease_expires_unix, j.current_attempt_id,"
+            " j.cancel_requested, j.checkpoint_requested FROM attempts a JOIN jobs j ON j.job_id=a.job_id WHERE a.lease_id=?",
+            (lease_id[:200],),
+        ).fetchone()
+        if r is None:
+            raise StaleLeaseError(f"lease `{lease_id[:80]}` is unknown; stop this attempt")
+        attempt_id, job_id, run_id, owner, state, expires, current, cancel, checkpoint = r
+        if owner != provider_id:
+            raise PermissionDeniedError(f"lease `{lease_id}` belongs to another provider")
+        if state == "live" and expires < self.clock():
+            self.jobs.expire_due()
+            state = "expired"
+        if state != "live" or current != attempt_id:
+            raise StaleLeaseError(f"lease `{lease_id}` is no longer live (attempt {state}); stop this attempt")
+        return attempt_id, job_id, run_id, cancel, checkpoint
+
+    def live_lease(self, provider_id: str, lease_id: str) -> LiveLease:
+        attempt_id, job_id, run_id, _, _ = self._live(provider_id, lease_id)
+        return LiveLease(attempt_id=attempt_id, job_id=job_id, run_id=run_id)
+
+    def heartbeat(self, provider_id: str, lease_id: str, progress: Progress) -> tuple[str, float]:
+        """Renew a live lease and record progress; return `(directive, lease_expires_unix)`.
+
+        Directive is "cancel" while a cancel is pending, "checkpoint" once
+        after a checkpoint request, else "continue".
+        """
+        attempt_id, job_id, _, cancel, checkpoint = self._live(provider_id, lease_id)
+        now = self.clock()
+        expires = now + self.lease_ttl
+        # The hot path (every heartbeat of every provider): one statement in
+        # autocommit mode is its own transaction; no BEGIN/COMMIT round trips.
+        self.counts["heartbeats"] += 1
+        # SET sees the row's old values: the phase clock restarts when the phase changes
+        # (the first heartbeat of an attempt starts it too), without a read first.
+        self.db.execute(
+            "UPDATE attempts SET lease_expires_unix=?,"
+            " phase_started_unix=CASE WHEN phase_started_unix IS NULL OR phase!=? THEN ? ELSE phase_started_unix END,"
+            " phase_started_step=CASE WHEN phase_started_unix IS NULL OR phase!=? THEN ? ELSE phase_started_step END,"
+            " phase=?, step=?, total_steps=?, committed_step=?, metrics_json=?, last_heartbeat_unix=? WHERE attempt_id=?",
+            (
+                expires,
+                progress.phase,
+                now,
+                progress.phase,
+                progress.step,
+                progress.phase,
+                progress.step,
+                progress.total_steps,
+                progress.committed_step,
+                json.dumps(progress.metrics),
+                now,
+                attempt_id,
+            ),
+        )
+        if checkpoint and not cancel:
+            self.db.execute("UPDATE jobs SET checkpoint_requested=0 WHERE job_id=?", (job_id,))
+        if cancel:
+            return "cancel", expires
+        return ("checkpoint" if checkpoint else "continue"), expires
+
+    def finish(self, provider_id: str, lease_id: str, outcome: str, message: str) -> str:
+        """End the attempt behind a live lease with `outcome`; return the job's new state."""
+        attempt_id, job_id, _, _, _ = self._live(provider_id, lease_id)
+        with self._tx() as db:
+            state = self.jobs.end_attempt(db, attempt_id, job_id, outcome, message, self.clock())
+        if state == "queued" or (state == "succeeded" and self.jobs.readied_by(job_id)):
+            self.on_work()  # long-polling providers wake for the requeued job, or the jobs this success made ready
+        return state
+
+    def live_attempt_ids(self) -> set[str]:
+        return {a for (a,) in self.db.execute("SELECT attempt_id FROM attempts WHERE state='live'")}
