@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FamilyError
-from .weights.checkpoint import TensorEntry, list_tensors, read_config_json, text_config
+from .weights.checkpoint import TEXT_TOWER_PREFIX, TensorEntry, is_skipped_tensor, list_tensors, read_config_json, text_config
 from .weights.header import INTEGER_DTYPES
 
 UNVERIFIED = "unverified: recorded without hub access; validation uses the config.json found on disk"
@@ -254,8 +254,13 @@ class TargetReport:
     num_experts: int | None
     num_experts_per_tok: int | None
     expert_storage: str | None  # "packed", "per-expert", "mixed" or None (dense)
+    # What a target load reads: the text tower. A Qwen3.5 checkpoint's vision tower and MTP heads
+    # are skipped unread (`weights.checkpoint.is_skipped_tensor`), so they are counted apart and
+    # are no part of the teacher's memory.
     tensors: int
     bytes: int
+    skipped_tensors: int = 0
+    skipped_bytes: int = 0
 
 
 def _moe_layers(cfg: dict[str, Any]) -> list[int]:
@@ -268,7 +273,7 @@ def _moe_layers(cfg: dict[str, Any]) -> list[int]:
 
 def _layers_prefix(info: CheckpointInfo) -> str:
     """Where the decoder layers' tensors live: under a wrapper's text tower, or at `model.layers`."""
-    return "model.language_model.layers" if any(n.startswith("model.language_model.") for n in info.tensors) else "model.layers"
+    return f"{TEXT_TOWER_PREFIX}layers" if any(n.startswith(TEXT_TOWER_PREFIX) for n in info.tensors) else "model.layers"
 
 
 def target_problems(info: CheckpointInfo) -> tuple[Family | None, list[Problem], str | None]:
@@ -338,6 +343,7 @@ def validate_target(path: str | os.PathLike[str]) -> TargetReport:
 
 def _target_report(info: CheckpointInfo, fam: Family, storage: str | None) -> TargetReport:
     cfg = text_config(info.config)
+    skipped = [t for n, t in info.tensors.items() if is_skipped_tensor(info.config, n)]
     return TargetReport(
         family=fam.name,
         hidden_size=cfg.get("hidden_size"),
@@ -346,8 +352,10 @@ def _target_report(info: CheckpointInfo, fam: Family, storage: str | None) -> Ta
         num_experts=_num_experts(cfg) if fam.moe else None,
         num_experts_per_tok=cfg.get("num_experts_per_tok") if fam.moe else None,
         expert_storage=storage,
-        tensors=len(info.tensors),
-        bytes=sum(t.nbytes for t in info.tensors.values()),
+        tensors=len(info.tensors) - len(skipped),
+        bytes=sum(t.nbytes for t in info.tensors.values()) - sum(t.nbytes for t in skipped),
+        skipped_tensors=len(skipped),
+        skipped_bytes=sum(t.nbytes for t in skipped),
     )
 
 

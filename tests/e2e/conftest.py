@@ -30,11 +30,22 @@ def binaries() -> None:
         pytest.fail(f"missing binaries {missing}\nhint: run `make install`", pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def world(tmp_path_factory, binaries):
+def _world(tmp_path_factory, family: str, **target_kwargs):
     from dflash_worker.testing.world import build_world
 
-    return build_world(tmp_path_factory.mktemp("world"))
+    return build_world(tmp_path_factory.mktemp(f"world-{family}"), family=family, **target_kwargs)
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory, binaries):
+    """The demo's world: a Qwen3 target."""
+    return _world(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_world(tmp_path_factory, binaries):
+    """A Qwen3.5-MoE target as released: the multimodal wrapper (vision tower, `mtp.*` shard), experts packed."""
+    return _world(tmp_path_factory, "qwen3_5_moe", expert_layout="packed")
 
 
 @pytest.fixture(scope="session")

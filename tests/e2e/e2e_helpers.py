@@ -377,6 +377,18 @@ def pipeline_spec(world, *, stages: list[str] | None = None) -> dict:
     return spec
 
 
+def run_one_job(procs, coord: Coordinator, work: Path, name: str, spec: dict, timeout: float = 600) -> tuple[str, dict, RunManager]:
+    """Run `name` of one job from `spec`, taken by one provider (`run-manager --max-jobs 1` in `work`):
+    `(run_id, job as the coordinator shows it, run-manager)` once the job succeeded."""
+    run_id = coord.create_run(name, spec, client_version=client_version())
+    token = coord.provider_token(f"box-{name}")
+    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", token, "--max-jobs", "1")
+    assert rm.wait(timeout=timeout) == 0, rm.text()
+    (job,) = coord.show(run_id)["jobs"]
+    assert job["state"] == "succeeded", json.dumps(job, indent=1)
+    return run_id, job, rm
+
+
 def export_model(job: dict) -> dict:
     """The job's registered `model.safetensors` export artifact."""
     arts = [a for a in job["artifacts"] if a["kind"] == "export" and a["name"].endswith("/model.safetensors")]

@@ -17,18 +17,13 @@ import json
 import random
 
 import pytest
-from e2e_helpers import client_version, pipeline_spec, sha256_file
+from e2e_helpers import pipeline_spec, run_one_job, sha256_file
 
 pytestmark = pytest.mark.slow
 
 
 def _run(procs, coord, tmp_path, name: str, spec: dict) -> tuple[str, dict]:
-    run_id = coord.create_run(name, spec, client_version=client_version())
-    token = coord.provider_token(f"box-{name}")
-    rm = procs.run_manager(tmp_path / f"work-{name}", "--coordinator", coord.address, "--token", token, "--max-jobs", "1")
-    assert rm.wait(timeout=600) == 0, rm.text()
-    (job,) = coord.show(run_id)["jobs"]
-    assert job["state"] == "succeeded", json.dumps(job, indent=1)
+    run_id, job, _ = run_one_job(procs, coord, tmp_path / f"work-{name}", name, spec)
     return run_id, job
 
 

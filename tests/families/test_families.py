@@ -179,6 +179,32 @@ def test_packed_expert_target_is_valid(targets, tmp_path):
     assert validate_target(t).expert_storage == "packed"
 
 
+def test_target_size_is_the_text_tower_the_loader_reads(targets, tmp_path):
+    """A Qwen3.5 wrapper's vision tower and MTP heads are no part of the target's size (what preflight
+    reports as the teacher): `validate_target` counts the bytes `load_model` reads, the skipped ones apart."""
+    from dflash_worker.testing import save_tiny_target
+    from dflash_worker.weights import list_tensors, load_model
+
+    wrapper = tmp_path / "qwen3_5_moe"
+    save_tiny_target(wrapper, family="qwen3_5_moe", dtype="bfloat16", expert_layout="packed")
+    for path in (wrapper, targets["qwen3"]):
+        entries = list_tensors(path)
+        outside = {n: e.nbytes for n, e in entries.items() if n.startswith(("model.visual.", "mtp."))}
+        inside = {n: e.nbytes for n, e in entries.items() if n not in outside}
+        rep, load = validate_target(path), load_model(path).load_report
+        assert (rep.tensors, rep.bytes) == (len(inside), sum(inside.values())), path
+        assert rep.bytes == load.bytes_read, path
+        assert (rep.skipped_tensors, rep.skipped_bytes) == (len(outside), sum(outside.values())), path
+        assert sorted(load.skipped) == sorted(outside) and load.bytes_skipped == rep.skipped_bytes, path
+    # the premise: the wrapper carries both a vision tower and MTP heads; a Qwen3 target skips nothing
+    names = list(list_tensors(wrapper))
+    assert any(n.startswith("mtp.") for n in names) and any(n.startswith("model.visual.") for n in names)
+    assert validate_target(targets["qwen3"]).skipped_tensors == 0
+    rep = validate_target(wrapper)
+    assert rep.skipped_bytes > 0
+    assert (rep.family, rep.num_hidden_layers, rep.num_experts, rep.expert_storage) == ("qwen3_5_moe", 4, 4, "packed")
+
+
 @pytest.mark.parametrize(
     "how,field",
     [

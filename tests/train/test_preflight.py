@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+from pipeline import Pipeline
+
 from dflash_worker.recipe import load_recipe
 
 
@@ -17,6 +20,9 @@ def test_preflight_reports_peaks_and_verdict(pipeline, monkeypatch):
     for phase in ("capture_peak", "optimization_peak"):
         assert report[phase]["kind"] == "peak" and report[phase]["bytes"] > 0
     assert report["verdict"] == "go"
+    teacher = report["teacher"]
+    assert teacher["family"] == "qwen3" and teacher["skipped_tensors"] == teacher["skipped_bytes"] == 0, teacher
+    assert teacher["bytes_read"] == teacher["bytes"] > 0, teacher
     monkeypatch.setattr(pf, "_device_memory", lambda dev: (1 << 20, "system memory"))
     small = pf.preflight(recipe, length=64)
     assert small["verdict"] == "no-go" and "exceeds" in small["reason"]
@@ -32,4 +38,40 @@ def test_preflight_cli_json(pipeline):
                             "--length", "64"], capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith("preflight: 64 tokens") and "optimization peak" in plain.stdout and "go:" in plain.stdout, plain.stdout
+    assert "\n  teacher:           qwen3, 4 layers x 64, " in plain.stdout and "skipped" not in plain.stdout, plain.stdout
     assert "capture peak" not in plain.stderr
+
+
+@pytest.mark.slow
+def test_preflight_measures_a_qwen3_5_moe_wrapper_as_its_text_tower(tmp_path):
+    """The teacher preflight loads and reports is the text tower: geometry from `text_config`, bytes of
+    `model.language_model.*` and `lm_head`; the vision tower and MTP heads are skipped unread and
+    counted apart (they are in no peak)."""
+    from dflash_worker.testing.world import build_world
+    from dflash_worker.weights import list_tensors
+    from dflash_worker.weights.checkpoint import read_text_config
+
+    world = build_world(tmp_path / "world", family="qwen3_5_moe", expert_layout="packed")
+    base = {
+        "model": {"target": str(world.target), "draft": str(world.draft), "family": "qwen3_5_moe"},
+        "data": {"dir": str(tmp_path / "data"), "thinking": "off", "max_length": 64},
+        "capture": {"output": str(tmp_path / "capture"), "dtype": "float32", "device": "cpu"},
+    }
+    recipe = Pipeline(tmp_path, world.target, world.draft, tmp_path / "data", tmp_path / "capture", base).recipe("preflight")
+    res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "preflight", "--recipe", str(recipe), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    teacher = json.loads(res.stdout)["teacher"]
+
+    tc = read_text_config(world.target)
+    entries = list_tensors(world.target)
+    outside = [e.nbytes for n, e in entries.items() if n.startswith(("model.visual.", "mtp."))]
+    tower = [e.nbytes for n, e in entries.items() if n.startswith(("model.language_model.", "lm_head."))]
+    assert len(tower) + len(outside) == len(entries), sorted(entries)
+    assert teacher["family"] == "qwen3_5_moe" and teacher["expert_storage"] == "packed", teacher
+    got = tuple(teacher[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "num_experts_per_tok"))
+    assert got == tuple(tc[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "num_experts_per_tok"))
+    assert teacher["bytes_read"] == teacher["bytes"] == sum(tower), teacher
+    assert (teacher["skipped_tensors"], teacher["skipped_bytes"]) == (len(outside), sum(outside)) and outside, teacher
+    line = f"qwen3_5_moe, {tc['num_hidden_layers']} layers x {tc['hidden_size']}, {tc['num_experts']} experts (top-{tc['num_experts_per_tok']})"
+    assert line in res.stderr and "vision/MTP skipped unread" in res.stderr, res.stderr

@@ -16,6 +16,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the preflight report as JSON on stdout")
 
 
+def _teacher_line(t: dict) -> str:
+    """The measured teacher in one line: its text tower, and what the load skipped (never in a peak)."""
+    mib = 2**20
+    experts = f", {t['num_experts']} experts (top-{t['num_experts_per_tok']})" if t["num_experts"] else ""
+    skipped = f"; {t['skipped_bytes'] / mib:.1f} MiB vision/MTP skipped unread" if t["skipped_tensors"] else ""
+    return (
+        f"{t['family']}, {t['num_hidden_layers']} layers x {t['hidden_size']}{experts}, "
+        f"{t['bytes_read'] / mib:.1f} MiB of weights read{skipped}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from ..recipe import load_recipe
     from ..train.preflight import preflight
@@ -24,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     gib = 2**30
     print(
         f"preflight: {report['sequence_length']} tokens, {report['blocks']} blocks on {report['device']['device']}\n"
+        f"  teacher:           {_teacher_line(report['teacher'])}\n"
         f"  capture peak:      {report['capture_peak']['bytes'] / gib:.3f} GiB ({report['capture_peak']['what']})\n"
         f"  optimization peak: {report['optimization_peak']['bytes'] / gib:.3f} GiB ({report['optimization_peak']['what']})\n"
         f"  {report['verdict']}: {report['reason']}",

@@ -14,11 +14,17 @@ the process resident-set peak: on Linux ``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``, elsewhere the maximum of RSS samples taken every
 5 ms. The verdict is ``go`` when the larger peak plus a 10% margin fits in the
 device's memory (CUDA: total device memory; CPU/MPS: total system memory).
+
+The report's ``teacher`` says what was measured: the target's text tower (family,
+layers, width, experts, tensor bytes from the headers) and ``bytes_read``, what the
+capture phase's load actually took from the files. A Qwen3.5 checkpoint's vision
+tower and MTP heads are skipped unread (``skipped_bytes``): they are in no peak.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 import time
@@ -108,16 +114,18 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
 
     cfg = recipe.require("train")
     cap = recipe.capture
-    check_recipe_pair(recipe.model.target, recipe.model.draft, recipe.model.family)
+    pair = check_recipe_pair(recipe.model.target, recipe.model.draft, recipe.model.family)
     choice = resolve_device(cfg.device)
     dev = choice.torch_device
     L = int(length or recipe.data.max_length)
     gen = torch.Generator().manual_seed(cfg.seed)
 
     cap_dtype = getattr(torch, cap.dtype) if cap is not None else torch.bfloat16
+    loaded: dict[str, int] = {}
 
     def capture_phase() -> None:
         target = load_model(recipe.model.target, device=dev, dtype=cap_dtype)
+        loaded["bytes_read"] = target.load_report.bytes_read
         vocab = target.config.vocab_size
         ids = torch.randint(0, vocab, (1, L), generator=gen).to(dev)
         with torch.no_grad():
@@ -175,6 +183,7 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     return {
         "sequence_length": L,
         "blocks": cfg.blocks_per_sequence,
+        "teacher": dataclasses.asdict(pair.target) | loaded,
         "capture_peak": capture,
         "optimization_peak": optimization,
         "device_memory_bytes": total,

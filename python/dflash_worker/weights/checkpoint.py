@@ -210,3 +210,21 @@ def is_wrapper_config(config: dict) -> bool:
 def read_text_config(path: str | os.PathLike[str]) -> dict:
     """`text_config(read_config_json(path))`: the geometry (layers, width, vocabulary) of the text tower."""
     return text_config(read_config_json(path))
+
+
+# Where a Qwen3.5 checkpoint keeps its text tower, and what a target never needs: the vision
+# tower and the multi-token prediction heads. `weights.loader` skips them unread, and
+# `families` leaves them out of a target's size, by this one rule.
+TEXT_TOWER_PREFIX = "model.language_model."
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+
+
+def skips_outside_text_tower(config: dict) -> bool:
+    """True when a target load leaves `SKIPPED_PREFIXES` unread: the Qwen3.5 families, wrapper or
+    text-only `config.json` (other families read every tensor their checkpoint holds)."""
+    return str(config.get("model_type", "")).startswith("qwen3_5")
+
+
+def is_skipped_tensor(config: dict, name: str) -> bool:
+    """True for a checkpoint tensor that a target with `config.json` contents `config` never reads."""
+    return skips_outside_text_tower(config) and name.startswith(SKIPPED_PREFIXES)

@@ -30,15 +30,19 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from .checkpoint import _config_dir, is_wrapper_config, read_config_json, resolve_checkpoint
+from .checkpoint import (
+    TEXT_TOWER_PREFIX,
+    _config_dir,
+    is_skipped_tensor,
+    is_wrapper_config,
+    read_config_json,
+    resolve_checkpoint,
+    skips_outside_text_tower,
+)
 from .stream import TORCH_DTYPES, LoadReport, ProgressFn, Source, stream_into
 
 # model_type values this loader knows how to fill (the families in `dflash_worker.families`)
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-
-# Where a multimodal wrapper keeps its text tower, and what the target never needs.
-TEXT_TOWER_PREFIX = "model.language_model."
-SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -95,14 +99,14 @@ def checkpoint_key_mapping(raw_config: dict):
     (a text-only file already uses ``model.*``), and the vision tower and MTP heads are
     skipped unread. Other families: (None, None).
     """
-    if not str(raw_config.get("model_type", "")).startswith("qwen3_5"):
+    if not skips_outside_text_tower(raw_config):
         return None, None
 
     def key_mapping(key: str) -> str:
         return "model." + key[len(TEXT_TOWER_PREFIX) :] if key.startswith(TEXT_TOWER_PREFIX) else key
 
     def skip(key: str) -> bool:
-        return key.startswith(SKIPPED_PREFIXES)
+        return is_skipped_tensor(raw_config, key)
 
     return key_mapping, skip
 
