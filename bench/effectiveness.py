@@ -903,6 +903,10 @@ def goal_line(rows: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+# `speculative_generate(profile=True)`'s phases; `rollback` only on hybrid (linear-attention) targets
+LOOP_PHASES = ("draft", "verify", "accept", "rollback", "crop")
+
+
 def greedy_baseline(measured: list[dict[str, Any]]) -> tuple[float, int | None]:
     """The teacher's plain greedy seconds over `measure` results at its fastest thread count (summed
     over every result), and that count (None: a report from before greedy was timed per count)."""
@@ -919,16 +923,18 @@ def loop_cost(measured: list[dict[str, Any]], name: str) -> dict[str, float]:
     teacher's greedy ms per token (at its fastest thread count), pooled tau, the speedup bound
     0.8 * tau / (1 + draft / target) (issue 16's goal) beside the measured speedup, and the loop's
     ceiling: the speedup / goal ratio these step costs allow at any tau, before prefill
-    ((target + draft) / (0.8 (draft + verify + rest)), `bench/verify_cost.py`)."""
+    ((target + draft) / (0.8 (draft + verify + rest + rollback)), `bench/verify_cost.py`).
+    `rollback` (the linear-attention recurrence replayed over the accepted tokens) is timed on
+    hybrid targets only: 0 on the others and in reports from before it was timed."""
     recs = [m["drafts"][name] for m in measured]
     steps = sum(r["steps"] for r in recs) or 1
-    ms = {k: 1000 * sum(r["phase_seconds"].get(k, 0.0) for r in recs) / steps for k in ("draft", "verify", "accept", "crop")}
+    ms = {k: 1000 * sum(r["phase_seconds"].get(k, 0.0) for r in recs) / steps for k in LOOP_PHASES}
     greedy, greedy_threads = greedy_baseline(measured)
     target_ms = 1000 * greedy / max(1, sum(m["greedy_tokens"] for m in measured))
     tau = sum(r["tokens"] for r in recs) / steps
     bound = 0.8 * tau / (1 + ms["draft"] / target_ms)
     speedup = greedy / sum(r["seconds"] for r in recs)
-    step_ms = ms["draft"] + ms["verify"] + ms["accept"] + ms["crop"]
+    step_ms = sum(ms.values())
     return {**{f"{k}_ms": v for k, v in ms.items()}, "target_ms": target_ms, "greedy_threads": greedy_threads,
             "tau_pooled": tau, "bound": bound, "speedup": speedup,
             "ceiling": (target_ms + ms["draft"]) / (0.8 * step_ms)}
@@ -940,21 +946,23 @@ def cost_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     threads = {row[dom]["cost"].get("greedy_threads") for row in rows for dom in ("own", "general")}
     lines = ["Speculative loop cost per verify step (ms, all seeds pooled): draft = draft forward and proposal "
-             "(selector included), verify = the teacher's block forward, rest = accepting and cache rollback; "
-             "teacher = its greedy decoding per token"
+             "(selector included), verify = the teacher's block forward, rest = accepting and cropping the "
+             "caches, rollback = the linear-attention layers' recurrence replayed over the accepted tokens (hybrid "
+             "teachers only, 0 otherwise); teacher = its greedy decoding per token"
              + (f" (at its faster thread count: {', '.join(str(n) for n in sorted(threads))})" if None not in threads
                 else "") + "; verify / teacher = what a block verify costs in greedy steps; ceiling = the "
              "speedup / goal ratio these step costs allow at any tau, before prefill: (teacher + draft) / "
-             "(0.8 x (draft + verify + rest)). Goal: speedup >= 0.8 x pooled tau / (1 + draft / teacher).",
-             "", "| recipe | domain | draft | verify | rest | teacher | verify / teacher | ceiling | pooled tau | "
+             "(0.8 x (draft + verify + rest + rollback)). Goal: speedup >= 0.8 x pooled tau / (1 + draft / teacher).",
+             "", "| recipe | domain | draft | verify | rest | rollback | teacher | verify / teacher | ceiling | pooled tau | "
              "goal speedup | speedup | speedup / goal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for dom in ("own", "general"):
             c = row[dom]["cost"]
             rest = c["accept_ms"] + c["crop_ms"]
             lines.append(f"| {row['recipe']} | {dom} | {c['draft_ms']:.2f} | {c['verify_ms']:.2f} | "
-                         f"{rest:.2f} | {c['target_ms']:.2f} | {c['verify_ms'] / c['target_ms']:.2f} | {c['ceiling']:.2f} | "
+                         f"{rest:.2f} | {c.get('rollback_ms', 0.0):.2f} | {c['target_ms']:.2f} | "
+                         f"{c['verify_ms'] / c['target_ms']:.2f} | {c['ceiling']:.2f} | "
                          f"{c['tau_pooled']:.2f} | {c['bound']:.2f}x | {c['speedup']:.2f}x "
                          f"{'(met)' if c['speedup'] >= c['bound'] else '(NOT met)'} | {c['speedup'] / c['bound']:.2f} |")
     return [*lines, ""]

@@ -97,17 +97,18 @@ def test_smoke_run_end_to_end(tmp_path):
             # the loop's cost: every phase timed, the goal's bound computed from the measured costs
             c = d["cost"]
             assert all(c[f"{k}_ms"] > 0 for k in ("draft", "verify", "accept", "crop", "target")), c
+            assert c["rollback_ms"] == 0.0  # the teacher is a plain Qwen3: no linear-attention layers to replay
             assert 1.0 <= c["tau_pooled"] <= block
             assert c["bound"] == pytest.approx(0.8 * c["tau_pooled"] / (1 + c["draft_ms"] / c["target_ms"]))
-            step = sum(c[f"{k}_ms"] for k in ("draft", "verify", "accept", "crop"))
+            step = sum(c[f"{k}_ms"] for k in ("draft", "verify", "accept", "rollback", "crop"))
             assert c["ceiling"] == pytest.approx((c["target_ms"] + c["draft_ms"]) / (0.8 * step))
             # the baseline is the teacher's greedy decoding at its faster thread count (here only 1)
             greedy, n = eff.greedy_baseline([ps[dom] for ps in report["per_seed"]])
             assert n == c["greedy_threads"] == report["torch_threads"] == 1
             assert d["speedup"] == pytest.approx(greedy / sum(ps[dom]["drafts"][row["recipe"]]["seconds"]
                                                               for ps in report["per_seed"]))
-    assert ("| recipe | domain | draft | verify | rest | teacher | verify / teacher | ceiling | pooled tau | goal speedup "
-            "| speedup | speedup / goal |") in (out / "report.md").read_text()
+    assert ("| recipe | domain | draft | verify | rest | rollback | teacher | verify / teacher | ceiling | pooled tau | "
+            "goal speedup | speedup | speedup / goal |") in (out / "report.md").read_text()
     seed0 = report["per_seed"][0]
     test_mods = {m.replace("/", "::") for m in seed0["split"]["test"]}
     assert set(seed0["own_prompts"]) <= test_mods
@@ -195,3 +196,22 @@ def test_the_greedy_baseline_is_the_faster_thread_count_over_every_result():
     assert eff.greedy_baseline(m) == (4.5, 1)
     # reports written before greedy was timed per thread count
     assert eff.greedy_baseline([{"greedy_seconds": 1.5}, {"greedy_seconds": 2.0}]) == (3.5, None)
+
+
+def test_loop_cost_counts_the_rollback_phase_and_reads_reports_without_it():
+    eff = _module()
+
+    def measured(phases):
+        return [{"greedy_seconds": 1.0, "greedy_seconds_by_threads": {"1": 1.0}, "greedy_tokens": 100,
+                 "drafts": {"d": {"steps": 10, "tokens": 40, "seconds": 0.5, "phase_seconds": phases}}}]
+
+    base = {"draft": 0.02, "verify": 0.05, "accept": 0.002, "crop": 0.001}
+    hybrid = eff.loop_cost(measured({**base, "rollback": 0.004}), "d")
+    plain = eff.loop_cost(measured(base), "d")  # a non-hybrid teacher, or a report from before the phase
+    assert hybrid["rollback_ms"] == pytest.approx(0.4) and plain["rollback_ms"] == 0.0
+    # the replay is part of a step's cost: (teacher + draft) / (0.8 x (draft + verify + rest + rollback))
+    assert hybrid["ceiling"] == pytest.approx((10 + 2) / (0.8 * (2 + 5 + 0.2 + 0.1 + 0.4)))
+    assert plain["ceiling"] == pytest.approx((10 + 2) / (0.8 * (2 + 5 + 0.2 + 0.1)))
+    rows = [{"recipe": "r", "own": {"cost": hybrid}, "general": {"cost": {k: v for k, v in plain.items() if k != "rollback_ms"}}}]
+    table = [line for line in eff.cost_lines(rows) if line.startswith("| r |")]
+    assert [line.split(" | ")[5] for line in table] == ["0.40", "0.00"]

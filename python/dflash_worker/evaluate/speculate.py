@@ -9,6 +9,14 @@ verification uses rejection sampling, so the output is distributed as the
 target's own (filtered) sampling. DFlash2 drafts propose through their
 candidate selector.
 
+Rolling the target back: attention layers drop the rejected keys and values
+(`cache.crop`). Hybrid targets (Qwen3.5, Qwen3.5-MoE) also have Gated
+DeltaNet layers, whose recurrent state `crop` cannot restore: for those,
+`rollback.RecurrentRollback` records each layer's recurrence during the
+verify forward and replays it over the accepted tokens only (see its module
+for why and what it costs). Targets without linear-attention layers take the
+plain path, with no hooks.
+
 The acceptance length reported per step is the number of tokens the step
 added to the output (accepted + bonus, cut at `max_new_tokens` or a stop
 token).
@@ -16,6 +24,7 @@ token).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +33,7 @@ from ..device import now
 from ..errors import ConfigError, FamilyError
 from ..model.draft import DraftModel, context_features
 from ..model.sampling import accept_by_rejection, check_sampling, draw, pick, sampling_probs
+from .rollback import RecurrentRollback
 
 
 @dataclass
@@ -64,25 +74,67 @@ class SpeculativeResult:
         }
 
 
-def _target_cache(target):
+def _target_cache(target, *, record_past: bool = True):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=target.config)
-    # Sliding-window layers must keep rolled-back states until we crop them.
-    if hasattr(cache, "activate_past_recording"):
+    # Sliding-window and linear-attention layers must keep rolled-back states until we crop them;
+    # a cache that is never cropped must not record (its recorded conv states would grow every step).
+    if record_past and hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
     return cache
 
 
-def _crop(cache, length: int) -> None:
+def _crop(cache, length: int, *, trim: bool = False) -> None:
+    """Roll `cache` back to `length` tokens. `trim`: crop even when nothing is removed, which cuts
+    recorded linear-attention conv states back to the kernel size (they grow until cropped)."""
     extra = cache.get_seq_length() - length
-    if extra > 0:
+    if extra > 0 or trim:
         cache.crop(-extra)
 
 
 def _head(target):
     head = getattr(target, "lm_head", None)
     return head if head is not None else target.get_output_embeddings()
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    generator: torch.Generator | None
+
+
+def _check_pair(draft: DraftModel, target, input_ids: torch.Tensor, max_new_tokens: int, block_size: int | None) -> int:
+    """Refuse what the loop cannot run (before any forward); the block size to use."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ConfigError(f"speculative generation takes one sequence `[1, n]`, found shape `{tuple(input_ids.shape)}`")
+    if max_new_tokens < 1:
+        raise ConfigError(f"`max_new_tokens` must be >= 1, found `{max_new_tokens}`")
+    bs = draft.block_size if block_size is None else int(block_size)
+    if bs < 2:
+        raise ConfigError(f"`block_size` must be >= 2, found `{bs}`")
+    embed_w = target.get_input_embeddings().weight
+    if embed_w.shape[1] != draft.config.hidden_size or embed_w.shape[0] <= draft.mask_token_id:
+        raise FamilyError(
+            f"draft (hidden `{draft.config.hidden_size}`, mask token `{draft.mask_token_id}`) does not fit the target "
+            f"embedding `{list(embed_w.shape)}`\nhint: pair the draft with the target it was trained for"
+        )
+    return bs
+
+
+def _propose(draft: DraftModel, block: torch.Tensor, features, d_cache, embed_w, head, s: _Sampling):
+    """The draft's proposal for the block's mask positions, with the draft probabilities and
+    candidate support rejection sampling needs (None when greedy / not a DFlash2 draft)."""
+    hidden = draft.step(features, draft.embed(block, embed_w), d_cache)[:, 1:]
+    if draft.candidate_selector is not None:
+        return draft.propose(hidden, block[:, 0], head, s.temperature, s.generator)
+    d_logits = draft.logits(hidden, head)
+    if s.temperature > 0:
+        draft_probs = sampling_probs(d_logits, s.temperature, s.top_p, s.top_k)
+        return draw(draft_probs, s.generator), None, draft_probs
+    return d_logits.argmax(dim=-1), None, None
 
 
 @torch.inference_mode()
@@ -107,28 +159,19 @@ def speculative_generate(
     `profile`, `extra["phase_seconds"]` holds the decode loop's time by phase,
     summed over steps: ``draft`` (draft forward and proposal, selector
     included), ``verify`` (the target's block forward), ``accept`` (comparing,
-    writing the tokens, stop tokens) and ``crop`` (cache rollback and the
-    next step's features); the device is synchronised between phases, which
-    on an accelerator costs some of the overlap an unprofiled run has.
+    writing the tokens, stop tokens), ``rollback`` (hybrid targets only: the
+    linear-attention layers' recurrence replayed over the accepted tokens) and
+    ``crop`` (cache rollback and the next step's features); the device is
+    synchronised between phases, which on an accelerator costs some of the
+    overlap an unprofiled run has.
     """
     check_sampling(temperature, top_p, top_k)
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ConfigError(f"speculative generation takes one sequence `[1, n]`, found shape `{tuple(input_ids.shape)}`")
-    if max_new_tokens < 1:
-        raise ConfigError(f"`max_new_tokens` must be >= 1, found `{max_new_tokens}`")
-    bs = draft.block_size if block_size is None else int(block_size)
-    if bs < 2:
-        raise ConfigError(f"`block_size` must be >= 2, found `{bs}`")
+    bs = _check_pair(draft, target, input_ids, max_new_tokens, block_size)
+    sampling = _Sampling(temperature, top_p, top_k, generator)
     dev = input_ids.device
     head = _head(target)
     embed_w = target.get_input_embeddings().weight
     layer_ids = draft.target_layer_ids
-    if embed_w.shape[1] != draft.config.hidden_size or embed_w.shape[0] <= draft.mask_token_id:
-        raise FamilyError(
-            f"draft (hidden `{draft.config.hidden_size}`, mask token `{draft.mask_token_id}`) does not fit the target "
-            f"embedding `{list(embed_w.shape)}`\nhint: pair the draft with the target it was trained for"
-        )
-    is_v2 = draft.candidate_selector is not None
 
     n = input_ids.shape[1]
     limit = n + max_new_tokens
@@ -137,17 +180,13 @@ def speculative_generate(
     positions = torch.arange(limit + 1, device=dev)[None]
     stops = None if not stop_token_ids else torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
     t_cache = _target_cache(target)
+    rollback = RecurrentRollback.for_target(target, t_cache)  # None: no linear-attention layers
     d_cache = draft.new_cache()
 
     t0 = now(dev)
-    out = target(
-        input_ids,
-        position_ids=positions[:, :n],
-        cache=t_cache,
-        use_cache=True,
-        logits_to_keep=1,
-        output_hidden_states=True,
-    )
+    out = target(input_ids, position_ids=positions[:, :n], cache=t_cache, use_cache=True, logits_to_keep=1, output_hidden_states=True)
+    if rollback is not None:
+        _crop(t_cache, n, trim=True)  # the conv states recorded the whole prompt; keep the kernel's width
     tokens[:, n] = pick(out.logits[:, -1], temperature, top_p, top_k, generator)
     features = context_features(out.hidden_states, layer_ids)
     t1 = now(dev)
@@ -155,36 +194,22 @@ def speculative_generate(
     pos = n  # position of the last verified token = the next block's anchor
     lengths: list[int] = []
     stopped_on = None
-    phase = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "crop": 0.0}
+    phase = dict.fromkeys(("draft", "verify", "accept", *(("rollback",) if rollback else ()), "crop"), 0.0)
     clock = (lambda: now(dev)) if profile else (lambda: 0.0)
+    recording = rollback.recording if rollback is not None else contextlib.nullcontext
     if stops is not None and bool(torch.isin(tokens[0, n], stops)):
         stopped_on = int(tokens[0, n])
     while stopped_on is None and pos + 1 < limit:
-        ta = clock()
+        marks = [clock()]
         span = min(bs, limit - pos)
         block = tokens[:, pos : pos + span].clone()
-        hidden = draft.step(features, draft.embed(block, embed_w), d_cache)[:, 1:]
-        draft_probs = support = None
-        if is_v2:
-            proposal, support, draft_probs = draft.propose(hidden, block[:, 0], head, temperature, generator)
-        else:
-            d_logits = draft.logits(hidden, head)
-            if temperature > 0:
-                draft_probs = sampling_probs(d_logits, temperature, top_p, top_k)
-                proposal = draw(draft_probs, generator)
-            else:
-                proposal = d_logits.argmax(dim=-1)
+        proposal, support, draft_probs = _propose(draft, block, features, d_cache, embed_w, head, sampling)
         block[:, 1:] = proposal
-        tb = clock()
+        marks.append(clock())
 
-        out = target(
-            block,
-            position_ids=positions[:, pos : pos + span],
-            cache=t_cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
-        tc = clock()
+        with recording():
+            out = target(block, position_ids=positions[:, pos : pos + span], cache=t_cache, use_cache=True, output_hidden_states=True)
+        marks.append(clock())
         if temperature > 0:
             t_probs = sampling_probs(out.logits, temperature, top_p, top_k)
             accepted, bonus = accept_by_rejection(proposal, t_probs, draft_probs, support, generator)
@@ -202,14 +227,17 @@ def speculative_generate(
                 produced = int(hit[0, 0]) + 1
                 stopped_on = int(tokens[0, pos + produced])
         pos += produced
-        td = clock()
-        _crop(t_cache, pos)
+        marks.append(clock())
+        if rollback is not None:
+            rollback.replay(t_cache, produced)
+            marks.append(clock())
+        _crop(t_cache, pos, trim=rollback is not None)
         lengths.append(produced)
         # the verify pass computed target features for the block; keep those now verified
         features = context_features(out.hidden_states, layer_ids)[:, :produced]
-        te = clock()
-        for k, dt in zip(phase, (tb - ta, tc - tb, td - tc, te - td)):
-            phase[k] += dt
+        marks.append(clock())
+        for k, a, b in zip(phase, marks, marks[1:]):
+            phase[k] += b - a
 
     t2 = now(dev)
     output = tokens[:, : min(pos + 1, limit)]
@@ -227,8 +255,11 @@ def speculative_generate(
 
 @torch.inference_mode()
 def greedy_generate(target, input_ids: torch.Tensor, *, max_new_tokens: int, stop_token_ids: list[int] | None = None) -> torch.Tensor:
-    """Plain greedy decoding with the target alone (the baseline speculative output must equal)."""
-    cache = _target_cache(target)
+    """Plain greedy decoding with the target alone (the baseline speculative output must equal).
+
+    Its cache is never cropped, so it does not record past states: a recording hybrid cache would
+    keep every conv input and take the slower multi-token conv path on each 1-token step."""
+    cache = _target_cache(target, record_past=False)
     n = input_ids.shape[1]
     out = target(input_ids, cache=cache, use_cache=True, logits_to_keep=1)
     ids = [input_ids]
