@@ -181,7 +181,18 @@ def _from_file(path: Path, shared: dict[str, Any], kind: str | None, layers: int
     return cfg, kind or src.kind
 
 
+# Files a saved tokenizer consists of (one of them at least). transformers 5 builds an empty
+# tokenizer from config.json alone, so loading without them "succeeds" with 1 token.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _mask_token(target: Path, vocab: int, warnings: list[str]) -> tuple[int, str]:
+    directory = target if target.is_dir() else target.parent
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise ConfigError(
+            f"target `{target}` has no tokenizer ({', '.join(f'`{n}`' for n in _TOKENIZER_FILES)}) to choose a mask token from"
+            "\nhint: pass `--mask-token-id ID`"
+        )
     try:
         from transformers import AutoTokenizer
 
