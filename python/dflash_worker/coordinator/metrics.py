@@ -51,7 +51,7 @@ class _StoreCollector(Collector):
         self.artifacts = artifacts
 
     def collect(self) -> Iterator:
-        c = self.store.counts
+        c = self.store.database.counts
         yield CounterMetricFamily("dflash_leases_granted", "Leases handed to providers.", value=c["leases_granted"])
         yield CounterMetricFamily("dflash_leases_expired", "Leases that expired without a heartbeat (their jobs were requeued or failed).", value=c["attempt_expired"])
         ended = CounterMetricFamily("dflash_attempts_ended", "Attempts that ended, by their state.", labels=["state"])

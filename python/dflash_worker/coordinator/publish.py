@@ -168,11 +168,11 @@ class PublishGate:
     async def decide_job(self, job_id: str) -> PublicationRow | None:
         """Decide on the export a success of `job_id` settles (its own, or for a graph's evaluate shard 0 the
         train job's); that publication (None: nothing to decide yet)."""
-        job_id = self.store.gated_job(job_id)
-        existing = self.store.publication(job_id)
+        job_id = self.store.publications.gated_job(job_id)
+        existing = self.store.publications.publication(job_id)
         if existing is not None:
             return existing
-        inputs: GateInputs | None = self.store.gate_inputs(job_id, REPORT_NAME)
+        inputs: GateInputs | None = self.store.publications.gate_inputs(job_id, REPORT_NAME)
         if inputs is None:
             return None
 
@@ -191,13 +191,13 @@ class PublishGate:
             # The blob store is down: decide later (at the next start, or the next call that asks).
             log.warning("regression gate: cannot read the report of job `%s`: %s", job_id, exc)
             return None
-        pub = self.store.record_publication(inputs, published=d.published, verdict=d.verdict, reason=d.reason, evaluation=d.evaluation)
+        pub = self.store.publications.record_publication(inputs, published=d.published, verdict=d.verdict, reason=d.reason, evaluation=d.evaluation)
         log.info("regression gate: job `%s` export %s (%s)", job_id, "published" if pub.published else "held back", pub.reason)
         return pub
 
     async def catch_up(self) -> int:
         """Decide every job a previous coordinator left undecided; returns how many were decided."""
         n = 0
-        for job_id in self.store.undecided_jobs():
+        for job_id in self.store.publications.undecided_jobs():
             n += await self.decide_job(job_id) is not None
         return n

@@ -163,30 +163,30 @@ def ensure_admin_token(store: Store, token: str | None, token_file: Path) -> str
     written there with mode 0600.
     """
     if token:
-        store.set_admin_token(token)
+        store.credentials.set_admin_token(token)
         return "given"
-    if store.has_admin_token() and token_file.is_file():
+    if store.credentials.has_admin_token() and token_file.is_file():
         existing = token_file.read_text().strip()
-        p = store.principal(existing)
+        p = store.credentials.principal(existing)
         if p is not None and p.admin:
             return "file"
     fresh = new_token()
     _write_private(token_file, fresh + "\n")
-    store.set_admin_token(fresh)
+    store.credentials.set_admin_token(fresh)
     return "generated"
 
 
 def ensure_viewer_token(store: Store, token: str | None, token_file: Path) -> str:
     """Install the status page's read-only viewer token, as `ensure_admin_token` does the admin's."""
     if token:
-        store.set_viewer_token(token)
+        store.credentials.set_viewer_token(token)
         return "given"
-    if store.has_viewer_token() and token_file.is_file():
-        if store.web_role(token_file.read_text().strip()) == "viewer":
+    if store.credentials.has_viewer_token() and token_file.is_file():
+        if store.credentials.web_role(token_file.read_text().strip()) == "viewer":
             return "file"
     fresh = new_token()
     _write_private(token_file, fresh + "\n")
-    store.set_viewer_token(fresh)
+    store.credentials.set_viewer_token(fresh)
     return "generated"
 
 
@@ -227,7 +227,7 @@ async def serve(
         ]
         limiter = FailureLimiter(limit=config.auth_failure_limit, window=config.auth_failure_window)
         metrics = Metrics(store, artifacts)
-        gate = Gate(store.authenticate, limiter, mtls=tls is not None and tls.mtls)
+        gate = Gate(store.credentials.authenticate, limiter, mtls=tls is not None and tls.mtls)
         server = grpc.aio.server(interceptors=[AuthInterceptor(gate)], options=options)
         publisher = PublishGate(store, blobs)
         provider_pb2_grpc.add_ProviderServiceServicer_to_server(
@@ -258,7 +258,7 @@ async def serve(
                 raise ConfigError(f"cannot listen on `{config.http_listen}` (--http-listen): {exc.strerror or exc}") from None
             http_address = f"{'https' if tls else 'http'}://{config.http_listen.rpartition(':')[0]}:{http_port}"
         # Requeue whatever expired while the coordinator was down; decide on exports it left undecided.
-        store.expire_due()
+        store.jobs.expire_due()
         await publisher.catch_up()
         host = config.listen.rpartition(":")[0]
         on_ready(
@@ -290,7 +290,7 @@ async def serve(
             while True:
                 await asyncio.sleep(interval)
                 try:
-                    store.expire_due()
+                    store.jobs.expire_due()
                 except Exception:  # noqa: BLE001 - keep serving; the next tick retries
                     log.exception("lease expiry failed")
 
@@ -308,11 +308,11 @@ async def serve(
             while True:
                 await asyncio.sleep(1.0)
                 try:
-                    await asyncio.to_thread(store.checkpoint_wal)
+                    await asyncio.to_thread(store.database.checkpoint_wal)
                 except Exception:  # noqa: BLE001 - keep serving; the next tick retries
                     log.exception("database checkpoint failed")
 
-        store.checkpoint_in_background()
+        store.database.checkpoint_in_background()
         ticker = asyncio.create_task(expire_loop())
         janitor = asyncio.create_task(janitor_loop())
         checkpointer = asyncio.create_task(wal_loop())

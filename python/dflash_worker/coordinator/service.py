@@ -172,7 +172,7 @@ class Artifacts:
             raise IdleError(f"{what}: nothing arrived for {self.idle_seconds:g} s; the upload was cut (what arrived is kept for a resume)") from None
 
     def offset(self, lease: LiveLease, claim: Claim) -> tuple[int, bool]:
-        if self.store.recorded(lease.attempt_id, claim) is not None:
+        if self.store.records.recorded(lease.attempt_id, claim) is not None:
             return claim.size_bytes, True
         return self.staging.offset(lease.attempt_id, claim), False
 
@@ -182,14 +182,14 @@ class Artifacts:
             raise InvalidRequestError(f"artifact `{claim.name}`: `offset` {offset} is past `size_bytes` {claim.size_bytes}")
         if claim.kind == "checkpoint" and claim.size_bytes > MAX_MANIFEST_BYTES:
             raise InvalidRequestError(f"checkpoint `{claim.name}` is {claim.size_bytes} bytes; a checkpoint manifest is at most {MAX_MANIFEST_BYTES}")
-        self.store.check_name_free(lease.attempt_id, claim.name)
+        self.store.records.check_name_free(lease.attempt_id, claim.name)
         path = self.staging.path(lease.attempt_id, claim)
         inflight = self._inflight.setdefault(lease.attempt_id, {})
         if path in inflight:
             raise PolicyError(f"artifact `{claim.name}`: another upload of it is in progress\nhint: wait for it to end, then resume from UploadOffset")
         if len(inflight) >= MAX_UPLOADS_PER_ATTEMPT:
             raise QuotaError(f"artifact `{claim.name}`: this attempt already has {len(inflight)} uploads in progress; at most {MAX_UPLOADS_PER_ATTEMPT} at once")
-        self.store.check_quota(lease, claim, pending_bytes=sum(inflight.values()), pending_records=len(inflight))
+        self.store.records.check_quota(lease, claim, pending_bytes=sum(inflight.values()), pending_records=len(inflight))
         inflight[path] = claim.size_bytes
         return path
 
@@ -236,7 +236,7 @@ class Artifacts:
         path = self.staging.path(lease.attempt_id, claim)
         if claim.kind == "checkpoint":
             files = parse_checkpoint_manifest(claim.name, await asyncio.to_thread(path.read_bytes))
-            missing = self.store.missing_checkpoint_file(lease.attempt_id, claim.name, files)
+            missing = self.store.records.missing_checkpoint_file(lease.attempt_id, claim.name, files)
             if missing is not None:
                 raise PolicyError(
                     f"checkpoint `{claim.name}` lists `{missing}`, which this attempt has not uploaded with that sha256 and size\n"
@@ -246,18 +246,18 @@ class Artifacts:
             await asyncio.to_thread(self.blobs.put, path, claim.sha256, claim.size_bytes)
             try:
                 # The lease may have ended while the bytes were stored: check again.
-                lease = self.store.live_lease(pid, lease_id)
-                record = self.store.record(lease, claim)
+                lease = self.store.leases.live_lease(pid, lease_id)
+                record = self.store.records.record(lease, claim)
             except BaseException:
                 # Stored but not recorded: the janitor deletes the blob unless a record names it.
-                self.store.garbage.add(claim.sha256)
+                self.store.records.garbage.add(claim.sha256)
                 raise
         await asyncio.to_thread(self.staging.discard, lease.attempt_id, claim)
         return record
 
     async def upload(self, pid: str, lease_id: str, claim: Claim, offset: int, chunks: AsyncIterator[bytes]) -> ArtifactRecord:
-        lease = self.store.live_lease(pid, lease_id)
-        existing = self.store.recorded(lease.attempt_id, claim)
+        lease = self.store.leases.live_lease(pid, lease_id)
+        existing = self.store.records.recorded(lease.attempt_id, claim)
         if existing is not None:
             return existing
         path = self.admit(lease, claim, offset)
@@ -286,18 +286,18 @@ class Artifacts:
     async def collect_garbage(self) -> int:
         """Delete blobs no record refers to, and staged uploads of ended or idle attempts; returns blobs deleted."""
         deleted = 0
-        for sha in self.store.take_garbage():
+        for sha in self.store.records.take_garbage():
             async with self._blob_lock(sha):
-                if self.store.referenced(sha):
+                if self.store.records.referenced(sha):
                     continue
                 await asyncio.to_thread(self.blobs.delete, sha)
                 deleted += 1
-        ended, self.store.ended_attempts = self.store.ended_attempts, set()
+        ended, self.store.jobs.ended_attempts = self.store.jobs.ended_attempts, set()
         for attempt_id in ended:
             if attempt_id not in self._inflight:
                 await asyncio.to_thread(self.staging.drop_attempt, attempt_id)
         busy = {p for paths in self._inflight.values() for p in paths}
-        await asyncio.to_thread(self.staging.sweep, max(self.idle_seconds * 2, 60.0), self.store.live_attempt_ids(), busy)
+        await asyncio.to_thread(self.staging.sweep, max(self.idle_seconds * 2, 60.0), self.store.leases.live_attempt_ids(), busy)
         return deleted
 
 
@@ -411,7 +411,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
         if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in request.name):
             # It would reach the admin's terminal raw through `providers list`.
             raise InvalidRequestError("`name` contains a control character")
-        self.store.register(
+        self.store.providers.register(
             pid,
             Registration(
                 client_version=request.client_version,
@@ -426,7 +426,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
                 memory_bytes=check_uint(caps.memory_bytes, "capabilities.memory_bytes"),
             ),
         )
-        ttl = self.store.lease_ttl
+        ttl = self.store.leases.lease_ttl
         return provider_pb2.RegisterResponse(
             provider_id=pid,
             lease_ttl_seconds=max(1, math.ceil(ttl)),
@@ -441,7 +441,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
         deadline = loop.time() + min(float(request.wait_seconds), self.max_wait)
         while True:
             event = self.work.current()
-            result = self.store.acquire(pid)
+            result = self.store.leases.acquire(pid)
             if isinstance(result, Grant):
                 return provider_pb2.AcquireLeaseResponse(lease=self._lease_pb(result))
             if isinstance(result, Upgrade):
@@ -497,7 +497,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
                 committed_step=req.committed_step,
                 metrics={k: (v if math.isfinite(v) else None) for k, v in req.metrics.items()},
             )
-            directive, expires = self.store.heartbeat(pid, req.lease_id, progress)
+            directive, expires = self.store.leases.heartbeat(pid, req.lease_id, progress)
             resp = provider_pb2.HeartbeatResponse(directive=_DIRECTIVES[directive], lease_expires_unix=int(expires))
             if observe is not None:
                 observe(time.perf_counter() - t0)
@@ -537,17 +537,17 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
 
     async def UploadOffset(self, request, context):
         pid = self._provider_id()
-        lease = self.store.live_lease(pid, request.lease_id)
+        lease = self.store.leases.live_lease(pid, request.lease_id)
         claim = Claim.of(request.artifact)
         offset, committed = self.artifacts.offset(lease, claim)
         return provider_pb2.UploadOffsetResponse(offset=offset, committed=committed)
 
     async def DownloadArtifact(self, request, context):
         pid = self._provider_id()
-        lease = self.store.live_lease(pid, request.lease_id)
+        lease = self.store.leases.live_lease(pid, request.lease_id)
         name = check_name(request.name)
         sha = check_sha256(request.sha256, "sha256")
-        record = self.store.find_input(lease.job_id, name, sha)
+        record = self.store.leases.find_input(lease.job_id, name, sha)
         async for msg in self.artifacts.stream(record, request.offset):
             yield msg
 
@@ -556,8 +556,8 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
         outcome = _OUTCOMES.get(request.outcome)
         if outcome is None:
             raise InvalidRequestError(f"`outcome` {request.outcome} is not SUCCEEDED, FAILED, CANCELLED or RETRYABLE")
-        lease = self.store.live_lease(pid, request.lease_id)
-        state = self.store.finish(pid, request.lease_id, outcome, request.message)
+        lease = self.store.leases.live_lease(pid, request.lease_id)
+        state = self.store.leases.finish(pid, request.lease_id, outcome, request.message)
         if state == "succeeded":
             # The regression gate decides before the provider hears back, so an admin who sees the
             # job succeeded also sees whether its export is published.
@@ -585,15 +585,15 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             capture_shards=s.capture_shards,
             eval_shards=s.eval_shards,
         )
-        return admin_pb2.CreateRunResponse(run=run_pb(self.store.create_run(spec)))
+        return admin_pb2.CreateRunResponse(run=run_pb(self.store.runs.create_run(spec)))
 
     async def ListRuns(self, request, context):
-        runs, token = self.store.list_runs(request.page_size, request.page_token)
+        runs, token = self.store.runs.list_runs(request.page_size, request.page_token)
         return admin_pb2.ListRunsResponse(runs=[run_pb(r) for r in runs], next_page_token=token)
 
     async def GetRun(self, request, context):
-        run = self.store.get_run(request.run_id)
-        jobs, token = self.store.run_jobs(request.run_id, request.page_size, request.page_token)
+        run = self.store.runs.get_run(request.run_id)
+        jobs, token = self.store.runs.run_jobs(request.run_id, request.page_size, request.page_token)
         # An export the gate left undecided: a graph run's train job whose run failed before its
         # evaluate job reported is decided (held back) now; one still waiting stays undecided.
         for i, j in enumerate(jobs):
@@ -623,8 +623,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         )
 
     async def ListArtifacts(self, request, context):
-        job_id = self.store.job_of(request.run_id, request.job_id)
-        rows, token = self.store.list_artifacts(job_id, all_attempts=request.all_attempts, page_size=request.page_size, page_token=request.page_token)
+        job_id = self.store.runs.job_of(request.run_id, request.job_id)
+        rows, token = self.store.records.list_artifacts(job_id, all_attempts=request.all_attempts, page_size=request.page_size, page_token=request.page_token)
         return admin_pb2.ListArtifactsResponse(
             artifacts=[
                 admin_pb2.ArtifactInfo(
@@ -636,44 +636,44 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         )
 
     async def DownloadArtifact(self, request, context):
-        job_id = self.store.job_of(request.run_id, request.job_id)
+        job_id = self.store.runs.job_of(request.run_id, request.job_id)
         name = check_name(request.name)
         sha = check_sha256(request.sha256, "sha256") if request.sha256 else ""
-        record = self.store.find_record(job_id, name, sha)
+        record = self.store.records.find_record(job_id, name, sha)
         if record.kind == "export":
-            self.store.check_published(request.run_id, job_id)
+            self.store.publications.check_published(request.run_id, job_id)
         async for msg in self.artifacts.stream(record, request.offset):
             yield msg
 
     async def PublishRun(self, request, context):
-        job_id = self.store.job_of(request.run_id, request.job_id)
-        if self.store.publication(job_id) is None:
+        job_id = self.store.runs.job_of(request.run_id, request.job_id)
+        if self.store.publications.publication(job_id) is None:
             await self.gate.decide_job(job_id)  # one a stopped coordinator left undecided
-        pub = self.store.publish_override(job_id, override=request.override, note=request.note, peer=context.peer() or "")
+        pub = self.store.publications.publish_override(job_id, override=request.override, note=request.note, peer=context.peer() or "")
         if pub.override_unix is not None and request.override:
             log.warning("export of job `%s` (run `%s`) published by admin override from %s: %s", job_id, request.run_id, pub.override_peer, pub.override_note or "(no note)")
         return admin_pb2.PublishRunResponse(job_id=job_id, publication=publication_pb(pub))
 
     async def ApproveVersion(self, request, context):
-        return admin_pb2.ApproveVersionResponse(run=run_pb(self.store.approve_version(request.run_id, request.version)))
+        return admin_pb2.ApproveVersionResponse(run=run_pb(self.store.runs.approve_version(request.run_id, request.version)))
 
     async def CreateProvider(self, request, context):
-        provider_id, token = self.store.create_provider(request.name)
+        provider_id, token = self.store.credentials.create_provider(request.name)
         return admin_pb2.CreateProviderResponse(token=token, provider_id=provider_id)
 
     async def ListProviders(self, request, context):
-        return admin_pb2.ListProvidersResponse(providers=[provider_pb(p) for p in self.store.list_providers()])
+        return admin_pb2.ListProvidersResponse(providers=[provider_pb(p) for p in self.store.providers.list_providers()])
 
     async def RevokeProvider(self, request, context):
-        aborted = self.store.revoke_provider(request.provider_id)
-        return admin_pb2.RevokeProviderResponse(provider=provider_pb(self.store.get_provider(request.provider_id)), aborted_leases=aborted)
+        aborted = self.store.credentials.revoke_provider(request.provider_id)
+        return admin_pb2.RevokeProviderResponse(provider=provider_pb(self.store.providers.get_provider(request.provider_id)), aborted_leases=aborted)
 
     async def RotateProviderToken(self, request, context):
-        token, expires = self.store.rotate_token(request.provider_id, request.grace_seconds)
+        token, expires = self.store.credentials.rotate_token(request.provider_id, request.grace_seconds)
         return admin_pb2.RotateProviderTokenResponse(token=token, old_token_expires_unix=math.ceil(expires))
 
     async def CancelJob(self, request, context):
-        return admin_pb2.CancelJobResponse(job_state=self.store.cancel_job(request.job_id))
+        return admin_pb2.CancelJobResponse(job_state=self.store.jobs.cancel_job(request.job_id))
 
     async def RequestCheckpoint(self, request, context):
-        return admin_pb2.RequestCheckpointResponse(job_state=self.store.request_checkpoint(request.job_id))
+        return admin_pb2.RequestCheckpointResponse(job_state=self.store.jobs.request_checkpoint(request.job_id))

@@ -155,7 +155,7 @@ class StatusApp:
         except RateLimitedError as exc:
             return self._refuse(request, 429, str(exc).splitlines()[0])
         token = self._token(request)
-        role = self.store.web_role(token) if token else None
+        role = self.store.credentials.web_role(token) if token else None
         if role is None:
             if token:
                 self.limiter.failed(peer)
@@ -193,7 +193,7 @@ class StatusApp:
             return web.Response(status=429, text=page.render_login(str(exc).splitlines()[0]), content_type="text/html")
         form = await request.post()
         token = str(form.get("token", "")).strip()
-        if self.store.web_role(token) is None:
+        if self.store.credentials.web_role(token) is None:
             if token:
                 self.limiter.failed(peer)
             return web.Response(status=401, text=page.render_login("token refused: it is not this coordinator's admin or viewer token"), content_type="text/html")
@@ -210,11 +210,11 @@ class StatusApp:
         run_id, job_id = request.match_info["run_id"], request.match_info["job_id"]
         try:
             name = check_name(request.match_info["name"])
-            if self.store.job_of(run_id, job_id) != job_id:
+            if self.store.runs.job_of(run_id, job_id) != job_id:
                 raise NotFoundError(f"run `{run_id[:80]}` has no job `{job_id[:80]}`")
-            record = self.store.find_record(job_id, name, final_only=True)
+            record = self.store.records.find_record(job_id, name, final_only=True)
             if record.kind == "export":
-                self.store.check_published(run_id, job_id)
+                self.store.publications.check_published(run_id, job_id)
         except PolicyError as exc:
             return web.Response(status=409, text=str(exc) + "\n", content_type="text/plain")
         except NotFoundError as exc:

@@ -62,7 +62,6 @@ class _Token:
     expires_unix: float | None = None
 
 
-
 class Credentials(Part):
     """Who a token belongs to (`authenticate`), and issuing, rotating and revoking tokens."""
 

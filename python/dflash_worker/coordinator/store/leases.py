@@ -79,7 +79,6 @@ class Progress:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-
 class Leases(Part):
     """Granting, renewing and ending leases, and the inputs a lease names."""
 

@@ -44,7 +44,6 @@ class ProviderRow:
     revoked_unix: float | None = None
 
 
-
 class Providers(Part):
     """Registration, listing, and each provider's profile (what leasing and `runs show` weigh)."""
 

@@ -33,7 +33,6 @@ class GateInputs:
     no_report: str = ""
 
 
-
 class Publications(Part):
     """What the regression gate decides on, its decisions, and an admin's override."""
 

@@ -56,7 +56,6 @@ class StoredArtifact:
     created_unix: float
 
 
-
 class Records(Part):
     """A job's artifact records: recording an upload (quotas, names, checkpoint rotation) and finding them."""
 

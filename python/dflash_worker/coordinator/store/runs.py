@@ -68,7 +68,6 @@ class JobRow:
     waiting_reason: str = ""
 
 
-
 class Runs(Part):
     """Runs and the jobs they were created with, as the admin service and leasing read them."""
 
