@@ -83,6 +83,7 @@ class Settings:
     """Sizes of one benchmark run. `full` is the default; `quick` and `smoke` shrink everything."""
 
     name: str = "full"
+    family: str = "qwen3"  # the teacher's family: `qwen3`, or `qwen3_5` (a hybrid Gated DeltaNet teacher)
     vocab: int = 2048
     prose_bytes: int = 600_000
     code_files: int = 0  # use only the first N modules of the general code list (0: all)
@@ -433,6 +434,8 @@ def build_teacher(c: Corpus, s: Settings, cache: Path) -> tuple[Path, dict[str, 
 
     cfg_key = {"corpus": c.key(), "settings": [s.vocab, s.hidden, s.layers, s.heads, s.kv_heads, s.teacher_seq,
                                                  s.teacher_batch, s.teacher_lr], "steps": s.teacher_steps, "v": 2}
+    if s.family != "qwen3":  # the qwen3 world keeps its key (and its cached, hashed weights)
+        cfg_key["family"] = s.family
     out = cache / f"teacher-{key_of(cfg_key)}"
     if (out / "teacher.json").is_file():
         return out, json.loads((out / "teacher.json").read_text())
@@ -444,13 +447,26 @@ def build_teacher(c: Corpus, s: Settings, cache: Path) -> tuple[Path, dict[str, 
     for t in texts:
         ids += tok(t, add_special_tokens=False)["input_ids"]
     stream = torch.tensor(ids, dtype=torch.long)
-    config = Qwen3Config(
+    common = dict(
         vocab_size=len(tok), hidden_size=s.hidden, intermediate_size=3 * s.hidden, num_hidden_layers=s.layers,
         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.hidden // s.heads,
-        max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
         eos_token_id=tok.convert_tokens_to_ids(IM_END), pad_token_id=tok.convert_tokens_to_ids(PAD_TOKEN),
         bos_token_id=None,
     )
+    if s.family == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        # the hybrid text tower (saved text-only: `qwen3_5_text`): Gated DeltaNet layers, gated attention every 4th
+        hd = s.hidden // s.heads
+        types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(s.layers)]
+        types[-1] = "full_attention"  # a shallow (smoke) teacher still has an attention layer
+        config = Qwen3_5TextConfig(layer_types=types, **common, linear_key_head_dim=hd, linear_value_head_dim=hd,
+                                   linear_num_key_heads=s.kv_heads, linear_num_value_heads=s.heads,
+                                   linear_conv_kernel_dim=4,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    else:
+        config = Qwen3Config(**common, rope_theta=10000.0)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=s.teacher_lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -508,7 +524,7 @@ def weights_sha256(model_dir: Path) -> str:
 
 def _recipe(target: Path, draft: Path, data: Path, capture: Path, s: Settings, *, splits=("train", "val")) -> dict:
     return {
-        "model": {"target": str(target), "draft": str(draft), "family": "qwen3"},
+        "model": {"target": str(target), "draft": str(draft), "family": s.family},
         "data": {"dir": str(data), "thinking": "off", "max_length": s.max_length},
         "capture": {"output": str(capture), "dtype": "float32", "splits": list(splits), "device": "cpu",
                     "regenerate": True, "sampling": "greedy", "max_new_tokens": s.capture_new_tokens},
@@ -1077,6 +1093,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="released draft training steps instead of the preset's (part of the cache key)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads (default 1); the world's hashes and the tau table do not depend on it")
+    p.add_argument("--family", choices=("qwen3", "qwen3_5"), default="qwen3",
+                   help="the teacher's family: `qwen3` (default) or `qwen3_5`, a hybrid Gated DeltaNet text tower "
+                   "(speculative decoding then rolls back its recurrent state: the `rollback` column)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output and cache directory (default {DEFAULT_OUT})")
     a = p.parse_args(argv)
     s = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
@@ -1093,6 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
             if v < 1:
                 p.error(f"--{flag.replace('_', '-')} must be >= 1")
             over[key] = v
+    over["family"] = a.family
     s = replace(s, **over)
     try:
         for name in s.recipes:

@@ -215,3 +215,21 @@ def test_loop_cost_counts_the_rollback_phase_and_reads_reports_without_it():
     rows = [{"recipe": "r", "own": {"cost": hybrid}, "general": {"cost": {k: v for k, v in plain.items() if k != "rollback_ms"}}}]
     table = [line for line in eff.cost_lines(rows) if line.startswith("| r |")]
     assert [line.split(" | ")[5] for line in table] == ["0.40", "0.00"]
+
+
+@pytest.mark.slow
+def test_smoke_run_on_a_hybrid_qwen3_5_teacher_reports_the_rollback(tmp_path):
+    """`--family qwen3_5`: the teacher is a Gated DeltaNet text tower (saved text-only, `qwen3_5_text`);
+    the speculative loop stays lossless and the cost table's rollback column is measured, not 0."""
+    out = tmp_path / "eff"
+    proc = _smoke(out, "--family", "qwen3_5", "--recipes", "selector")
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["family"] == "qwen3_5"
+    teacher = next((out / "cache").glob("teacher-*"))
+    tcfg = json.loads((teacher / "config.json").read_text())
+    assert tcfg["model_type"] == "qwen3_5_text" and "linear_attention" in tcfg["layer_types"]
+    for row in report["rows"]:
+        for dom in ("own", "general"):
+            assert row[dom]["lossless"] is True
+            assert row[dom]["cost"]["rollback_ms"] > 0, row[dom]["cost"]
+    assert "| rollback |" in proc.stdout
