@@ -8,7 +8,8 @@ in each, then `assemble_capture(recipe)` where the shards meet.
 
 from .layout import FORMAT
 from .reader import CapturedExample, CaptureReader, open_capture
-from .run import CapturePart, assemble_capture, read_target_layer_ids, run_capture, teacher_features
+from .run import CapturePart, assemble_capture, read_target_layer_ids, run_capture
+from .teacher import Teacher, teacher_features
 
 __all__ = [
     "FORMAT",
@@ -19,5 +20,6 @@ __all__ = [
     "open_capture",
     "read_target_layer_ids",
     "run_capture",
+    "Teacher",
     "teacher_features",
 ]

@@ -15,8 +15,8 @@ Order of work, cheapest checks first, one function per step:
 2. `resume`: shards whose sidecar names the same key and whose sha256 verifies
    are kept; the first one that does not verify, and everything after it, is
    removed and rewritten; a dir holding a different capture is refused;
-3. `_run_teacher`: stream the teacher in (`dflash_worker.weights.load_model`),
-   optionally regenerate each response (greedy or per-example seeded
+3. `_run_teacher`: stream the teacher in (`capture.teacher.Teacher`, the component
+   online training calls too), optionally regenerate each response (greedy or per-example seeded
    sampling), run the teacher once over prompt+response with
    `output_hidden_states` and keep ``hidden_states[id + 1]`` for each target
    layer id; a `ShardWriter` writes shards atomically (shard, then sidecar) on
@@ -58,13 +58,11 @@ returns, as the reference does.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
 import struct
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
@@ -72,7 +70,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from .. import __version__
-from ..data import Example, PreparedData, check_data, load_tokenizer, render_example, render_prompt
+from ..data import Example, PreparedData, check_data, load_tokenizer
 from ..errors import CheckpointError, ConfigError, DataError, ResumeError
 from ..families import check_recipe_pair
 from ..manifest import (
@@ -89,6 +87,7 @@ from ..stop_tokens import stop_tokens_record
 from ..worker.events import Event, EventSink, Log, Progress
 from .layout import FORMAT, MANIFEST, SHARD_FORMAT, shard_path, sidecar_path
 from .overlong import OverlongDecision
+from .teacher import Teacher, example_tokens, teacher_features  # noqa: F401  (`teacher_features` re-exported)
 
 if TYPE_CHECKING:
     from ..device import DeviceChoice
@@ -432,17 +431,6 @@ def resume(out: Path, key: str) -> ResumePoint:
 
 
 # --------------------------------------------------------------------- 3. teacher and shards
-def teacher_features(model: Any, input_ids: list[int], layer_ids: list[int], device: Any):
-    """`[T, len(layer_ids) * H]` on the CPU: ``hidden_states[id + 1]`` of each id, concatenated."""
-    import torch
-
-    with torch.inference_mode():
-        x = torch.tensor([input_ids], dtype=torch.long, device=device)
-        out = model(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        hs = out.hidden_states
-        return torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1).to("cpu")
-
-
 class ShardItem(TypedDict):
     """One captured example as a shard stores it."""
 
@@ -630,47 +618,15 @@ class ShardWriter:
         self._items, self._names, self._tokens, self._truncated = [], [], 0, 0
 
 
-def _example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int], cut: frozenset[tuple[str, str]]) -> tuple[list[int], list[int], bool]:
-    """(input ids, loss mask, truncated) of one example: rendered as prepared, or with a regenerated response.
-
-    `cut`: `(split, id)` of the examples `on_overlong = "truncate"` cuts to `max_length`; ids and
-    mask are cut at the same position, and the plan guarantees response tokens remain.
-    `truncated` is about generation (hit `max_new_tokens`), not this cut.
-    """
-    from .generate import example_seed, generate
-
-    cap, dcfg, tokenizer = plan.cap, plan.recipe.data, plan.tokenizer
-    if cap.regenerate:
-        prompt = render_prompt(tokenizer, ex.prompt_messages, thinking=dcfg.thinking)
-        budget = min(cap.max_new_tokens, dcfg.max_length - len(prompt))
-        g = generate(
-            model, prompt, max_new_tokens=budget, stop_ids=stops, greedy=cap.sampling == "greedy",
-            temperature=cap.temperature, top_p=cap.top_p, seed=example_seed(cap.seed, ex.id),
-            device=plan.choice.device,
-        )
-        ids, mask, truncated = prompt + g.ids, [0] * len(prompt) + [1] * len(g.ids), not g.stopped
-    else:
-        r = render_example(tokenizer, ex.messages, thinking=dcfg.thinking)
-        ids, mask, truncated = r.input_ids, r.loss_mask, False
-        if (ex.split, ex.id) in cut:
-            ids, mask = ids[: dcfg.max_length], mask[: dcfg.max_length]
-    if len(ids) > dcfg.max_length:  # check_data and the overlong plan guarantee this never happens
-        raise DataError(f"`{ex.file}` line {ex.line}: `{len(ids)}` tokens > max_length `{dcfg.max_length}`")
-    return ids, mask, truncated
-
-
-def _capture_examples(plan: CapturePlan, model: Any, examples: list[Example], records: list[ShardRecord], emit: EventSink) -> None:
+def _capture_examples(plan: CapturePlan, teacher: Teacher, examples: list[Example], records: list[ShardRecord], emit: EventSink) -> None:
     """Capture `examples[start:]` into shards appended to `records`."""
-    import torch
-
-    dtype = getattr(torch, plan.cap.dtype)
     stops, cut = plan.stop_tokens["ids"], plan.overlong.truncate
     with ShardWriter(plan, records, total=len(examples), emit=emit) as writer:
         for i in range(writer.position, len(examples)):
             ex = examples[i]
-            ids, mask, truncated = _example_tokens(plan, model, ex, stops, cut)
+            ids, mask, truncated = example_tokens(plan, teacher.model, ex, stops, cut)
             writer.make_room(len(ids))
-            feats = teacher_features(model, ids, plan.geometry.layer_ids, plan.choice.device).to(dtype)
+            feats = teacher.features(ids)
             writer.add(ShardItem(index=i, ids=ids, mask=mask, features=feats), ex, truncated=truncated)
         writer.close()
     emit(Log(level="debug", message=f"{len(records)} shards committed"))
@@ -681,19 +637,16 @@ def _shard_span(k: int, per: int, n: int) -> range:
     return range(k * per, min((k + 1) * per, n))
 
 
-def _capture_shards(plan: CapturePlan, model: Any, examples: list[Example], shards: list[int],
+def _capture_shards(plan: CapturePlan, teacher: Teacher, examples: list[Example], shards: list[int],
                     records: list[ShardRecord], emit: EventSink) -> None:
     """Capture whole shards `shards` (a rank's share) into `records`: the bytes one rank would write."""
-    import torch
-
-    dtype = getattr(torch, plan.cap.dtype)
     stops, cut, per = plan.stop_tokens["ids"], plan.overlong.truncate, plan.cap.shard_examples
     with ShardWriter(plan, records, total=len(examples), emit=emit) as writer:
         for k in shards:
             writer.next_index = k
             for i in _shard_span(k, per, len(examples)):
-                ids, mask, truncated = _example_tokens(plan, model, examples[i], stops, cut)
-                feats = teacher_features(model, ids, plan.geometry.layer_ids, plan.choice.device).to(dtype)
+                ids, mask, truncated = example_tokens(plan, teacher.model, examples[i], stops, cut)
+                feats = teacher.features(ids)
                 writer.add(ShardItem(index=i, ids=ids, mask=mask, features=feats), examples[i], truncated=truncated)
             writer.end_shard()
         writer.close()
@@ -712,35 +665,19 @@ def _run_teacher(plan: CapturePlan, examples: list[Example], records: list[Shard
                  shards: list[int] | None = None) -> TeacherRun:
     """Load the teacher, capture the examples the committed `records` do not cover (or, for a rank,
     the `shards` it owns), release it."""
-    import torch
-
-    from ..weights import load_model
-
-    t = time.perf_counter()
-    model = load_model(plan.recipe.model.target, device=plan.choice.device, dtype=getattr(torch, plan.cap.dtype))
-    load_seconds = time.perf_counter() - t
-    model_ref = weakref.ref(model)
-    rep = getattr(model, "load_report", None)
-    skipped = (
-        f" (skipped unread: {len(rep.skipped)} tensors, {rep.bytes_skipped} bytes outside the text tower)"
-        if rep is not None and rep.skipped else ""
-    )
-    emit(Log(message=f"teacher loaded in {load_seconds:.1f}s{skipped}"))
+    teacher = Teacher.load(plan.recipe.model.target, plan.geometry.layer_ids, device=plan.choice.device, dtype=plan.cap.dtype)
+    emit(Log(message=f"teacher loaded in {teacher.load_seconds:.1f}s{teacher.skipped_note()}"))
     if shards is None:
-        _capture_examples(plan, model, examples, records, emit)
+        _capture_examples(plan, teacher, examples, records, emit)
     else:
-        _capture_shards(plan, model, examples, shards, records, emit)
+        _capture_shards(plan, teacher, examples, shards, records, emit)
     # release the teacher before anything else allocates
-    del model
-    gc.collect()
-    if plan.choice.type == "cuda":
-        torch.cuda.empty_cache()
-    released = model_ref() is None
+    released = teacher.release()
     if released:
         emit(Log(level="debug", message="teacher released"))
     else:
         emit(Log(level="warning", message="the teacher is still referenced after capture; its memory was not released"))
-    return TeacherRun(load_seconds, released)
+    return TeacherRun(teacher.load_seconds, released)
 
 
 # --------------------------------------------------------------------- 4. manifest

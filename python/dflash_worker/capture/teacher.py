@@ -1,0 +1,114 @@
+"""The teacher-feature path: the one component capture and training both call.
+
+`Teacher` holds the frozen target (streamed in by `dflash_worker.weights.load_model`, in eval
+mode, never trained) and the target layer ids the draft taps. Capture uses it to regenerate a
+response (`example_tokens`) and to compute the features it stores; online training
+(`[train].features = "online"`) uses the very same `Teacher.features` inside the training
+step, so both modes see the same numbers for the same tokens on the same kind of device.
+
+Features: for each id in `layer_ids`, ``hidden_states[id + 1]`` (the output of decoder layer
+`id`) of one plain forward over the example (batch 1, no padding), concatenated on the last
+dim: ``[T, len(layer_ids) * hidden]`` on the CPU, in the teacher's dtype.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..data import Example, render_example, render_prompt
+from ..errors import DataError
+
+if TYPE_CHECKING:
+    from .run import CapturePlan
+
+
+def teacher_features(model: Any, input_ids: list[int], layer_ids: list[int], device: Any):
+    """`[T, len(layer_ids) * H]` on the CPU: ``hidden_states[id + 1]`` of each id, concatenated."""
+    import torch
+
+    with torch.inference_mode():
+        x = torch.tensor([input_ids], dtype=torch.long, device=device)
+        out = model(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        hs = out.hidden_states
+        return torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1).to("cpu")
+
+
+class Teacher:
+    """The frozen target on one device and the layers the draft taps (module docstring)."""
+
+    def __init__(self, model: Any, layer_ids: list[int], *, device: str, dtype: str, load_seconds: float = 0.0) -> None:
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.device = device
+        self.dtype = dtype
+        self.load_seconds = load_seconds
+
+    @classmethod
+    def load(cls, target: Path, layer_ids: list[int], *, device: str, dtype: str) -> Teacher:
+        """Stream the target in (`weights.load_model`) on `device` in `dtype` (a `[capture].dtype` name)."""
+        import torch
+
+        from ..weights import load_model
+
+        t = time.perf_counter()
+        model = load_model(target, device=device, dtype=getattr(torch, dtype))
+        model.eval()  # frozen: features are computed under `inference_mode`, nothing is trained
+        return cls(model, layer_ids, device=device, dtype=dtype, load_seconds=time.perf_counter() - t)
+
+    def skipped_note(self) -> str:
+        """`` (skipped unread: ...)`` for a multimodal target whose vision / MTP tensors were not read, else ``""``."""
+        rep = getattr(self.model, "load_report", None)
+        if rep is None or not rep.skipped:
+            return ""
+        return f" (skipped unread: {len(rep.skipped)} tensors, {rep.bytes_skipped} bytes outside the text tower)"
+
+    def features(self, input_ids: list[int]) -> Any:
+        """The tap features of one example: `[T, len(layer_ids) * hidden]`, CPU, in the teacher's dtype."""
+        import torch
+
+        return teacher_features(self.model, input_ids, self.layer_ids, self.device).to(getattr(torch, self.dtype))
+
+    def release(self) -> bool:
+        """Drop the model (``del`` + ``gc``, and the CUDA cache); True when nothing else still holds it."""
+        import torch
+
+        ref = weakref.ref(self.model)
+        self.model = None
+        gc.collect()
+        if str(self.device).startswith("cuda"):
+            torch.cuda.empty_cache()
+        return ref() is None
+
+
+def example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int], cut: frozenset[tuple[str, str]]) -> tuple[list[int], list[int], bool]:
+    """(input ids, loss mask, truncated) of one example: rendered as prepared, or with a regenerated response.
+
+    `model`: the teacher's model (read only with `[capture].regenerate`).
+    `cut`: `(split, id)` of the examples `on_overlong = "truncate"` cuts to `max_length`; ids and
+    mask are cut at the same position, and the plan guarantees response tokens remain.
+    `truncated` is about generation (hit `max_new_tokens`), not this cut.
+    """
+    from .generate import example_seed, generate
+
+    cap, dcfg, tokenizer = plan.cap, plan.recipe.data, plan.tokenizer
+    if cap.regenerate:
+        prompt = render_prompt(tokenizer, ex.prompt_messages, thinking=dcfg.thinking)
+        budget = min(cap.max_new_tokens, dcfg.max_length - len(prompt))
+        g = generate(
+            model, prompt, max_new_tokens=budget, stop_ids=stops, greedy=cap.sampling == "greedy",
+            temperature=cap.temperature, top_p=cap.top_p, seed=example_seed(cap.seed, ex.id),
+            device=plan.choice.device,
+        )
+        ids, mask, truncated = prompt + g.ids, [0] * len(prompt) + [1] * len(g.ids), not g.stopped
+    else:
+        r = render_example(tokenizer, ex.messages, thinking=dcfg.thinking)
+        ids, mask, truncated = r.input_ids, r.loss_mask, False
+        if (ex.split, ex.id) in cut:
+            ids, mask = ids[: dcfg.max_length], mask[: dcfg.max_length]
+    if len(ids) > dcfg.max_length:  # check_data and the overlong plan guarantee this never happens
+        raise DataError(f"`{ex.file}` line {ex.line}: `{len(ids)}` tokens > max_length `{dcfg.max_length}`")
+    return ids, mask, truncated
