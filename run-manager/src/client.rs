@@ -1,6 +1,6 @@
 //! Coordinator clients (provider and admin) with bearer-token auth, and the
 //! retry loop for UNAVAILABLE. Where they connect and how (TLS or plaintext)
-//! is `transport::Target`.
+//! is `transport::Target`; the channel, `channel::open`.
 
 use std::future::Future;
 
@@ -8,10 +8,11 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 
 use crate::backoff::{jitter_fraction, Backoff};
+use crate::channel::{self, Diagnosed};
 use crate::error::{Error, Result};
 use crate::proto::admin_service_client::AdminServiceClient;
 use crate::proto::provider_service_client::ProviderServiceClient;
-use crate::tls_fault::{fault_of, Diagnosed};
+use crate::tls_fault::fault_of;
 use crate::transport::Target;
 
 /// Adds `authorization: Bearer <token>` to every call.
@@ -47,7 +48,7 @@ pub type AdminClient = AdminServiceClient<InterceptedService<Diagnosed, Auth>>;
 /// Provider client for `target` with `token`.
 pub fn provider_client(target: &Target, token: &str) -> Result<ProviderClient> {
     Ok(
-        ProviderServiceClient::with_interceptor(target.channel()?, Auth::new(token)?)
+        ProviderServiceClient::with_interceptor(channel::open(target)?, Auth::new(token)?)
             .max_decoding_message_size(16 << 20),
     )
 }
@@ -55,7 +56,7 @@ pub fn provider_client(target: &Target, token: &str) -> Result<ProviderClient> {
 /// Admin client for `target` with the admin `token`.
 pub fn admin_client(target: &Target, token: &str) -> Result<AdminClient> {
     Ok(
-        AdminServiceClient::with_interceptor(target.channel()?, Auth::new(token)?)
+        AdminServiceClient::with_interceptor(channel::open(target)?, Auth::new(token)?)
             .max_decoding_message_size(16 << 20),
     )
 }

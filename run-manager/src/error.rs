@@ -3,8 +3,14 @@
 //! Exit codes (documented in `--help`):
 //! 0 ok, 1 user error, 2 unexpected, 3 a `--local` job did not succeed,
 //! 10 version upgrade required, 128+N stopped by signal N (130 SIGINT, 143 SIGTERM).
+//!
+//! Types only, so that every module can use them: the one import from the
+//! crate is `crate::tls_fault` (itself types only, importing nothing of the
+//! crate), for the `hint:` and exit code of a call that failed on TLS.
 
 use std::path::PathBuf;
+
+use crate::tls_fault::fault_of;
 
 /// Exit code: success.
 pub const EXIT_OK: u8 = 0;
@@ -108,7 +114,7 @@ pub fn is_rate_limited(status: &tonic::Status) -> bool {
 
 /// The `hint:` line for a failed call: the TLS fault's own, else one by code.
 fn hint_for(status: &tonic::Status) -> String {
-    match crate::tls_fault::fault_of(status) {
+    match fault_of(status) {
         Some(fault) => format!("\nhint: {}", fault.hint()),
         None => hint_for_code(status.code()).to_string(),
     }
@@ -147,7 +153,7 @@ impl Error {
             Error::Usage(_) => EXIT_USER,
             Error::UpgradeRequired { .. } => EXIT_UPGRADE_REQUIRED,
             // A TLS mismatch or refused certificate is configuration, like a bad flag.
-            Error::Rpc { status, .. } if crate::tls_fault::fault_of(status).is_some() => EXIT_USER,
+            Error::Rpc { status, .. } if fault_of(status).is_some() => EXIT_USER,
             // Throttled after failed authentications: a token or certificate to fix.
             Error::Rpc { status, .. } if is_rate_limited(status) => EXIT_USER,
             Error::TokenRefused { .. } => EXIT_USER,

@@ -10,6 +10,7 @@ pub mod artifact;
 pub mod attempt;
 pub mod backoff;
 pub mod cert;
+pub mod channel;
 pub mod checkpoint;
 pub mod cli;
 pub mod client;

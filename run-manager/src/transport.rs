@@ -12,8 +12,9 @@
 //!
 //! Every TLS file is read and checked here, before any connection, so a bad
 //! file is named by its flag and path (an expired client certificate too: the
-//! coordinator would only close the connection). What goes wrong during a
-//! handshake is named by [`crate::tls_fault`].
+//! coordinator would only close the connection). The channel itself is
+//! `crate::channel`'s, which names what goes wrong during a handshake
+//! (`crate::tls_fault`).
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -25,7 +26,7 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::cert;
 use crate::error::{Error, Result};
-use crate::tls_fault::{error_chain, Diagnosed};
+use crate::tls_fault::error_chain;
 
 /// How long a TCP connect, and separately a TLS handshake, may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -230,9 +231,9 @@ impl Target {
         Target::new(addr, &TlsFiles::default(), false)
     }
 
-    /// A lazily connecting channel whose failures name their TLS cause
-    /// ([`Diagnosed`]); connection failures surface on the first call.
-    pub fn channel(&self) -> Result<Diagnosed> {
+    /// The endpoint to connect to: timeouts, keep-alive and, for `https://`,
+    /// the TLS settings (`crate::channel::open` connects it).
+    pub fn endpoint(&self) -> Result<Endpoint> {
         let url = self.address.url();
         let mut endpoint = Endpoint::from_shared(url.clone())
             .map_err(|e| Error::Usage(format!("bad coordinator address `{url}`: {e}")))?
@@ -246,7 +247,7 @@ impl Target {
                 .tls_config(self.client_tls_config(tls))
                 .map_err(|e| tls_setup_error(tls, &e))?;
         }
-        Ok(Diagnosed::new(endpoint.connect_lazy(), self))
+        Ok(endpoint)
     }
 
     fn client_tls_config(&self, tls: &Tls) -> ClientTlsConfig {
