@@ -31,15 +31,12 @@
 //! the container mounts at the same path.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
-
-use serde::Serialize;
+use std::path::Path;
 
 use crate::fetch::{FetchError, Fetched, Fetcher};
-use crate::jobdir::{SPEC_FILE, SPEC_TMP_FILE};
+use crate::jobdir::{GraphInfo, InputFile, RESUME_DIR, SPEC_FILE, SPEC_TMP_FILE};
 use crate::paths::check_artifact_name;
 use crate::proto::{Artifact, Lease};
-use crate::resume::RESUME_DIR;
 use crate::transfer::{is_sha256, Transfer};
 
 /// Whether `lease` runs one job of a graph (not the whole pipeline).
@@ -180,32 +177,8 @@ impl<T: Transfer> Fetcher<'_, T> {
     }
 }
 
-/// `spec.json`'s `graph`: which job of its graph the worker runs, and its inputs.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct GraphInfo {
-    /// `prepare`, `capture`, `train` or `evaluate` (the lease's `kind`).
-    pub kind: String,
-    /// 0-based, below `shard_count`.
-    pub shard_index: u32,
-    /// At least 1 (a lease's 0 means 1).
-    pub shard_count: u32,
-    /// In lease order, each once.
-    pub inputs: Vec<InputFile>,
-}
-
-/// One input as `spec.json` names it.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct InputFile {
-    pub name: String,
-    pub kind: String,
-    pub sha256: String,
-    pub size_bytes: u64,
-    /// Where the coordinator keeps it: `dflash-artifact://RUN/JOB/ATTEMPT/NAME`.
-    pub uri: String,
-    /// The local file, `JOB_DIR/NAME` (absolute).
-    pub path: PathBuf,
-}
-
+// `GraphInfo` is `spec.json`'s, so it is defined with it in `crate::jobdir`;
+// what fills it in is decided here.
 impl GraphInfo {
     /// The `graph` of a graph lease whose planned inputs are `inputs`; None
     /// for a pipeline lease.

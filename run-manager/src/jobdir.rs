@@ -9,6 +9,11 @@
 //!   downloaded and verified before the worker starts (`crate::graph`);
 //! - everything else (checkpoints, exports, logs) is the worker's, reported
 //!   back through `artifact` events with paths inside this directory.
+//!
+//! The layout's names, `spec.json`'s types (the `graph` key's too) and
+//! [`hash_file`] live here, below the modules that fill the directory:
+//! `crate::fetch` downloads into it, and `crate::resume` and `crate::graph`
+//! fetch through `crate::fetch`. This module imports none of them.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -16,7 +21,6 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::graph::GraphInfo;
 use crate::policy::Downgrade;
 use crate::proto::{DeviceCapabilities, Lease};
 
@@ -26,6 +30,8 @@ pub const SPEC_SCHEMA_VERSION: u32 = 1;
 pub const SPEC_FILE: &str = "spec.json";
 /// The temporary file [`JobSpecFile::write`] renames into place.
 pub const SPEC_TMP_FILE: &str = ".spec.json.tmp";
+/// Where downloaded checkpoints go inside the job directory (`crate::resume`).
+pub const RESUME_DIR: &str = "resume";
 
 /// Device facts the worker needs (a serializable copy of the capabilities).
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -138,6 +144,33 @@ impl JobSpecFile {
         std::fs::rename(&tmp, &path).map_err(Error::io("cannot rename into place", &path))?;
         Ok(path)
     }
+}
+
+/// `spec.json`'s `graph`: which job of its graph the worker runs, and its inputs
+/// (filled in by `crate::graph`, which checks and fetches them).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct GraphInfo {
+    /// `prepare`, `capture`, `train` or `evaluate` (the lease's `kind`).
+    pub kind: String,
+    /// 0-based, below `shard_count`.
+    pub shard_index: u32,
+    /// At least 1 (a lease's 0 means 1).
+    pub shard_count: u32,
+    /// In lease order, each once.
+    pub inputs: Vec<InputFile>,
+}
+
+/// One input as `spec.json` names it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct InputFile {
+    pub name: String,
+    pub kind: String,
+    pub sha256: String,
+    pub size_bytes: u64,
+    /// Where the coordinator keeps it: `dflash-artifact://RUN/JOB/ATTEMPT/NAME`.
+    pub uri: String,
+    /// The local file, `JOB_DIR/NAME` (absolute).
+    pub path: PathBuf,
 }
 
 /// Parse a lease's `spec_json`; it must be a JSON object.

@@ -17,13 +17,10 @@ use std::path::{Path, PathBuf};
 
 use crate::checkpoint::{self, ListedFile};
 use crate::fetch::{blocking, FetchError, Fetcher};
-use crate::jobdir::hash_file;
+use crate::jobdir::{hash_file, RESUME_DIR};
 use crate::lease_lost::LeaseLost;
 use crate::paths::check_artifact_name;
 use crate::transfer::{is_sha256, Transfer};
-
-/// Where downloaded checkpoints go inside the job directory.
-pub const RESUME_DIR: &str = "resume";
 
 impl<T: Transfer> Fetcher<'_, T> {
     /// The local manifest to resume from and its step; None (with a warning)
