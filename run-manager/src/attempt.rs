@@ -62,7 +62,7 @@ use crate::error::{Error, Result};
 use crate::events::{ArtifactEvent, WorkerEvent};
 use crate::fetch::{FetchError, Fetcher};
 use crate::graph;
-use crate::heartbeat::{apply_progress, heartbeat_task, Pace, Signal};
+use crate::heartbeat::{apply_progress, heartbeat_task, Pace};
 use crate::jobdir::{parse_spec, GraphInfo, JobSpecFile};
 use crate::launch::{Launch, Launcher};
 use crate::lease_lost::LeaseLost;
@@ -73,8 +73,9 @@ use crate::proto::{
 };
 use crate::ranks::RankPlan;
 use crate::shutdown::{next_signal, signalled, Shutdown};
+use crate::signal::{Signal, UploadFailure};
 use crate::transfer::LeaseClock;
-use crate::upload::{UploadFailure, UploadQueue, Uploader};
+use crate::upload::{UploadQueue, Uploader};
 use crate::worker::{self, WorkerCommand};
 
 /// How long events still in the pipe are read after the worker exited.

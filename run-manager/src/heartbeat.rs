@@ -20,19 +20,8 @@ use crate::client::ProviderClient;
 use crate::events::Progress;
 use crate::lease_lost::LeaseLost;
 use crate::proto::{Directive, HeartbeatRequest, HeartbeatResponse, Phase};
+use crate::signal::Signal;
 use crate::transfer::LeaseClock;
-use crate::upload::UploadFailure;
-
-/// What the heartbeat task and the upload queue tell the attempt's supervisor.
-#[derive(Debug, Clone)]
-pub enum Signal {
-    Cancel,
-    CheckpointNow,
-    /// The lease is lost: stale (ABORTED) or this provider's token refused.
-    Lost(LeaseLost),
-    /// An upload failed for good (`crate::upload`).
-    Upload(UploadFailure),
-}
 
 /// Map a worker phase name to the proto enum.
 pub fn phase_from_name(name: &str) -> Phase {

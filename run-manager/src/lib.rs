@@ -35,6 +35,7 @@ pub mod ranks;
 pub mod resume;
 pub mod setup;
 pub mod shutdown;
+pub mod signal;
 pub mod tls_fault;
 pub mod token;
 pub mod transfer;

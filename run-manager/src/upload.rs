@@ -25,11 +25,10 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::backoff::Backoff;
-use crate::heartbeat::Signal;
-use crate::lease_lost::LeaseLost;
 use crate::proto::{
     upload_artifact_request, Artifact, UploadArtifactRequest, UploadHeader, UploadOffsetRequest,
 };
+use crate::signal::{Signal, UploadFailure};
 use crate::transfer::{hex, GiveUp, LeaseClock, Retrier, Transfer, CHUNK_BYTES};
 
 /// Chunks queued between the file reader and the stream.
@@ -58,39 +57,6 @@ impl Item {
         match self {
             Item::File(f) => &f.artifact.name,
             Item::Checkpoint { manifest, .. } => &manifest.artifact.name,
-        }
-    }
-}
-
-/// Why an upload did not happen.
-#[derive(Debug, Clone)]
-pub enum UploadFailure {
-    /// The coordinator refused it (or failed it the same way too often).
-    Refused { name: String, status: tonic::Status },
-    /// The file could not be read, or no longer has the verified bytes.
-    Local { name: String, message: String },
-    /// Stale, token refused, or the lease expired while the coordinator was unavailable.
-    Lost(LeaseLost),
-}
-
-impl std::fmt::Display for UploadFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            UploadFailure::Refused { name, status } => write!(
-                f,
-                "the coordinator refused artifact `{name}`: {} ({:?})",
-                status.message(),
-                status.code()
-            ),
-            UploadFailure::Local { name, message } => {
-                write!(f, "artifact `{name}` was not uploaded: {message}")
-            }
-            UploadFailure::Lost(LeaseLost::Stale(m)) => write!(f, "lease lost: {m}"),
-            UploadFailure::Lost(LeaseLost::Refused { call, status }) => write!(
-                f,
-                "the coordinator refused this provider's token on `{call}`: {}",
-                status.message()
-            ),
         }
     }
 }
@@ -392,6 +358,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::lease_lost::LeaseLost;
     use crate::transfer::testing::{Call, FakeStore, Fault};
 
     fn tmp(tag: &str) -> PathBuf {
