@@ -354,9 +354,9 @@ def main(argv: list[str]) -> int:
             for w in sorted(edges[v]):
                 if w in comp:
                     print(f"    {v} -> {w}  ({', '.join(edges[v][w])})")
-    print(f"{len(cycles)} import cycle(s)")
+    print(f"{len(cycles)} import cycle(s)", flush=True)
     if cycles:
-        print("hint: move the shared types into a module both sides can import, or merge the modules", file=sys.stderr)
+        print("hint: move the types both sides need into a module below them, or the code that needs both above them", file=sys.stderr)
         return 1
     return 0
 
