@@ -36,10 +36,10 @@ ROOT = "crate"
 
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 # `pub(crate) use a::{b, c};` (the tree is parsed by `expand_use`).
-USE_RE = re.compile(rf"(?<![\w$])(?:pub\s*(?:\([^)]*\))?\s*)?use\s+([^;]*);")
-# `crate::a::b`, `super::super::x`, `self::x` outside `use` (not `$crate::`, a macro's).
+USE_RE = re.compile(r"(?<![\w$])(?:pub\s*(?:\([^)]*\))?\s*)?use\s+([^;]*);")
+# `crate::a::b`, `super::super::x`, `self::x`, `child::x` outside `use` (not `$crate::`, a macro's).
 PATH_RE = re.compile(rf"(?<![\w$:])((?:crate|super|self|{IDENT})(?:\s*::\s*{IDENT})+)")
-MOD_DECL_RE = re.compile(rf"(?<![\w$])(?:pub\s*(?:\([^)]*\))?\s*)?mod\s+({IDENT})\s*([;{{])")
+MOD_DECL_RE = re.compile(rf"(?<![\w$])(?:pub\s*(?:\([^)]*\))?\s*)?mod\s+({IDENT})\s*[;{{]")
 RAW_RE = re.compile(r'b?r(#*)"')
 CFG_TEST_RE = re.compile(r"#\s*\[\s*cfg\s*\(\s*test\s*\)\s*\]")
 
