@@ -36,6 +36,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 SAMPLING = ("greedy", "sampled")
 SPLITS = ("train", "val", "test")
 ON_OVERLONG = ("skip", "truncate", "fail")
+# where training gets the target features: the capture cache, or the frozen target inside the step
+FEATURES = ("cache", "online")
 
 
 def _path_field(**kw: Any) -> Any:
@@ -229,6 +231,9 @@ class TrainConfig:
     qat: str | None = None
     qat_scope: str = "selector_context"
     preset: str | None = None
+    # "cache": capture stores the tap features and training reads them; "online": capture stores
+    # only the tokens and training runs the frozen target in the step (`capture.teacher`)
+    features: str = "cache"
     output: Path | None = _path_field(default=None)
 
     @staticmethod
@@ -297,6 +302,7 @@ class TrainConfig:
         if self.qat is not None:
             _check_choice(s, "qat", self.qat, ("af4g64",))
         _check_choice(s, "qat_scope", self.qat_scope, QAT_SCOPES)
+        _check_choice(s, "features", self.features, FEATURES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,9 +15,14 @@ Shard tensors (N examples, T tokens in total, F = len(target_layer_ids) * hidden
     offsets     int64  [N + 1]    example i is tokens offsets[i]:offsets[i+1]
     index       int64  [N]        position of each example in the capture order
 
+An online capture (`[train].features = "online"`) has no `features` tensor: its
+shards hold the token ids and loss mask only (5 bytes per token plus the tables),
+and training computes the features with the frozen target (`capture.teacher`).
+
 Shard metadata (strings, fixed content, no timestamps): `format`,
-`capture_key`, `target_layer_ids`, `hidden_size`, `examples` (JSON list of
-``[split, id]``). The same inputs give the same bytes.
+`capture_key`, `target_layer_ids`, `hidden_size`, `dtype`, `examples` (JSON list of
+``[split, id]``), and ``features: "online"`` in an online capture only. The same
+inputs give the same bytes.
 
 A shard is complete when its sidecar exists, names the current capture key,
 and the shard's sha256 matches the sidecar. Shard then sidecar are each

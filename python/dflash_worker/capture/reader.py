@@ -4,7 +4,7 @@
     for ex in cache:                                 # capture order, shard by shard
         ex.input_ids   # int64  [T]
         ex.loss_mask   # bool   [T]
-        ex.features    # dtype  [T, len(target_layer_ids) * hidden]
+        ex.features    # dtype  [T, len(target_layer_ids) * hidden]; None in an online capture
 
 Shards are opened with `safe_open` (memory-mapped) and examples are sliced out
 one at a time, so iterating never holds more than one example's features.
@@ -32,7 +32,7 @@ class CapturedExample:
     id: str
     input_ids: Any
     loss_mask: Any
-    features: Any
+    features: Any  # None in an online capture (`[train].features = "online"`)
 
 
 class CaptureReader:
@@ -88,7 +88,7 @@ class CaptureReader:
             mask = f.get_tensor("loss_mask")
             if names is None or len(names) != len(index) or len(offsets) != len(index) + 1:
                 raise DataError(f"capture shard `{path}` has inconsistent example tables")
-            feats = f.get_slice("features")
+            feats = f.get_slice("features") if "features" in f.keys() else None  # online: token ids only
             for k, (split, ex_id) in enumerate(names):
                 a, b = offsets[k], offsets[k + 1]
                 yield CapturedExample(
@@ -97,7 +97,7 @@ class CaptureReader:
                     id=ex_id,
                     input_ids=ids[a:b].long(),
                     loss_mask=mask[a:b].bool(),
-                    features=feats[a:b],
+                    features=feats[a:b] if feats is not None else None,
                 )
 
     def __iter__(self) -> Iterator[CapturedExample]:

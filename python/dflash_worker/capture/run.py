@@ -191,6 +191,11 @@ class CaptureKey:
     generation: dict[str, Any] | None  # the regeneration settings; None without `regenerate`
 
 
+def features_mode(recipe: Recipe) -> str:
+    """`[train].features` (`cache` without a `[train]` section): what the capture stores."""
+    return recipe.train.features if recipe.train is not None else "cache"
+
+
 def _generation(cap: CaptureConfig) -> dict[str, Any] | None:
     if not cap.regenerate:
         return None
@@ -235,6 +240,8 @@ def capture_key(
     }
     if overlong is not None and overlong.items:
         inputs["on_overlong"] = overlong.policy
+    if features_mode(recipe) == "online":  # only then: a cache capture's key stays what it was
+        inputs["features"] = "online"
     return CaptureKey(fingerprint(inputs), inputs, teacher, tok_files, chat_sha, generation)
 
 
@@ -251,6 +258,11 @@ class CapturePlan:
     key: CaptureKey
     overlong: OverlongDecision
     stop_tokens: dict[str, Any]  # `stop_tokens_record`: ids, sources, rule
+
+    @property
+    def online(self) -> bool:
+        """`[train].features = "online"`: shards hold the tokens only, training computes the features."""
+        return features_mode(self.recipe) == "online"
 
     def examples(self) -> list[Example]:
         """The examples to capture, in capture order: `splits`, less those `on_overlong` skips."""
@@ -437,7 +449,7 @@ class ShardItem(TypedDict):
     index: int  # position in the capture order
     ids: list[int]
     mask: list[int]
-    features: Any  # CPU tensor [T, F]
+    features: Any  # CPU tensor [T, F]; None in an online capture (tokens only)
 
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32", "int64": "I64", "uint8": "U8"}
@@ -470,14 +482,17 @@ def _write_shard(path: Path, items: list[ShardItem], meta: dict[str, Any]) -> tu
         offsets.append(offsets[-1] + len(it["ids"]))
     index_t = torch.tensor([it["index"] for it in items], dtype=torch.int64)
     offsets_t = torch.tensor(offsets, dtype=torch.int64)
-    feats = [it["features"].contiguous() for it in items]
-    width = feats[0].shape[1]
-    fdtype = str(feats[0].dtype).removeprefix("torch.")
-    fbytes = sum(f.numel() * f.element_size() for f in feats)
+    # an online capture stores no features (`layout` module docstring)
+    feats = [it["features"].contiguous() for it in items] if items[0]["features"] is not None else []
     layout = [  # (name, dtype, shape, nbytes) in file order: 8-byte, then 4/2-byte, then 1-byte elements
         ("index", "int64", [len(items)], index_t.numel() * 8),
         ("offsets", "int64", [len(offsets)], offsets_t.numel() * 8),
-        ("features", fdtype, [offsets[-1], width], fbytes),
+    ]
+    if feats:
+        fdtype = str(feats[0].dtype).removeprefix("torch.")
+        fbytes = sum(f.numel() * f.element_size() for f in feats)
+        layout.append(("features", fdtype, [offsets[-1], feats[0].shape[1]], fbytes))
+    layout += [
         ("input_ids", "int32", [offsets[-1]], ids.numel() * 4),
         ("loss_mask", "uint8", [offsets[-1]], mask.numel()),
     ]
@@ -536,6 +551,7 @@ class ShardWriter:
             "target_layer_ids": plan.geometry.layer_ids,
             "hidden_size": plan.geometry.hidden,
             "dtype": plan.cap.dtype,
+            **({"features": "online"} if plan.online else {}),
         }
         self.records = records  # committed shards; the writer appends to the caller's list
         self.total = total
@@ -626,7 +642,7 @@ def _capture_examples(plan: CapturePlan, teacher: Teacher, examples: list[Exampl
             ex = examples[i]
             ids, mask, truncated = example_tokens(plan, teacher.model, ex, stops, cut)
             writer.make_room(len(ids))
-            feats = teacher.features(ids)
+            feats = None if plan.online else teacher.features(ids)
             writer.add(ShardItem(index=i, ids=ids, mask=mask, features=feats), ex, truncated=truncated)
         writer.close()
     emit(Log(level="debug", message=f"{len(records)} shards committed"))
@@ -646,7 +662,7 @@ def _capture_shards(plan: CapturePlan, teacher: Teacher, examples: list[Example]
             writer.next_index = k
             for i in _shard_span(k, per, len(examples)):
                 ids, mask, truncated = example_tokens(plan, teacher.model, examples[i], stops, cut)
-                feats = teacher.features(ids)
+                feats = None if plan.online else teacher.features(ids)
                 writer.add(ShardItem(index=i, ids=ids, mask=mask, features=feats), examples[i], truncated=truncated)
             writer.end_shard()
         writer.close()
@@ -665,12 +681,20 @@ def _run_teacher(plan: CapturePlan, examples: list[Example], records: list[Shard
                  shards: list[int] | None = None) -> TeacherRun:
     """Load the teacher, capture the examples the committed `records` do not cover (or, for a rank,
     the `shards` it owns), release it."""
-    teacher = Teacher.load(plan.recipe.model.target, plan.geometry.layer_ids, device=plan.choice.device, dtype=plan.cap.dtype)
-    emit(Log(message=f"teacher loaded in {teacher.load_seconds:.1f}s{teacher.skipped_note()}"))
+    # online features, none generated: nothing here needs the teacher's weights
+    unloaded = plan.online and not plan.cap.regenerate
+    if unloaded:
+        teacher = Teacher(None, plan.geometry.layer_ids, device=plan.choice.device, dtype=plan.cap.dtype)
+        emit(Log(message="online features: storing tokens only, the teacher is not loaded"))
+    else:
+        teacher = Teacher.load(plan.recipe.model.target, plan.geometry.layer_ids, device=plan.choice.device, dtype=plan.cap.dtype)
+        emit(Log(message=f"teacher loaded in {teacher.load_seconds:.1f}s{teacher.skipped_note()}"))
     if shards is None:
         _capture_examples(plan, teacher, examples, records, emit)
     else:
         _capture_shards(plan, teacher, examples, shards, records, emit)
+    if unloaded:
+        return TeacherRun(0.0, True)
     # release the teacher before anything else allocates
     released = teacher.release()
     if released:
@@ -708,6 +732,8 @@ def capture_manifest(plan: CapturePlan, records: list[ShardRecord], examples: li
         "target_layer_ids": geo.layer_ids,
         "hidden_size": geo.hidden,
         "feature_dim": geo.hidden * len(geo.layer_ids),
+        # "online": the shards hold tokens only; training computes the features (`capture.teacher`)
+        "features": "online" if plan.online else "cache",
         "dtype": cap.dtype,
         "data": {
             "dir": str(dcfg.dir), "split_fingerprint": plan.prepared.split_fingerprint,

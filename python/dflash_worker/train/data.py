@@ -20,10 +20,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import DataError
+
+if TYPE_CHECKING:
+    from ..capture.teacher import Teacher
 
 
 def mix(*parts: int) -> int:
@@ -41,13 +45,26 @@ class Sequence:
 
 
 class CapturedSplit:
-    """Random access to the captured examples of one split (shards memory-mapped)."""
+    """Random access to the captured examples of one split (shards memory-mapped).
 
-    def __init__(self, capture_dir: str | Path, split: str, *, verify: bool = True) -> None:
+    Features come from one of two sources, the rest is the same: a cache capture's `features`
+    tensor, or (`[train].features = "online"`, shards of token ids only) `teacher`, the frozen
+    target that computes them for each sequence as it is read (`capture.teacher`, the component
+    the capture itself calls)."""
+
+    def __init__(self, capture_dir: str | Path, split: str, *, verify: bool = True, teacher: Teacher | None = None) -> None:
         from ..capture import open_capture
 
         self.reader = open_capture(capture_dir, verify=verify)
         self.split = split
+        self.teacher = teacher
+        online = self.reader.manifest.get("features", "cache") == "online"
+        if online != (teacher is not None):
+            raise DataError(
+                f"capture `{capture_dir}` {'holds token ids only' if online else 'holds cached features'}, but training "
+                f"{'has no target to compute them' if online else 'was given a target to compute them'}\n"
+                "hint: `[train].features` must be the mode the capture was made with"
+            )
         self._where: list[tuple[int, int, int, str]] = []  # (shard, begin, end, id)
         import json
 
@@ -83,12 +100,14 @@ class CapturedSplit:
         # takes alignment-dependent code paths, so an unaligned input can change the last bits
         # of `fc(features)` from one process to the next. `clone()` moves the data into a
         # torch allocation (64-byte aligned), which keeps resumed runs bit-identical.
-        return Sequence(
-            input_ids=f.get_slice("input_ids")[a:b].long(),
-            loss_mask=f.get_slice("loss_mask")[a:b].bool(),
-            features=f.get_slice("features")[a:b].clone(),
-            id=ex_id,
-        )
+        ids = f.get_slice("input_ids")[a:b].long()
+        if self.teacher is None:
+            feats = f.get_slice("features")[a:b].clone()
+        else:
+            # `clone()` outside inference mode: the draft's backward saves its input, which an
+            # inference tensor cannot be
+            feats = self.teacher.features(ids.tolist()).clone()
+        return Sequence(input_ids=ids, loss_mask=f.get_slice("loss_mask")[a:b].bool(), features=feats, id=ex_id)
 
 
 class Order:

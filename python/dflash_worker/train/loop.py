@@ -89,6 +89,7 @@ from .scopes import includes_selector, scope_names
 from .signals import SignalGuard, StopFlags
 
 if TYPE_CHECKING:
+    from ..capture.teacher import Teacher
     from ..device import DeviceChoice
     from ..model import DraftModel
 
@@ -142,8 +143,9 @@ def capture_fingerprint(capture_dir: Path) -> str:
     return fingerprint({"capture_key": manifest["capture_key"], "shards": [[s["file"], s["sha256"]] for s in manifest["shards"]]})
 
 
-def check_capture_fits_draft(capture_dir: Path, draft_dir: Path) -> None:
-    """The capture holds the features of the target layers the draft taps (manifests and config.json only).
+def check_capture_fits_draft(capture_dir: Path, draft_dir: Path, features: str = "cache") -> None:
+    """The capture holds the features of the target layers the draft taps (manifests and config.json only),
+    and it was made for `features` (`[train].features`): a cache capture holds them, an online one the tokens only.
 
     A capture made for another draft (another `target_layer_ids`) would otherwise train on the wrong layers
     whenever the number of taps agrees."""
@@ -151,6 +153,13 @@ def check_capture_fits_draft(capture_dir: Path, draft_dir: Path) -> None:
     from ..errors import DataError
 
     manifest = json.loads((Path(capture_dir) / "manifest.json").read_text(encoding="utf-8"))
+    stored = manifest.get("features", "cache")
+    if stored != features:
+        raise DataError(
+            f"capture `{capture_dir}` was made with `[train].features = \"{stored}\"`, but this recipe trains with "
+            f"`\"{features}\"`\nhint: capture again with this recipe (a new `[capture].output`), or set "
+            f"`[train].features = \"{stored}\"`"
+        )
     captured = manifest.get("target_layer_ids")
     tapped = read_target_layer_ids(draft_dir)
     if captured != tapped:
@@ -165,6 +174,8 @@ def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raise `ResumeError` naming every field in which `current` differs from `saved`."""
     diffs = []
     s_rec, c_rec = saved.get("recipe_view") or {}, current["recipe_view"]
+    if s_rec:  # checkpoints from before `[train].features` existed trained on the cache
+        s_rec = {"train.features": "cache", **s_rec}
     for key in sorted(set(s_rec) | set(c_rec)):
         if s_rec.get(key, "<absent>") != c_rec.get(key, "<absent>"):
             diffs.append(f"recipe `{key}`: checkpoint `{s_rec.get(key, '<absent>')}`, now `{c_rec.get(key, '<absent>')}`")
@@ -311,6 +322,8 @@ class TrainSetup:
     train_split: CapturedSplit
     val_split: CapturedSplit | None
     order: Order
+    # `[train].features = "online"`: the frozen target, run in the step for each sequence's features
+    teacher: Teacher | None = None
     # `[train].l2sp > 0`: the trained tensors' starting values (the draft the recipe names), FP32
     start: list[torch.Tensor] | None = None
 
@@ -341,13 +354,21 @@ class TrainSetup:
             optimizer,
             lambda s: lr_factor(s, total=cfg.steps, warmup=cfg.warmup_steps, kind=cfg.schedule, min_ratio=cfg.min_lr_ratio),
         )
-        train_split = CapturedSplit(cap.output, "train", verify=True)
-        val_split = CapturedSplit(cap.output, "val", verify=False) if "val" in cap.splits else None
+        teacher = None
+        if cfg.features == "online":
+            from ..capture.run import read_target_layer_ids
+            from ..capture.teacher import Teacher
+
+            # the capture's dtype and the one component capture calls (`capture.teacher`), so the
+            # features equal the cache's on the same kind of device
+            teacher = Teacher.load(recipe.model.target, read_target_layer_ids(recipe.model.draft), device=str(device), dtype=cap.dtype)
+        train_split = CapturedSplit(cap.output, "train", verify=True, teacher=teacher)
+        val_split = CapturedSplit(cap.output, "val", verify=False, teacher=teacher) if "val" in cap.splits else None
         return cls(
             device=device, model=model, head=head, tensors=tensors, params=params, weights=weights,
             autocast=_autocast_dtype(cfg.autocast, device), optimizer=optimizer, scheduler=scheduler,
             train_split=train_split, val_split=val_split, order=Order(len(train_split), cfg.seed),
-            start=[p.detach().clone() for p in params] if cfg.l2sp > 0 else None,
+            start=[p.detach().clone() for p in params] if cfg.l2sp > 0 else None, teacher=teacher,
         )
 
 
@@ -420,7 +441,7 @@ class Trainer:
         from ..families import check_recipe_pair
 
         check_recipe_pair(recipe.model.target, recipe.model.draft, recipe.model.family)
-        check_capture_fits_draft(self.cap.output, recipe.model.draft)
+        check_capture_fits_draft(self.cap.output, recipe.model.draft, self.cfg.features)
         self.identity = {
             "recipe_view": resume_view(recipe),
             "recipe_fingerprint": fingerprint(resume_view(recipe)),
