@@ -105,7 +105,7 @@ impl TlsFault {
     }
 }
 
-/// The [`TlsFault`] a status carries, if [`Diagnosed`] put one there.
+/// The [`TlsFault`] a status carries, if `crate::channel::Diagnosed` put one there.
 pub fn fault_of(status: &tonic::Status) -> Option<&TlsFault> {
     StdError::source(status).and_then(|s| s.downcast_ref::<TlsFault>())
 }
