@@ -23,9 +23,33 @@ def test_preflight_reports_peaks_and_verdict(pipeline, monkeypatch):
     teacher = report["teacher"]
     assert teacher["family"] == "qwen3" and teacher["skipped_tensors"] == teacher["skipped_bytes"] == 0, teacher
     assert teacher["bytes_read"] == teacher["bytes"] > 0, teacher
+    # both `[train].features` plans (issue 36): the cache's disk bytes from the capture's manifest,
+    # the online plan's forward time and peak (target + draft + optimizer, at least the draft step's)
+    plans, m = report["plans"], json.loads((pipeline.capture / "manifest.json").read_text())
+    assert report["online_peak"]["kind"] == "peak" and report["online_peak"]["bytes"] > 0
+    assert plans["tokens"] == m["totals"]["tokens"] and plans["tokens_basis"].startswith("counted")
+    assert plans["cache"]["bytes_per_token"] == m["feature_dim"] * 4  # float32 capture
+    assert plans["cache"]["disk_bytes"] == plans["tokens"] * plans["cache"]["bytes_per_token"]
+    assert plans["online"]["bytes_per_token"] == 5 and plans["online"]["target_forward_seconds_per_sequence"] > 0
+    assert plans["online"]["peak_memory_bytes"] == report["online_peak"]["bytes"]
+    assert plans["recommended"] == "cache" and plans["recipe_features"] == "cache"
     monkeypatch.setattr(pf, "_device_memory", lambda dev: (1 << 20, "system memory"))
     small = pf.preflight(recipe, length=64)
     assert small["verdict"] == "no-go" and "exceeds" in small["reason"]
+
+
+def test_preflight_plans_recommend_by_free_disk_then_memory(pipeline, monkeypatch):
+    """cache when its bytes fit on disk; else online when its peak fits in memory; else neither."""
+    from dflash_worker.train import preflight as pf
+
+    recipe = load_recipe(pipeline.recipe("preflight-plans"))
+    ids, peak = [1, 2], 1000
+    monkeypatch.setattr(pf, "_free_disk", lambda path: 10**12)
+    assert pf.plans(recipe, ids, 64, peak, 0.1, 10**6)["recommended"] == "cache"
+    monkeypatch.setattr(pf, "_free_disk", lambda path: 10**5)  # the online tokens fit, the cache (~800 kB) does not
+    p = pf.plans(recipe, ids, 64, peak, 0.1, 10**6)
+    assert p["recommended"] == "online" and "exceeds" in p["reason"] and p["online"]["extra_forward_seconds"] == 0.1 * p["online"]["sequences"]
+    assert pf.plans(recipe, ids, 64, 10**7, 0.1, 10**6)["recommended"] == "neither"
 
 
 def test_preflight_cli_json(pipeline):
@@ -38,6 +62,8 @@ def test_preflight_cli_json(pipeline):
                             "--length", "64"], capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith("preflight: 64 tokens") and "optimization peak" in plain.stdout and "go:" in plain.stdout, plain.stdout
+    assert "online peak" in plain.stdout and "    cache:  " in plain.stdout and "recommended: cache" in plain.stdout, plain.stdout
+    assert json.loads(res.stdout)["plans"]["recommended"] == "cache"
     assert "\n  teacher:           qwen3, 4 layers x 64, " in plain.stdout and "skipped" not in plain.stdout, plain.stdout
     assert "capture peak" not in plain.stderr
 

@@ -15,6 +15,14 @@ the process resident-set peak: on Linux ``VmHWM`` after resetting it through
 5 ms. The verdict is ``go`` when the larger peak plus a 10% margin fits in the
 device's memory (CUDA: total device memory; CPU/MPS: total system memory).
 
+A third phase measures the online plan (`[train].features = "online"`): the frozen
+target loaded next to the draft through the component online training calls
+(`capture.teacher.Teacher`), one target forward for the sequence's features (timed:
+the extra forward time per sequence) and the same optimization step; its peak is
+the online plan's memory need. ``plans`` sets the two modes side by side (`plans`):
+cache disk bytes against free disk, online peak against device memory, and
+recommends one for this machine.
+
 The report's ``teacher`` says what was measured: the target's text tower (family,
 layers, width, experts, tensor bytes from the headers) and ``bytes_read``, what the
 capture phase's load actually took from the files. A Qwen3.5 checkpoint's vision
@@ -26,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -103,6 +113,8 @@ def _device_memory(device: torch.device) -> tuple[int, str]:
 
 def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     """Measure the capture and optimization peaks of one near-max-length step; returns the report."""
+    from ..capture.run import read_target_layer_ids
+    from ..capture.teacher import Teacher
     from ..device import provenance, resolve_device
     from ..families import check_recipe_pair
     from ..model import load_draft
@@ -121,6 +133,7 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(cfg.seed)
 
     cap_dtype = getattr(torch, cap.dtype) if cap is not None else torch.bfloat16
+    layer_ids = read_target_layer_ids(recipe.model.draft)
     loaded: dict[str, int] = {}
 
     def capture_phase() -> None:
@@ -135,7 +148,11 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     capture = _measure(dev, capture_phase)
     gc.collect()
 
-    def optimize_phase() -> None:
+    timing: dict[str, float] = {}
+
+    def optimize_phase(online: bool = False) -> None:
+        # online: the target sits beside the draft and computes the features in the step
+        teacher = Teacher.load(recipe.model.target, layer_ids, device=str(dev), dtype=str(cap_dtype).removeprefix("torch.")) if online else None
         model = load_draft(recipe.model.draft, device=dev, dtype=torch.float32)
         head = load_target_head(recipe.model.target, device=dev, dtype=torch.float32)
         names = set(scope_names(cfg.scope, [n for n, _ in model.named_parameters()]))
@@ -147,7 +164,13 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
         ids = torch.randint(0, V, (L,), generator=gen)
         mask = torch.zeros(L, dtype=torch.bool)
         mask[L // 4 :] = True
-        feats = torch.randn(1, L, model.config.context_width, generator=gen).to(dev)
+        if teacher is None:
+            feats = torch.randn(1, L, model.config.context_width, generator=gen).to(dev)
+        else:
+            teacher.features(ids.tolist())  # warm-up: the first call pays one-time kernel setup
+            t0 = time.perf_counter()
+            feats = teacher.features(ids.tolist()).clone().to(dev, torch.float32)[None]
+            timing["target_forward_seconds"] = time.perf_counter() - t0
         anchors = sample_anchors(mask, cfg.blocks_per_sequence, cfg.seed)
         labels, valid = block_labels(ids, mask, anchors, model.block_size)
         labels, valid = labels.to(dev), valid.to(dev)
@@ -177,8 +200,10 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
 
     optimization = _measure(dev, optimize_phase)
+    gc.collect()
+    online = _measure(dev, lambda: optimize_phase(online=True))
     total, what = _device_memory(dev)
-    need = max(capture["bytes"], optimization["bytes"])
+    need = max(capture["bytes"], optimization["bytes"], *([online["bytes"]] if cfg.features == "online" else []))
     go = need * MARGIN <= total
     return {
         "sequence_length": L,
@@ -186,6 +211,8 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
         "teacher": dataclasses.asdict(pair.target) | loaded,
         "capture_peak": capture,
         "optimization_peak": optimization,
+        "online_peak": online,
+        "plans": plans(recipe, layer_ids, pair.target.hidden_size, online["bytes"], timing["target_forward_seconds"], total),
         "device_memory_bytes": total,
         "device_memory": what,
         "margin": MARGIN,
@@ -194,4 +221,103 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
             f"largest peak {need / 2**30:.2f} GiB x {MARGIN} {'fits in' if go else 'exceeds'} {total / 2**30:.2f} GiB of {what}"
         ),
         "device": provenance(choice),
+    }
+
+
+ONLINE_BYTES_PER_TOKEN = 5  # an online shard's `int32` token id and `uint8` loss mask
+ONLINE_BYTES_PER_EXAMPLE = 16  # its `index` and `offsets` entries (`int64` each)
+
+
+def _capture_size(recipe: Recipe) -> tuple[int | None, int, str]:
+    """(tokens, examples, basis) of the capture: counted by a finished capture's manifest, else an upper
+    bound from the prepared splits (every example at `max_length`); tokens None when neither exists."""
+    cap = recipe.capture
+    if cap is not None:
+        try:
+            totals = json.loads((cap.output / "manifest.json").read_text(encoding="utf-8"))["totals"]
+            return int(totals["tokens"]), int(totals["examples"]), "counted: the capture's manifest"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    from ..data import PreparedData
+    from ..errors import DflashError
+
+    splits = cap.splits if cap is not None else ("train", "val")
+    try:
+        n = sum(1 for _ in PreparedData(recipe.data.dir).examples(splits))
+    except DflashError:
+        return None, 0, f"unknown: no finished capture and no prepared data in `{recipe.data.dir}`"
+    return n * recipe.data.max_length, n, f"at most: {n} examples x max_length {recipe.data.max_length}"
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes in decimal units: `512 B`, `3.9 kB`, `51.2 GB`."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _free_disk(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path` (its nearest existing parent)."""
+    p = path.absolute()
+    while not p.exists():
+        p = p.parent
+    return int(shutil.disk_usage(p).free)
+
+
+def plans(recipe: Recipe, layer_ids: list[int], hidden: int, online_peak: int, forward_seconds: float,
+          memory: int) -> dict[str, Any]:
+    """Both plans for `[train].features` on this machine and the one to pick.
+
+    cache: the capture's disk bytes (`len(layer_ids) x hidden x bytes(dtype)` per token) against
+    free disk where `[capture].output` lies; online: a few bytes per token on disk, but one target
+    forward per training sequence (`forward_seconds`, measured at the preflight length, times
+    `steps x grad_accum`) and `online_peak` (target + draft + optimizer) against `memory`.
+    Recommended: `cache` when it fits on disk (the features are computed once), else `online` when
+    it fits in memory, else `neither`."""
+    cfg, cap = recipe.require("train"), recipe.capture
+    dtype = cap.dtype if cap is not None else "bfloat16"
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    tokens, examples, basis = _capture_size(recipe)
+    per_token = len(layer_ids) * hidden * elem
+    if tokens is None:
+        return {
+            "tokens": None, "examples": 0, "tokens_basis": basis, "recipe_features": cfg.features,
+            "cache": {"bytes_per_token": per_token, "dtype": dtype, "taps": len(layer_ids), "hidden_size": hidden},
+            "online": {"bytes_per_token": ONLINE_BYTES_PER_TOKEN, "target_forward_seconds_per_sequence": forward_seconds,
+                       "peak_memory_bytes": online_peak, "fits": online_peak * MARGIN <= memory},
+            "recommended": "unknown", "reason": "the token count is unknown\nhint: run `prepare-data` first",
+        }
+    cache_bytes = tokens * per_token
+    free = _free_disk(cap.output if cap is not None else Path.cwd())
+    online_bytes = tokens * ONLINE_BYTES_PER_TOKEN + examples * ONLINE_BYTES_PER_EXAMPLE
+    sequences = cfg.steps * cfg.grad_accum
+    cache_fits = cache_bytes * MARGIN <= free
+    online_fits = online_peak * MARGIN <= memory and online_bytes * MARGIN <= free
+    disk = f"the cache ({human_bytes(cache_bytes)}) x {MARGIN}"
+    peak = f"the online peak ({human_bytes(online_peak)}) x {MARGIN}"
+    if cache_fits:
+        pick, why = "cache", f"{disk} fits in {human_bytes(free)} of free disk; its features are computed once"
+    elif online_fits:
+        pick, why = "online", f"{disk} exceeds {human_bytes(free)} of free disk; {peak} fits in {human_bytes(memory)} of memory"
+    else:
+        pick, why = "neither", f"{disk} exceeds {human_bytes(free)} of free disk and {peak} exceeds {human_bytes(memory)} of memory"
+    return {
+        "tokens": tokens,
+        "examples": examples,
+        "tokens_basis": basis,
+        "free_disk_bytes": free,
+        "device_memory_bytes": memory,
+        "cache": {"bytes_per_token": per_token, "disk_bytes": cache_bytes, "dtype": dtype, "taps": len(layer_ids),
+                  "hidden_size": hidden, "fits": cache_fits},
+        "online": {
+            "bytes_per_token": ONLINE_BYTES_PER_TOKEN, "disk_bytes": online_bytes,
+            "target_forward_seconds_per_sequence": forward_seconds,
+            "extra_forward_seconds": forward_seconds * sequences, "sequences": sequences,
+            "peak_memory_bytes": online_peak, "fits": online_fits,
+        },
+        "recipe_features": cfg.features,
+        "recommended": pick,
+        "reason": why,
     }
