@@ -119,3 +119,45 @@ def test_checkpoints_from_before_the_key_resume_as_cache():
     compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.features": "cache"}})
     with pytest.raises(ResumeError, match="`train.features`"):
         compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.features": "online"}})
+
+
+def test_online_capture_divided_over_two_jobs_holds_token_ids_only(pipeline, tmp_path):
+    """`--capture-shards 2` in online mode: each job writes its shards of token ids, the assembled
+    capture is the bytes one process writes."""
+    from dflash_worker.capture import CapturePart, assemble_capture
+
+    raw = copy.deepcopy(pipeline.recipe_base)
+    raw["train"] = {"scope": "full", "features": "online"}
+    raw["capture"].update(output=str(tmp_path / "whole"), shard_examples=4)
+    whole = run_capture(recipe_from_dict(raw, base=pipeline.root))
+    import shutil
+
+    (tmp_path / "parts").mkdir()
+    for i in range(2):  # each job in its own dir, as the run-manager runs them; their shards meet after
+        raw["capture"]["output"] = str(tmp_path / f"part-{i}")
+        run_capture(recipe_from_dict(raw, base=pipeline.root), part=CapturePart(i, 2))
+        for f in (tmp_path / f"part-{i}").glob("shard-*"):
+            shutil.copy(f, tmp_path / "parts" / f.name)
+    raw["capture"]["output"] = str(tmp_path / "parts")
+    assembled = assemble_capture(recipe_from_dict(raw, base=pipeline.root))
+    assert assembled["features"] == "online" and assembled["capture_key"] == whole["capture_key"]
+    assert [s["sha256"] for s in assembled["shards"]] == [s["sha256"] for s in whole["shards"]]
+    assert len(assembled["shards"]) > 2
+    for s in assembled["shards"]:
+        with safe_open(str(tmp_path / "parts" / s["file"]), framework="pt") as f:
+            assert sorted(f.keys()) == ["index", "input_ids", "loss_mask", "offsets"]
+
+
+@pytest.mark.slow
+def test_two_online_gloo_ranks_equal_one_online_rank(online):
+    """Multi-rank online: each rank loads the target and computes its own micro-batch's features;
+    one micro-batch per rank gives the one-rank bytes (as `test_distributed` shows for the cache)."""
+    from test_distributed import ONE_RANK, TORCHRUN, _export_sha, _recipe, _run, _samples, _trainable
+
+    one, two = online.root / "online-d1", online.root / "online-d2"
+    _run(ONE_RANK, _recipe(online, "online-d1", features="online"))
+    _run(TORCHRUN, _recipe(online, "online-d2", features="online"))
+    for step in (1, 2, 3):
+        a, b = _trainable(one, step), _trainable(two, step)
+        assert all(torch.equal(a[k], b[k]) for k in a), step
+    assert _export_sha(one) == _export_sha(two) and _samples(one) == _samples(two)
