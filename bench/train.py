@@ -27,7 +27,10 @@ alone, capture + cache training, and online capture + online training; bytes on 
 of each capture; and whether the two exports are byte-identical. The ratio the issue asks for
 is online end to end over capture + cache training (goal <= 1.3x on CPU).
 
-Usage: .venv/bin/python bench/train.py --features [--examples N] [--train-steps S] [--grad-accum A]
+Times are medians over `--repeats` rounds in which the two modes alternate (a shared machine's
+load then falls on both).
+
+Usage: .venv/bin/python bench/train.py --features [--examples N] [--train-steps S] [--grad-accum A] [--repeats R]
 """
 
 from __future__ import annotations
@@ -167,25 +170,31 @@ def features_bench(args) -> None:
             "train": {"scope": "full", "steps": args.train_steps, "grad_accum": args.grad_accum, "lr": 3e-3,
                       "blocks_per_sequence": 4, "val_every": 0, "checkpoint_every": args.train_steps, "device": "cpu"},
         }
-        runs = {}
-        for mode in ("cache", "online"):
-            raw = copy.deepcopy(base)
-            raw["capture"]["output"] = str(root / f"capture-{mode}")
-            raw["train"].update(features=mode, output=str(root / f"run-{mode}"))
-            recipe = recipe_from_dict(raw, base=root)
-            manifest, cap_s, cap_c = _timed(lambda: run_capture(recipe))
-            _, train_s, train_c = _timed(lambda: train(recipe))
-            sel = json.loads((root / f"run-{mode}" / "selection.json").read_text())
-            runs[mode] = {
-                "capture_s": cap_s, "train_s": train_s, "capture_c": cap_c, "train_c": train_c,
-                "tokens": manifest["totals"]["tokens"],
-                "bytes": manifest["totals"]["payload_bytes"],
-                "export": sha256_file(root / f"run-{mode}" / sel["export"]["dir"] / "model.safetensors"),
-            }
+        samples: dict[str, list[dict]] = {"cache": [], "online": []}
+        for r in range(args.repeats):  # the modes alternate, so load from others on the machine hits both
+            for mode in ("cache", "online"):
+                raw = copy.deepcopy(base)
+                raw["capture"]["output"] = str(root / f"capture-{mode}-{r}")
+                raw["train"].update(features=mode, output=str(root / f"run-{mode}-{r}"))
+                recipe = recipe_from_dict(raw, base=root)
+                manifest, cap_s, cap_c = _timed(lambda: run_capture(recipe))
+                _, train_s, train_c = _timed(lambda: train(recipe))
+                sel = json.loads((root / f"run-{mode}-{r}" / "selection.json").read_text())
+                samples[mode].append({
+                    "capture_s": cap_s, "train_s": train_s, "capture_c": cap_c, "train_c": train_c,
+                    "tokens": manifest["totals"]["tokens"],
+                    "bytes": manifest["totals"]["payload_bytes"],
+                    "export": sha256_file(root / f"run-{mode}-{r}" / sel["export"]["dir"] / "model.safetensors"),
+                })
+        # medians of each timing over the repeats; bytes and exports are the same in every repeat
+        runs = {m: {k: (statistics.median(x[k] for x in xs) if k.endswith(("_s", "_c")) else xs[0][k]) for k in xs[0]}
+                for m, xs in samples.items()}
+        exports = {x["export"] for xs in samples.values() for x in xs}
     n = args.train_steps * args.grad_accum  # training sequences per run
     c, o = runs["cache"], runs["online"]
     print(f"features bench: tiny world, {args.examples} examples ({c['tokens']} captured tokens), {args.train_steps} steps x "
-          f"{args.grad_accum} sequences = {n} training sequences, float32 on cpu, torch threads {torch.get_num_threads()}")
+          f"{args.grad_accum} sequences = {n} training sequences, float32 on cpu, torch threads {torch.get_num_threads()}, "
+          f"median of {args.repeats} alternating repeats")
     rows = [
         ("cache training only", c["train_s"], c["train_c"], c["bytes"]),
         ("capture + cache training", c["capture_s"] + c["train_s"], c["capture_c"] + c["train_c"], c["bytes"]),
@@ -199,7 +208,7 @@ def features_bench(args) -> None:
     cpu_ratio = (o["capture_c"] + o["train_c"]) / (c["capture_c"] + c["train_c"])
     print(f"  online end to end / capture + cache training: {ratio:.2f}x wall, {cpu_ratio:.2f}x cpu time (goal <= 1.3x); "
           f"online disk {o['bytes'] / o['tokens']:.1f} B/token (goal <= 16)")
-    print(f"  exports byte-identical: {'yes' if c['export'] == o['export'] else 'NO'}")
+    print(f"  exports byte-identical: {'yes' if len(exports) == 1 else 'NO'}")
 
 
 def main() -> None:
@@ -208,6 +217,7 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=48, help="--features: examples in the tiny world")
     ap.add_argument("--train-steps", type=int, default=16, help="--features: optimizer steps of each training run")
     ap.add_argument("--grad-accum", type=int, default=2, help="--features: sequences per optimizer step")
+    ap.add_argument("--repeats", type=int, default=3, help="--features: alternating repeats of both modes (medians reported)")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant (after one warm-up)")
     ap.add_argument("--length", type=int, default=1024, help="sequence length (context tokens)")
     ap.add_argument("--blocks", type=int, default=16, help="anchored blocks per sequence")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_train_features_bench_reports_every_figure():
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "train.py"), "--features", "--examples", "12", "--train-steps", "2",
-         "--grad-accum", "1"],
+         "--grad-accum", "1", "--repeats", "1"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
