@@ -2,6 +2,8 @@
 
 `run_capture(recipe)` writes a resumable, byte-deterministic cache of sharded
 safetensors plus a manifest; `open_capture(dir)` reads it back for training.
+With `[train].features = "online"` the shards hold token ids only and training computes the
+features through the same `Teacher` (`capture.teacher`).
 A capture divided over the jobs of a run: `run_capture(recipe, part=CapturePart(i, N))`
 in each, then `assemble_capture(recipe)` where the shards meet.
 """

@@ -37,7 +37,9 @@ Events (`worker.events`, to the `on_event` sink, in this order):
 - ``Log`` ``N examples, resuming at S (K shards reused)`` and
   ``Progress(phase="capture", step=S, total_steps=N, metrics={"shards_reused": K})``;
 - ``Log`` ``teacher loaded in X.Xs`` (only when examples are left to capture; a multimodal
-  target's line adds the vision / MTP tensors skipped unread);
+  target's line adds the vision / MTP tensors skipped unread); an online capture
+  (`[train].features = "online"`) without `regenerate` needs no weights and logs
+  ``online features: storing tokens only, the teacher is not loaded`` instead;
 - per example i: ``Progress(step=i + 1, total_steps=N, metrics={"tokens": ...})``;
 - per committed shard: ``Progress(step=<examples captured so far>, total_steps=N,
   metrics={"shard": index, "shards_committed": count, "examples_committed": end,

@@ -29,6 +29,11 @@ committed at every validation step and the best one is never pruned. Without
 a validation split (or with ``val_every = 0`` and no val examples) the last
 step is selected.
 
+Features (`[train].features`): `cache` reads each sequence's target features from the capture;
+`online` (the capture holds token ids only) loads the frozen target in `TrainSetup.load` and
+computes them as each sequence is read (`data.CapturedSplit`, through `capture.teacher.Teacher`,
+the component capture calls), so the rest of the step is the same code either way.
+
 Resume compatibility: the resolved recipe minus operational fields
 (`RESUME_IGNORED`: output and checkpoint cadence, devices, paths whose content
 the data and draft fingerprints already cover, the export/evaluate sections),
