@@ -27,21 +27,29 @@ demo: install
 # seconds cached), overlapping the lint and the other tests; tests/e2e/test_e2e_docker.py asks
 # the same script for it and waits for this build (one build at a time). Without a Docker
 # engine here the script exits 3 and those tests skip with the reason.
+# scripts/phases.sh times each phase and prints the table at the end (or at the first failure).
 DOCKER_IMAGE_LOG := $(VENV)/docker-image-cpu.log
-test: install
+test:
+	@scripts/phases.sh --reset
+	@scripts/phases.sh install
 	@echo "make: building the CPU image in the background (log: $(DOCKER_IMAGE_LOG))"
 	@scripts/build-cpu-image.sh >$(DOCKER_IMAGE_LOG) 2>&1 </dev/null &
-	@$(MAKE) --no-print-directory lint test-python test-rust fuzz
+	@scripts/phases.sh lint test-python test-rust fuzz
+	@scripts/phases.sh --report
 
 # The CPU flavor of docker/Dockerfile, built offline (scripts/build-cpu-image.sh); prints its reference.
 docker-image-cpu: install
 	@scripts/build-cpu-image.sh
 
-# Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml;
-# rustfmt, and clippy with the workspace's lint levels ([workspace.lints]) as errors.
+# Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml; no class
+# over 400 lines in the coordinator (scripts/check-structure.py); no module import cycle in the
+# run-manager (scripts/check-import-cycles.py); rustfmt, and clippy with the workspace's lint
+# levels ([workspace.lints]) as errors.
 # `rustup component add` is a quick no-op when both are installed (a fresh CI machine may lack them).
 lint:
 	$$(cat $(VENV)/.dflash-shared-env)/bin/ruff check --no-cache .
+	$(PY) scripts/check-structure.py
+	$(PY) scripts/check-import-cycles.py run-manager/src
 	@if command -v rustup >/dev/null; then rustup --quiet component add rustfmt clippy; fi
 	cargo fmt --all --check
 	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --workspace --all-targets --locked -- -D warnings

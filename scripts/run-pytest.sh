@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
 # Run the Python suite with the checkout's .venv. pytest's exit code 5 means it
 # collected no tests: that is reported as its own failure, never as success.
+#
+# The suite runs on every core with pytest-xdist (`-n auto`; DFLASH_PYTEST_WORKERS=N sets
+# the count, 0 runs in one process), each test file on one worker (`--dist loadfile`), so a
+# module's fixtures are built once. Arguments that choose workers themselves (`-n`,
+# `-p no:xdist`) are passed as they are.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 2
-.venv/bin/python -m pytest "$@"
+workers=${DFLASH_PYTEST_WORKERS:-auto}
+dist=()
+case " $* " in
+  *" -n "* | *" -n"[0-9]* | *" --numprocesses"* | *"no:xdist"*) ;;
+  *) if [ "$workers" != 0 ] && .venv/bin/python -c 'import xdist' 2>/dev/null; then
+       dist=(-n "$workers" --dist loadfile)
+     fi ;;
+esac
+.venv/bin/python -m pytest "${dist[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "run-pytest: pytest collected no tests (exit 5); an empty suite is a failure here" >&2

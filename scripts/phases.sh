@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Run `make` targets one after another and time each: what `make test` uses to print where its
+# time went. The times accumulate in $DFLASH_PHASE_TIMES (default .phase-times.tsv at the root,
+# git-ignored) from `--reset` on; the table is printed after the last target, or after the
+# first one that fails (whose exit code is then this script's).
+#
+#   scripts/phases.sh --reset            start a new table
+#   scripts/phases.sh TARGET...          run and time each target, stop at the first failure
+#   scripts/phases.sh --report           print the table (phase, seconds, exit code, total wall)
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 2
+file=${DFLASH_PHASE_TIMES:-$root/.phase-times.tsv}
+
+report() {
+  [ -f "$file" ] || return 0
+  local start now
+  start=$(cat "$file.start" 2>/dev/null || echo "$EPOCHREALTIME")
+  now=$EPOCHREALTIME
+  echo "phase times:"
+  awk -F'\t' -v wall="$(awk -v a="$start" -v b="$now" 'BEGIN { printf "%.1f", b - a }')" '
+    { printf "  %-14s %8.1f s%s\n", $1, $2, ($3 == 0 ? "" : "  (exit " $3 ")"); sum += $2 }
+    END { printf "  %-14s %8.1f s\n  %-14s %8.1f s (%.1f min)\n", "phases", sum, "wall", wall, wall / 60 }' "$file"
+}
+
+case "${1:-}" in
+  --reset) : > "$file"; echo "$EPOCHREALTIME" > "$file.start"; exit 0 ;;
+  --report) report; exit 0 ;;
+  "" | -h | --help) sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+esac
+
+for target in "$@"; do
+  t0=$EPOCHREALTIME
+  make --no-print-directory "$target"
+  rc=$?
+  awk -v t="$target" -v a="$t0" -v b="$EPOCHREALTIME" -v rc="$rc" 'BEGIN { printf "%s\t%.1f\t%d\n", t, b - a, rc }' >> "$file"
+  if [ "$rc" -ne 0 ]; then
+    report
+    exit "$rc"
+  fi
+done
