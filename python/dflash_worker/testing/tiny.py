@@ -46,26 +46,11 @@ _TINY_QWEN3_MOE_EXTRA: dict[str, Any] = dict(
 
 # The text tower of the tiny Qwen3.5 families: 4 layers, 3 Gated DeltaNet + 1 gated attention
 # (transformers' default `full_attention_interval` 4), the dense geometry's width.
-_TINY_QWEN3_5_TEXT: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+_TINY_QWEN3_5_TEXT: dict[str, Any] = {
+    **{k: v for k, v in _TINY_QWEN3.items() if k != "rope_theta"},  # rope lives in `rope_parameters` there
+    **dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+           linear_conv_kernel_dim=4),
+}
 _TINY_QWEN3_5_MOE_EXTRA: dict[str, Any] = dict(
     moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2
 )
