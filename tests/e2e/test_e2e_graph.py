@@ -143,3 +143,28 @@ def test_a_capture_provider_killed_midway_its_job_is_re_leased_and_the_export_is
     assert any(v.get("message") == "input downloaded" and v.get("input") == sidecar for v in logs), logs[-20:]
     assert any(re.search(r"\(([1-9]\d*) shards reused\)", str(v.get("message", ""))) for v in logs), [v.get("message") for v in logs]
     _check_same_as_one_job(coord, run_id, survivors, baseline, tmp_path)
+
+
+def test_an_online_graph_run_ships_token_ids_only(tmp_path, procs, spec):
+    """Issue 36: `--capture-shards 2` with `[train].features = "online"`: each capture job uploads
+    token-id shards (a few bytes per token, no hidden states); the train job computes the features."""
+    spec = json.loads(json.dumps(spec))
+    spec["recipe"]["train"]["features"] = "online"
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    run_id = coord.create_run("online-graph", spec, "--capture-shards", "2", client_version=client_version())
+    rms = [_provider(procs, coord, tmp_path, f"p{i}") for i in range(2)]
+    shown = _finish(coord, run_id, rms)
+    assert [j["kind"] for j in shown["jobs"]] == ["prepare", "capture", "capture", "train", "evaluate"]
+    kinds = _kinds(coord, run_id)
+    (train_id,) = [j for j, (k, _) in kinds.items() if k == "train"]
+    manifest = json.loads((_job_dir(rms, train_id) / "capture" / "manifest.json").read_text())
+    assert manifest["features"] == "online"
+    totals = manifest["totals"]
+    assert 0 < totals["payload_bytes"] / totals["tokens"] <= 16, totals  # issue 36's disk goal
+    for job_id, (kind, _) in kinds.items():
+        if kind == "capture":
+            names = [r["artifact"]["name"] for r in coord.cli_json("artifacts", "list", run_id, "--job", job_id)]
+            assert any(n.startswith("capture/shard-") for n in names), names
+    out = tmp_path / "admin" / "export"
+    coord.cli("artifacts", "get", run_id, "--export", "-o", str(out))
+    assert list(out.rglob("model.safetensors"))
