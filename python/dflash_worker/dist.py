@@ -161,6 +161,16 @@ def shutdown(ranks: Ranks) -> None:
         dist.destroy_process_group()
 
 
+def barrier(ranks: Ranks) -> None:
+    """Every rank waits for the others: called after a stage's last collective, so that no rank
+    leaves the group (and tears down its gloo pairs) while another still receives from it (a rank
+    that left too early made its peer abort with `terminate called without an active exception`)."""
+    import torch.distributed as dist
+
+    if ranks.active and dist.is_initialized():
+        dist.barrier()
+
+
 def _store(ranks: Ranks, timeout: datetime.timedelta):
     """A client of rank 0's rendezvous store (the `MASTER_ADDR:MASTER_PORT` every rank joined)."""
     import torch.distributed as dist

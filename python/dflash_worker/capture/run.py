@@ -922,7 +922,9 @@ def _run_capture_shared(plan: CapturePlan, ranks: Any, emit: EventSink, t0: floa
                 "torch_threads": torch.get_num_threads(),
             }
             manifest = _write_manifest(plan, [every[k] for k in range(total)], examples, run, emit)
-        return dist.broadcast(ranks, manifest)
+        manifest = dist.broadcast(ranks, manifest)
+        dist.barrier(ranks)  # every rank has the manifest before any leaves the group
+        return manifest
     finally:
         dist.shutdown(ranks)
 
