@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..weights.checkpoint import TEXT_TOWER_PREFIX
 
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
 # A Qwen3.5 multimodal wrapper keeps the text tower's embedding here (its `lm_head` stays at the top)
-WRAPPER_EMBED_KEY = "model.language_model.embed_tokens.weight"
+WRAPPER_EMBED_KEY = TEXT_TOWER_PREFIX + "embed_tokens.weight"
 
 
 class TargetHead(nn.Module):

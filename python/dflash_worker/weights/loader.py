@@ -41,8 +41,15 @@ from .checkpoint import (
 )
 from .stream import TORCH_DTYPES, LoadReport, ProgressFn, Source, stream_into
 
+
 # model_type values this loader knows how to fill (the families in `dflash_worker.families`)
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+def _supported_model_types() -> tuple[str, ...]:
+    from ..families import FAMILIES  # the registry is the one list (it imports no torch)
+
+    return tuple(t for fam in FAMILIES.values() for t in fam.model_types)
+
+
+SUPPORTED_MODEL_TYPES = _supported_model_types()
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
