@@ -7,6 +7,14 @@ prepare-data, check-data (thinking on and off), capture with teacher regeneratio
 preflight, train (every scope, one QAT run), export (BF16 and AF4G64), evaluate; plus
 byte-exact reproducibility of capture and exact resume of training.
 
+`qwen3_5_moe` also with individually stored experts (the layout transformers' own
+`save_pretrained` writes), saved from the same seed: the same weights as the packed target
+(packing it gives the packed target's files), a capture through the CLI with the packed
+capture's token ids and masks and its features to one float32 rounding (see the section's
+comment), every scope trained to the packed run's drafts, both exports through the CLI, and
+an evaluation against it with the packed run's report. (Load, validate and init-draft of
+both layouts: `tests/families/test_qwen3_5.py`.)
+
 Training runs in this process where the claim is about the result (scopes, QAT, exports),
 and as real `dflash-worker train` processes where it is about interruption (resume), with
 the helpers of `tests/train` (`pipeline.Pipeline`, `test_resume`, `test_train_scopes`).
@@ -15,9 +23,11 @@ Every process and this one run at one thread, so CPU kernels reduce in the same 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +51,8 @@ pytestmark = pytest.mark.slow
 SCOPES = ("selector", "context", "final_backbone", "recall", "full")
 # regenerated responses end at the teacher's stop token or after this many tokens
 MAX_NEW_TOKENS = 16
+# the tiny world's seed: the individual-expert target of `qwen3_5_moe` is saved again from it
+WORLD_SEED = 0
 
 
 def _env() -> dict[str, str]:
@@ -90,7 +102,7 @@ def pipe(request, tmp_path_factory) -> Pipeline:
     family = request.param
     root = tmp_path_factory.mktemp(f"pipe-{family}")
     kw = {"expert_layout": "packed"} if family == "qwen3_5_moe" else {}
-    world = build_world(root, examples=24, family=family, **kw)
+    world = build_world(root, examples=24, seed=WORLD_SEED, family=family, **kw)
     data = root / "data"
     _ok("prepare-data", "--input", world.rows, "--output", data, "--val-fraction", "0.2", "--test-fraction", "0.2")
     base = {
@@ -207,8 +219,12 @@ def scope_runs(pipe):
 
 @pytest.mark.parametrize("scope", SCOPES)
 def test_every_scope_trains_its_tensors_and_exports_the_rest_byte_identical(pipe, scope_runs, scope):
-    res = scope_runs[scope]
-    released = _released_sha(pipe.draft)
+    _assert_scope_export(pipe.draft, scope_runs[scope], scope)
+
+
+def _assert_scope_export(draft: Path, res, scope: str) -> None:
+    """The export of a `scope` run changed exactly the scope's tensors of the released `draft`."""
+    released = _released_sha(draft)
     exported = _released_sha(res.export_dir)  # read from the export's own bytes
     assert exported.keys() == released.keys()
     trained = set(scope_names(scope, list(released)))
@@ -224,7 +240,7 @@ def test_every_scope_trains_its_tensors_and_exports_the_rest_byte_identical(pipe
         else:
             assert exported[name] == sha, f"{scope}: frozen tensor `{name}` changed"
         assert manifest["tensors"][name] == exported[name]
-    assert (res.export_dir / "config.json").read_bytes() == (pipe.draft / "config.json").read_bytes()
+    assert (res.export_dir / "config.json").read_bytes() == (draft / "config.json").read_bytes()
 
 
 def test_bf16_export_loads_in_the_upstream_reference(pipe, scope_runs):
@@ -309,6 +325,142 @@ def test_evaluate_reports_on_held_out_prompts(pipe, scope_runs):
     for name in ("report.md", "acceptance.png"):
         assert (run / "evaluate-test" / name).stat().st_size > 0
 
+
+# --------------------------------------------------------------------------- individually stored experts
+# `qwen3_5_moe` saved the way transformers' own `save_pretrained` writes it (each expert its own
+# `gate_proj`/`up_proj`/`down_proj`) holds the packed world's weights, and goes through capture,
+# train (every scope), both exports and evaluate like the packed one.
+#
+# Its features are not bit for bit the packed capture's: a CPU target is loaded as views of the mapped
+# shards (`weights.stream`, `mmap=True`), so a tensor lies at its file offset (aligned to its element
+# size only), while per-expert tensors are read into fresh (aligned) packed storage; the CPU kernels
+# round a few rows differently by alignment (about one float32 ulp; loaded with `mmap=False`, both
+# layouts give the same bytes). Token ids and masks are equal, features equal to that rounding.
+
+EXPERT_KEY = "model.language_model.layers.0.mlp.experts.0.gate_proj.weight"
+PACKED_KEY = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+# features may differ by this many float32 epsilons of the shard's largest |feature|
+FEATURE_ULPS = 8
+
+
+@pytest.fixture(scope="module")
+def individual(pipe) -> Pipeline:
+    """For `qwen3_5_moe`: the target saved again from the world's seed with individually stored experts,
+    and a capture from it through the CLI (the packed pipeline's recipe, other target and output)."""
+    if pipe.recipe_base["model"]["family"] != "qwen3_5_moe":
+        pytest.skip("the dense family has no experts")
+    from dflash_worker.testing.tokenizer import save_tiny_target_with_tokenizer
+
+    root = pipe.root / "individual"
+    root.mkdir()
+    target = root / "target"
+    save_tiny_target_with_tokenizer(target, family="qwen3_5_moe", seed=WORLD_SEED, expert_layout="individual")
+    base = copy.deepcopy(pipe.recipe_base)
+    base["model"]["target"], base["capture"]["output"] = str(target), str(root / "capture")
+    p = Pipeline(root, target, pipe.draft, pipe.data, root / "capture", base)
+    res = _ok("capture", "--recipe", p.recipe("capture-recipe"), "--json")
+    assert json.loads(res.stdout)["shards_total"] >= 2
+    return p
+
+
+def _weight_map(target: Path) -> dict[str, str]:
+    return json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def _files(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def test_individually_stored_experts_hold_the_packed_targets_weights(pipe, individual, tmp_path):
+    ind, packed = _weight_map(individual.target), _weight_map(pipe.target)
+    assert EXPERT_KEY in ind and PACKED_KEY not in ind
+    assert PACKED_KEY in packed and not any(".experts.0." in k for k in packed)
+    # packed, a copy is the packed target file for file: the same weights, config and tokenizer
+    from dflash_worker.testing.tiny import pack_experts
+
+    repacked = tmp_path / "repacked"
+    shutil.copytree(individual.target, repacked)
+    assert pack_experts(repacked) == 4
+    assert _files(repacked) == _files(pipe.target)
+
+
+def test_capture_from_individual_experts_equals_the_packed_capture(pipe, individual):
+    from safetensors.torch import load_file
+
+    ind = json.loads((individual.capture / "manifest.json").read_text())
+    ref = json.loads((pipe.capture / "manifest.json").read_text())
+    # the capture key names the teacher's files: another target, another key (so the shard files differ)
+    assert ind["capture_key"] != ref["capture_key"]
+    files = [s["file"] for s in ref["shards"]]
+    assert [s["file"] for s in ind["shards"]] == files
+    eps = torch.finfo(torch.float32).eps
+    for file in files:
+        a, b = load_file(individual.capture / file), load_file(pipe.capture / file)
+        assert a.keys() == b.keys() >= {"features", "input_ids", "loss_mask"}, file
+        for name in a:
+            assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, f"{file}: `{name}`"
+            if name == "features":  # (module comment above: storage alignment)
+                diff, scale = float((a[name] - b[name]).abs().max()), float(b[name].abs().max())
+                assert diff <= FEATURE_ULPS * eps * scale, f"{file}: features differ by {diff:.3g} (max |feature| {scale:.3g})"
+            else:
+                assert torch.equal(a[name], b[name]), f"{file}: `{name}` differs"
+
+
+@pytest.fixture(scope="module")
+def individual_scope_runs(individual):
+    """`scope_runs` on the individual-expert capture."""
+    out = {}
+    for scope in SCOPES:
+        recipe = individual.recipe(f"scope-{scope}", scope=scope, steps=3, lr=LR[scope], val_every=3, checkpoint_every=3,
+                                   warmup_steps=0, schedule="constant")
+        out[scope] = train(load_recipe(recipe))
+        assert out[scope].status == "completed"
+    return out
+
+
+def _bf16_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_individual_experts_train_every_scope_export_both_formats_and_evaluate_as_packed(
+    pipe, individual, scope_runs, individual_scope_runs, capsys, tmp_path
+):
+    for scope in SCOPES:
+        _assert_scope_export(individual.draft, individual_scope_runs[scope], scope)
+        # the packed run's draft, to the features' rounding (in practice: the same bytes)
+        got, ref = _bf16_tensors(individual_scope_runs[scope].export_dir), _bf16_tensors(scope_runs[scope].export_dir)
+        assert got.keys() == ref.keys()
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], msg=lambda m, n=name: f"{scope}: `{n}`: {m}")
+    # both formats through `dflash-worker export`
+    run = individual_scope_runs["recall"]
+    bf16 = json.loads(_in_process(capsys, "export", "--run", run.run_dir, "--format", "bf16", "--output", tmp_path / "bf16",
+                                  "--json"))
+    assert bf16["format"] == "dflash-worker/export-bf16/v1" and _tensor_sha(tmp_path / "bf16") == _tensor_sha(run.export_dir)
+    af4 = json.loads(_in_process(capsys, "export", "--run", run.run_dir, "--format", "af4g64", "--output",
+                                 tmp_path / "af4g64", "--json"))
+    assert "fc.weight" in af4["quantized"]
+    _assert_af4g64(tmp_path / "af4g64", af4, individual.draft,
+                   trained=set(scope_names("recall", list(_released_sha(individual.draft)))))
+    # evaluate against the individual-expert target: the packed run's report, prompt for prompt
+    run = individual_scope_runs["full"].run_dir
+    out = _in_process(capsys, "evaluate", "--run", run, "--max-prompts", "4")
+    assert out.startswith("evaluate: 4 prompts, acceptance length (pooled)"), out
+    report = json.loads((run / "evaluate-test" / "report.json").read_text())
+    ref = _evaluated(capsys, scope_runs["full"].run_dir)
+    moved = {"run", "trained_draft"}  # the run directory's paths
+    assert {k: v for k, v in report.items() if k not in moved} == {k: v for k, v in ref.items() if k not in moved}
+    assert report["lossless"] is True and report["trained"]["verify_steps"] > 0
+
+
+def _evaluated(capsys, run: Path) -> dict:
+    """The report of `dflash-worker evaluate --run RUN --max-prompts 4` (run here unless a test already has)."""
+    path = run / "evaluate-test" / "report.json"
+    if not path.is_file():
+        _in_process(capsys, "evaluate", "--run", run, "--max-prompts", "4")
+    return json.loads(path.read_text())
 
 # --------------------------------------------------------------------------- exact resume
 
