@@ -2,7 +2,8 @@
 tower, an `mtp.*` shard and packed experts), trained against through the real coordinator, run-manager
 and native client on loopback. The run admin fetches the export from the coordinator's artifact store:
 the bytes the coordinator recorded, a BF16 draft that loads and pairs with the target; the capture the
-job uploaded records the Qwen3.5-MoE teacher's text tower. The demo's world stays a Qwen3 target."""
+job uploaded records the Qwen3.5-MoE teacher's text tower, and its evaluation report shows real speculative
+verify steps (the world's seed is one where the tiny teacher generates). The demo's world stays a Qwen3 target."""
 
 from __future__ import annotations
 
@@ -12,6 +13,19 @@ import pytest
 from e2e_helpers import REPO, export_model, pipeline_spec, run_one_job, sha256_file
 
 pytestmark = pytest.mark.slow
+
+# The world's seed. At `build_world`'s default (0) the tiny teacher answers the evaluated test prompts
+# with its stop token at once, so the evaluation would verify nothing; from this seed it generates.
+WORLD_SEED = 1
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe_world(tmp_path_factory, binaries):
+    """A Qwen3.5-MoE target as released: the multimodal wrapper (vision tower, `mtp.*` shard), experts packed."""
+    from dflash_worker.testing.world import build_world
+
+    return build_world(tmp_path_factory.mktemp("world-qwen3_5_moe"), family="qwen3_5_moe", seed=WORLD_SEED,
+                       expert_layout="packed")
 
 
 def test_a_qwen3_5_moe_job_exports_a_draft_that_loads_and_pairs_with_its_target(tmp_path, procs, qwen3_5_moe_world):
@@ -63,6 +77,13 @@ def test_a_qwen3_5_moe_job_exports_a_draft_that_loads_and_pairs_with_its_target(
     assert read_config_json(world.target)["model_type"] == "qwen3_5_moe" and tc["model_type"] == "qwen3_5_moe_text"
     assert teacher["files"]["config.json"] == sha256_file(world.target / "config.json"), teacher["files"]
     assert manifest["hidden_size"] == tc["hidden_size"] and all(0 <= i < tc["num_hidden_layers"] for i in manifest["target_layer_ids"])
+
+    # The job's evaluation, as uploaded: real speculative decoding, every prompt past the teacher's first token.
+    report = json.loads(coord.fetch(run_id, "eval/report.json", tmp_path / "admin" / "report.json").read_text())
+    assert report["prompts"] == spec["evaluate"]["max_prompts"] == 2, report
+    assert all(row["teacher_output_tokens"] > 1 for row in report["per_prompt"]), report["per_prompt"]
+    assert report["baseline"]["verify_steps"] > 0 and report["trained"]["verify_steps"] > 0, report
+    assert report["lossless"] is True, report["lossless_mismatches"]
 
 
 def test_the_demo_world_stays_a_qwen3_target(world):
