@@ -68,6 +68,29 @@ def _prepare(tmp_path: Path, spec: dict, **extra) -> Path:
     return job
 
 
+def test_a_sigterm_during_a_steps_progress_event_is_served_with_a_checkpoint(tmp_path):
+    """The signal lands after the step's commit decision (here: while its progress event is written):
+    the stop waits for the next step boundary and commits it, never stopping at an uncommitted step."""
+    from dflash_worker.worker.context import StageContext, Stopped
+    from dflash_worker.worker.noop import run_noop
+    from dflash_worker.worker.placement import Placement
+    from dflash_worker.worker.spec import JobSpec
+
+    spec = JobSpec.load(_prepare(tmp_path, noop(400, every=1000)))
+    events = []
+
+    def emit(e):
+        events.append(e)
+        if getattr(e, "phase", None) == "train" and e.step == 1:
+            ctx.stop_requested = True  # what `on_term` does, at this exact moment
+
+    ctx = StageContext(spec=spec, placement=Placement.from_spec(spec), emit=emit)
+    with pytest.raises(Stopped) as stop:
+        run_noop(ctx)
+    checkpoints = [e.step for e in events if getattr(e, "kind", None) == "checkpoint"]
+    assert checkpoints == [2] and stop.value.committed_step == 2, (checkpoints, stop.value.committed_step)
+
+
 def test_resume_from_checkpoint_reaches_the_same_state(tmp_path):
     job = _prepare(tmp_path, noop(6, every=2))
     rc, events, _ = run_job(job)

@@ -85,12 +85,15 @@ def run_noop(ctx: StageContext) -> None:
     for k in range(start + 1, cfg.steps + 1):
         time.sleep(cfg.step_seconds)
         state = _step(state, k)
-        if k % cfg.checkpoint_every == 0 or ctx.checkpoint_requested or ctx.stop_requested:
+        # read the flag once: a SIGTERM that lands after the commit decision (say, while the progress
+        # event is written) is served at the next step boundary, never with the step uncommitted
+        stop = ctx.stop_requested
+        if k % cfg.checkpoint_every == 0 or ctx.checkpoint_requested or stop:
             ctx.checkpoint_requested = False
             ctx.report(_commit(ctx.job_dir, k, state), kind="checkpoint", step=k)
             committed = k
         ctx.emit(Progress(phase="train", step=k, total_steps=cfg.steps, metrics={"loss": 1.0 / (k + 1)}, committed_step=committed))
-        if ctx.stop_requested:
+        if stop:
             raise Stopped(committed)
 
     report = ctx.job_dir / "export" / "noop-report.json"
