@@ -12,7 +12,8 @@
 # are generated afresh each run (fuzz/python/seeds.py) and the committed
 # regression inputs under tests/fuzz/inputs/TARGET are fed as seeds too.
 #
-# Per target it prints executions, executions per second, corpus size and
+# Targets run side by side, one per core ($DFLASH_FUZZ_JOBS to change), each for
+# its full N seconds. Per target it prints executions, executions per second, corpus size and
 # crashes. A crashing input is saved under fuzz/crashes/TARGET/ (gitignored;
 # $DFLASH_FUZZ_CRASHES elsewhere) and the script exits 1. `make fuzz` runs it;
 # `make test` includes it. `py_canary` crashes on purpose and runs only when
@@ -122,9 +123,25 @@ run_target() {
 # Each input is written to a file (the parsers read files): on tmpfs where there is one.
 scratch_base=${TMPDIR:-/tmp}
 if [ -d /dev/shm ] && [ -w /dev/shm ]; then scratch_base=/dev/shm; fi
+# Targets run side by side, one per core (each libFuzzer process is single-threaded;
+# DFLASH_FUZZ_JOBS=N sets the count): every target still gets its full `--seconds`.
+# Rows are printed in target order once all have finished.
+jobs=${DFLASH_FUZZ_JOBS:-$(nproc 2>/dev/null || echo 1)}
+case "$jobs" in ''|*[!0-9]*|0) echo "fuzz: DFLASH_FUZZ_JOBS must be a positive integer, got \`$jobs\`" >&2; exit 2 ;; esac
+rows=$(mktemp -d)
+pids=()
+for i in "${!targets[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  ( run_target "${targets[$i]}" >"$rows/$i.row" 2>"$rows/$i.err"; echo $? >"$rows/$i.rc" ) &
+  pids+=($!)
+done
+wait "${pids[@]}" || true
 printf '%-16s %10s %9s %8s %8s %8s\n' target execs exec/s corpus crashes time
 status=0
-for t in "${targets[@]}"; do
-  run_target "$t" || status=1
+for i in "${!targets[@]}"; do
+  cat "$rows/$i.row"
+  cat "$rows/$i.err" >&2
+  [ "$(cat "$rows/$i.rc" 2>/dev/null)" = 0 ] || status=1
 done
+rm -rf "$rows"
 exit "$status"
