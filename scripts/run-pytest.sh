@@ -4,7 +4,9 @@
 #
 # The suite runs on every core with pytest-xdist (`-n auto`; DFLASH_PYTEST_WORKERS=N sets
 # the count, 0 runs in one process), each test file on one worker (`--dist loadfile`), so a
-# module's fixtures are built once. Arguments that choose workers themselves (`-n`,
+# module's fixtures are built once; files are handed out in collection order, which
+# tests/conftest.py makes longest first from tests/durations.json (xdist's own reorder, by
+# number of tests per file, is off). Arguments that choose workers themselves (`-n`,
 # `-p no:xdist`) are passed as they are.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,7 +16,7 @@ dist=()
 case " $* " in
   *" -n "* | *" -n"[0-9]* | *" --numprocesses"* | *"no:xdist"*) ;;
   *) if [ "$workers" != 0 ] && .venv/bin/python -c 'import xdist' 2>/dev/null; then
-       dist=(-n "$workers" --dist loadfile)
+       dist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
      fi ;;
 esac
 .venv/bin/python -m pytest "${dist[@]}" "$@"

@@ -1,0 +1,58 @@
+"""Suite-wide hooks: heaviest test files first, and a way to re-measure what "heavy" is.
+
+`make test` runs the files on every core (`scripts/run-pytest.sh`: pytest-xdist, one file per
+worker at a time, `--no-loadscope-reorder`). A worker that picks up a 4-minute file near the end
+leaves the other core idle for those minutes, so the files are collected longest first (longest
+processing time first), by the seconds `tests/durations.json` records per file; files it does not
+name keep their order after the ones it does. Refresh it after a full run with
+`DFLASH_RECORD_DURATIONS=tests/durations.json scripts/run-pytest.sh` (setup, call and teardown
+seconds summed per file, written by the controlling process at the end of the session).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+RECORD_ENV = "DFLASH_RECORD_DURATIONS"
+_recorded: dict[str, float] = {}
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _weights() -> dict[str, float]:
+    try:
+        data = json.loads(DURATIONS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    weights = _weights()
+    if not weights:
+        return
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(_file_of(item.nodeid), i)
+    # a stable sort on the file's weight keeps each file's own order and the others' collection order
+    items.sort(key=lambda item: (-weights.get(_file_of(item.nodeid), 0.0), first[_file_of(item.nodeid)]))
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get(RECORD_ENV):
+        key = _file_of(report.nodeid)
+        _recorded[key] = _recorded.get(key, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get(RECORD_ENV)
+    if not out or hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes
+        return
+    if _recorded:
+        doc = {k: round(v, 1) for k, v in sorted(_recorded.items(), key=lambda kv: -kv[1])}
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
