@@ -120,3 +120,47 @@ def test_an_undecodable_request_is_invalid_argument(kind):
     with pytest.raises(grpc.aio.AbortError):
         asyncio.run(go())
     assert ctx.aborted == (grpc.StatusCode.INVALID_ARGUMENT, "`/dflash.v1.ProviderService/Test` request is not a valid protobuf message: truncated")
+
+
+def test_out_of_range_uint64s_are_found_with_their_path():
+    from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2
+
+    big = 2**63
+    assert auth.out_of_range_field(provider_pb2.HeartbeatRequest(step=2**63 - 1, metrics={"loss": 1.0})) is None
+    assert auth.out_of_range_field(provider_pb2.HeartbeatRequest(committed_step=big)) == ("committed_step", big)
+    nested = provider_pb2.ReportArtifactRequest(artifact=provider_pb2.Artifact(step=big))
+    assert auth.out_of_range_field(nested) == ("artifact.step", big)
+    caps = provider_pb2.RegisterRequest(capabilities=provider_pb2.DeviceCapabilities(memory_bytes=2**64 - 1))
+    assert auth.out_of_range_field(caps) == ("capabilities.memory_bytes", 2**64 - 1)
+    listed = provider_pb2.Lease(inputs=[provider_pb2.Artifact(step=1), provider_pb2.Artifact(size_bytes=big)])
+    assert auth.out_of_range_field(listed) == ("inputs[1].size_bytes", big)
+    # every uint64 of both services' request messages is reached: set each one past the limit
+    for module in (provider_pb2, admin_pb2):
+        for message in module.DESCRIPTOR.message_types_by_name.values():
+            for fd in message.fields:
+                if fd.type == fd.TYPE_UINT64 and not auth._repeated(fd):
+                    msg = getattr(module, message.name)(**{fd.name: big})
+                    assert auth.out_of_range_field(msg) == (fd.name, big), (message.name, fd.name)
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_a_request_with_an_out_of_range_uint64_never_reaches_the_handler(kind):
+    from dflash_worker.proto.dflash.v1 import provider_pb2
+
+    seen = []
+    wrapped = auth._wrap(_handler(kind, seen.append), METHOD, _admit())
+    ctx = FakeContext()
+    request = provider_pb2.HeartbeatRequest(step=2**64 - 1)
+
+    async def go():
+        if kind == "unary":
+            return await wrapped.unary_unary(request, ctx)
+
+        async def requests():
+            yield request
+
+        return [r async for r in wrapped.stream_stream(requests(), ctx)]
+
+    with pytest.raises(grpc.aio.AbortError):
+        asyncio.run(go())
+    assert seen == [] and ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT and "`step` is 18446744073709551615" in ctx.aborted[1]

@@ -249,6 +249,29 @@ def test_unknown_enum_values_and_bad_registration(coordinator, provider_factory)
     assert p.finish(lease.lease_id) == "succeeded"
 
 
+@pytest.mark.parametrize("field", ["step", "total_steps", "committed_step"])
+def test_a_heartbeat_uint64_past_what_sqlite_holds_is_invalid_argument_naming_the_field(leased, field):
+    """A lying provider's step >= 2**63 was an OverflowError in the store: INTERNAL, the stream broken."""
+    coordinator, p, lease, _ = leased
+    for value in (2**63, 2**64 - 1):
+        hb = p.heartbeats()
+        with pytest.raises(grpc.RpcError) as e:
+            hb.send_raw(provider_pb2.HeartbeatRequest(lease_id=lease.lease_id, phase=provider_pb2.PHASE_TRAIN, **{field: value}))
+        assert code_of(e) == C.INVALID_ARGUMENT and f"`{field}` is {value}" in e.value.details(), e.value.details()
+    # the largest value SQLite holds is stored as it is, and the lease lives on
+    assert p.heartbeat_once(lease.lease_id, step=2**63 - 1, committed_step=0).directive == provider_pb2.DIRECTIVE_CONTINUE
+    assert p.finish(lease.lease_id) == "succeeded"
+
+
+def test_a_nested_uint64_past_what_sqlite_holds_is_named_by_its_path(leased):
+    _, p, lease, _ = leased
+    art = provider_pb2.Artifact(name="report.json", kind="report", sha256="0" * 64, size_bytes=2**64 - 1)
+    with pytest.raises(grpc.RpcError) as e:
+        p.stub.ReportArtifact(provider_pb2.ReportArtifactRequest(lease_id=lease.lease_id, artifact=art, content=b"{}"),
+                              metadata=p.metadata, timeout=10)
+    assert code_of(e) == C.INVALID_ARGUMENT and f"`artifact.size_bytes` is {2**64 - 1}" in e.value.details(), e.value.details()
+
+
 def test_garbage_bytes_do_not_hurt_the_server(coordinator, provider_factory):
     p = provider_factory()
     raw = p.channel.unary_unary("/dflash.v1.ProviderService/Register", request_serializer=None, response_deserializer=None)

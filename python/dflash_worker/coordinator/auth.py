@@ -19,6 +19,10 @@ not slow a guesser down, as a right guess would still get through. The cost is
 that providers behind one NAT address share a budget; the defaults (20
 failures a minute) leave room for a few misconfigured machines.
 
+Every request message (each one of a stream too) is checked before its handler sees it: a uint64
+field anywhere in it (nested, repeated, map values) above 2**63-1, which the store's signed 64-bit
+SQLite integers cannot hold, is refused with INVALID_ARGUMENT naming the field's path.
+
 The wrapper also makes the caller's identity available to the handler
 (`current_principal`) and turns `DflashError`s raised inside it into status
 codes through `status.status_for`.
@@ -231,9 +235,57 @@ def _tolerant(deserializer):
     return deserialize
 
 
+# Every integer the store keeps goes into a SQLite INTEGER (signed 64-bit): a uint64 above this
+# would raise OverflowError deep in a handler (an INTERNAL error, a broken heartbeat stream).
+MAX_STORED_INT = 2**63 - 1
+
+
+def _unsigned_64(fd) -> bool:
+    return fd.type in (fd.TYPE_UINT64, fd.TYPE_FIXED64)
+
+
+def _repeated(fd) -> bool:
+    flag = getattr(fd, "is_repeated", None)  # protobuf >= 5.29; `label` before
+    return bool(flag) if flag is not None else fd.label == fd.LABEL_REPEATED
+
+
+def out_of_range_field(message, prefix: str = "") -> tuple[str, int] | None:
+    """(field path, value) of the first uint64 in `message`, nested messages, repeated fields and maps
+    included, that exceeds `MAX_STORED_INT`; None when every one fits."""
+    for fd, value in message.ListFields():
+        name = prefix + fd.name
+        if fd.type == fd.TYPE_MESSAGE and fd.message_type.GetOptions().map_entry:
+            key_fd, value_fd = fd.message_type.fields_by_name["key"], fd.message_type.fields_by_name["value"]
+            for k, v in value.items():
+                if _unsigned_64(key_fd) and k > MAX_STORED_INT:
+                    return f"{name} key", k
+                if value_fd.type == value_fd.TYPE_MESSAGE:
+                    found = out_of_range_field(v, f"{name}[{k!r}].")
+                    if found is not None:
+                        return found
+                elif _unsigned_64(value_fd) and v > MAX_STORED_INT:
+                    return f"{name}[{k!r}]", v
+        elif fd.type == fd.TYPE_MESSAGE:
+            for i, m in enumerate(value) if _repeated(fd) else [(None, value)]:
+                found = out_of_range_field(m, f"{name}[{i}]." if i is not None else f"{name}.")
+                if found is not None:
+                    return found
+        elif _unsigned_64(fd):
+            for i, v in enumerate(value) if _repeated(fd) else [(None, value)]:
+                if v > MAX_STORED_INT:
+                    return (f"{name}[{i}]" if i is not None else name), v
+    return None
+
+
 def _check(request, method: str):
+    """A decoded request whose every uint64 fits the store, or InvalidRequestError naming the field."""
     if isinstance(request, _Undecodable):
         raise InvalidRequestError(f"`{method}` request is not a valid protobuf message: {request.error}")
+    if hasattr(request, "ListFields"):  # a protobuf message (the wrapper's own tests pass bytes)
+        found = out_of_range_field(request)
+        if found is not None:
+            name, value = found
+            raise InvalidRequestError(f"`{method}` request: `{name}` is {value}; at most 2**63-1 ({MAX_STORED_INT}) is allowed")
     return request
 
 
