@@ -137,6 +137,7 @@ def init(ranks: Ranks, device: torch.device) -> None:
 
 
 _held = False
+_barriers = 0  # barriers this process has passed (every rank passes the same ones)
 
 
 def hold(ranks: Ranks, device: torch.device) -> None:
@@ -165,10 +166,26 @@ def barrier(ranks: Ranks) -> None:
     """Every rank waits for the others: called after a stage's last collective, so that no rank
     leaves the group (and tears down its gloo pairs) while another still receives from it (a rank
     that left too early made its peer abort with `terminate called without an active exception`)."""
+    import time
+
     import torch.distributed as dist
 
+    global _barriers
     if ranks.active and dist.is_initialized():
         dist.barrier()
+        # A gloo barrier returns on one rank before its last message has reached another, so a rank
+        # could still tear its pairs down under a peer's feet (seen once more after the gloo barrier
+        # alone). Each rank also counts itself out on the rendezvous store, which no rank's teardown
+        # touches, and waits until all have: by then no gloo operation is in flight anywhere.
+        _barriers += 1
+        store = _store(ranks, TIMEOUT)
+        key = f"dflash/left/{_barriers}"
+        store.add(key, 1)
+        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        while store.add(key, 0) < ranks.world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {ranks.rank}: the other ranks did not reach barrier {_barriers} in {TIMEOUT}")
+            time.sleep(0.005)
 
 
 def _store(ranks: Ranks, timeout: datetime.timedelta):
