@@ -216,16 +216,21 @@ def test_preflight_goes(pipe):
 # --------------------------------------------------------------------------- train and export
 
 
-@pytest.fixture(scope="module")
-def scope_runs(pipe):
-    """One short run per scope, trained in this process: {scope: TrainResult}."""
+def _train_every_scope(p: Pipeline) -> dict:
+    """One short run per scope on `p`'s capture, trained in this process: {scope: TrainResult}."""
     out = {}
     for scope in SCOPES:
-        recipe = pipe.recipe(f"scope-{scope}", scope=scope, steps=3, lr=LR[scope], val_every=3, checkpoint_every=3,
-                             warmup_steps=0, schedule="constant")
+        recipe = p.recipe(f"scope-{scope}", scope=scope, steps=3, lr=LR[scope], val_every=3, checkpoint_every=3,
+                          warmup_steps=0, schedule="constant")
         out[scope] = train(load_recipe(recipe))
         assert out[scope].status == "completed"
     return out
+
+
+@pytest.fixture(scope="module")
+def scope_runs(pipe):
+    """One short run per scope, trained in this process: {scope: TrainResult}."""
+    return _train_every_scope(pipe)
 
 
 @pytest.mark.parametrize("scope", SCOPES)
@@ -420,13 +425,7 @@ def test_capture_from_individual_experts_equals_the_packed_capture(pipe, individ
 @pytest.fixture(scope="module")
 def individual_scope_runs(individual):
     """`scope_runs` on the individual-expert capture."""
-    out = {}
-    for scope in SCOPES:
-        recipe = individual.recipe(f"scope-{scope}", scope=scope, steps=3, lr=LR[scope], val_every=3, checkpoint_every=3,
-                                   warmup_steps=0, schedule="constant")
-        out[scope] = train(load_recipe(recipe))
-        assert out[scope].status == "completed"
-    return out
+    return _train_every_scope(individual)
 
 
 def _bf16_tensors(path: Path) -> dict[str, torch.Tensor]:
