@@ -51,17 +51,17 @@ def _admit(refusal=None):
     return admit
 
 
-def _call(kind: str, behaviour, refusal=None):
-    """(responses, context) of one call to the wrapped handler with request b"x"."""
+def _call(kind: str, behaviour, refusal=None, request=b"x"):
+    """(responses, context) of one call to the wrapped handler with `request`; responses None when aborted."""
     wrapped = auth._wrap(_handler(kind, behaviour), METHOD, _admit(refusal))
     ctx = FakeContext()
 
     async def go():
         if kind == "unary":
-            return [await wrapped.unary_unary(b"x", ctx)]
+            return [await wrapped.unary_unary(request, ctx)]
 
         async def requests():
-            yield b"x"
+            yield request
 
         return [r async for r in wrapped.stream_stream(requests(), ctx)]
 
@@ -103,22 +103,10 @@ def test_an_unexpected_error_is_internal_and_hides_its_message(kind):
 
 @pytest.mark.parametrize("kind", ["unary", "stream"])
 def test_an_undecodable_request_is_invalid_argument(kind):
-    wrapped = auth._wrap(_handler(kind, lambda request: request), METHOD, _admit())
     # What the tolerant deserializer returns for bytes that are no protobuf message.
     bad = auth._Undecodable(ValueError("truncated"))
-    ctx = FakeContext()
-
-    async def go():
-        if kind == "unary":
-            return await wrapped.unary_unary(bad, ctx)
-
-        async def requests():
-            yield bad
-
-        return [r async for r in wrapped.stream_stream(requests(), ctx)]
-
-    with pytest.raises(grpc.aio.AbortError):
-        asyncio.run(go())
+    responses, ctx = _call(kind, lambda request: request, request=bad)
+    assert responses is None
     assert ctx.aborted == (grpc.StatusCode.INVALID_ARGUMENT, "`/dflash.v1.ProviderService/Test` request is not a valid protobuf message: truncated")
 
 
@@ -148,19 +136,6 @@ def test_a_request_with_an_out_of_range_uint64_never_reaches_the_handler(kind):
     from dflash_worker.proto.dflash.v1 import provider_pb2
 
     seen = []
-    wrapped = auth._wrap(_handler(kind, seen.append), METHOD, _admit())
-    ctx = FakeContext()
-    request = provider_pb2.HeartbeatRequest(step=2**64 - 1)
-
-    async def go():
-        if kind == "unary":
-            return await wrapped.unary_unary(request, ctx)
-
-        async def requests():
-            yield request
-
-        return [r async for r in wrapped.stream_stream(requests(), ctx)]
-
-    with pytest.raises(grpc.aio.AbortError):
-        asyncio.run(go())
+    responses, ctx = _call(kind, seen.append, request=provider_pb2.HeartbeatRequest(step=2**64 - 1))
+    assert responses is None
     assert seen == [] and ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT and "`step` is 18446744073709551615" in ctx.aborted[1]
