@@ -132,7 +132,8 @@ rows=$(mktemp -d)
 pids=()
 for i in "${!targets[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
-  ( run_target "${targets[$i]}" >"$rows/$i.row" 2>"$rows/$i.err"; echo $? >"$rows/$i.rc" ) &
+  # in an `if`, as the sequential `run_target || status=1` was: `set -e` stays off inside it
+  ( if run_target "${targets[$i]}" >"$rows/$i.row" 2>"$rows/$i.err"; then echo 0; else echo 1; fi >"$rows/$i.rc" ) &
   pids+=($!)
 done
 wait "${pids[@]}" || true
