@@ -350,3 +350,36 @@ def test_prefaulted_direct_reads_are_byte_identical(tiny_target, monkeypatch):
     ours = load_model(path, mmap=False)
     assert calls, "no direct chunk was prefaulted"
     assert_identical(ours, _reference(path))
+
+
+def test_per_expert_reads_are_batched_and_prefaulted_as_merged_ranges(tiny_target, monkeypatch):
+    """Thousands of small per-expert tensors: a pool task reads many of them, and the batch
+    backs their adjacent destination rows (gate then up of one expert, and the next) in one range."""
+    from dflash_worker.weights import stream
+
+    calls: list[int] = []
+    real = stream._prefault
+    monkeypatch.setattr(stream, "_PREFAULT_MIN_BYTES", 0)
+    monkeypatch.setattr(stream, "_prefault", lambda addr, n: (calls.append(n), real(addr, n)))
+    monkeypatch.setattr(stream, "_threads", lambda: 2)
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 4096)  # several batches, over a pool of 2
+    submitted: list[int] = []
+    real_run = stream._run_batch
+    monkeypatch.setattr(stream, "_run_batch", lambda batch, fd: (submitted.append(len(batch)), real_run(batch, fd)))
+    path, _ = tiny_target("qwen3_moe", "bfloat16", False)
+    piece = max(e.nbytes for n, e in list_tensors(path).items() if ".experts.0." in n)
+    ours = load_model(path, mmap=False)
+    assert_identical(ours, _reference(path))
+    assert max(submitted) > 1, "every pool task read a single piece"
+    assert len(submitted) < sum(submitted)
+    assert max(calls) > piece, "no prefault covered more than one per-expert piece"
+
+
+def test_batches_keep_order_and_limit():
+    from dflash_worker.weights import stream
+
+    units = [stream._Unit(item=None, nbytes=n, fn=lambda fd: None) for n in (3, 3, 3, 10, 1, 1, 4)]
+    got = [[u.nbytes for u in b] for b in stream._batches(units, limit=6)]
+    assert got == [[3, 3], [3], [10], [1, 1, 4]]
+    assert [u for b in stream._batches(units, limit=6) for u in b] == units
+    assert stream._batches([], limit=6) == []

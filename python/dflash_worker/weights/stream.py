@@ -40,6 +40,11 @@ parameters ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first, then up)
 and ``mlp.experts.down_proj [E, H, I]``. A checkpoint may hold them packed or as
 per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``; each per-expert
 tensor is read straight into its (contiguous) slice of the packed storage.
+Such a checkpoint has thousands of small tensors, so consecutive reads go to
+the pool in batches of up to one chunk's bytes, each batch backing its
+destination rows with one `madvise` per run of adjacent rows (an expert's gate
+and up rows, the next expert's) before reading; every file's batches are
+queued before the first is waited for.
 
 The caller's mapping is only read, never mutated; a checkpoint is never
 assembled into a whole state dict.
@@ -468,24 +473,68 @@ def _dest(item: _Item) -> torch.Tensor:
     return t[item.expert, item.r0 : item.r1]
 
 
-def _chunks(item: _Item, device: torch.device, staging: _Staging) -> list[Callable[[int], None]]:
-    """Work units (each taking the open fd) that together fill `item`'s destination."""
-    dst = _dest(item)
+@dataclass
+class _Unit:
+    """One piece of work on an open fd: `fn(fd)` fills `nbytes` of `item`'s destination.
+
+    `prefault`: the destination's address range ``(addr, nbytes)`` for a read
+    straight into fresh memory, backed in one call by the batch that runs it.
+    """
+
+    item: _Item
+    nbytes: int
+    fn: Callable[[int], None]
+    prefault: tuple[int, int] | None = None
+
+
+class _Views(dict):
+    """Per slot: a writable byte view of its (contiguous CPU) destination and its address, made once."""
+
+    def of(self, slot: _Slot) -> tuple[memoryview, int]:
+        got = self.get(id(slot))
+        if got is None:
+            t = slot.new
+            assert t is not None
+            got = self[id(slot)] = (memoryview(_byte_view(t)), t.data_ptr())
+        return got
+
+
+def _item_offset(item: _Item) -> int:
+    """Byte offset of `item`'s destination inside its slot (rows [r0, r1) of expert `expert`, or 0)."""
+    if item.expert is None:
+        return 0
+    shape = item.slot.shape
+    row = item.slot.dtype.itemsize
+    for d in shape[2:]:
+        row *= d
+    return (item.expert * shape[1] + item.r0) * row
+
+
+def _chunks(item: _Item, device: torch.device, staging: _Staging, views: _Views) -> list[_Unit]:
+    """Work units that together fill `item`'s destination."""
     if item.nbytes == 0:
         return []
-    src_es = item.nbytes // dst.numel()
+    slot = item.slot
+    src_es = item.src_dtype.itemsize
     step = max(src_es, CHUNK_BYTES - CHUNK_BYTES % src_es)  # whole elements per chunk
-    direct = device.type == "cpu" and item.src_dtype == dst.dtype and dst.is_contiguous()
+    # Straight into the destination: CPU, same dtype; a slot is contiguous (allocated here), and so
+    # is one expert's rows of it.
+    direct = device.type == "cpu" and item.src_dtype == slot.dtype and slot.new.is_contiguous()  # type: ignore[union-attr]
     if direct:
-        view = memoryview(_byte_view(dst))
-        addr = dst.data_ptr()
+        whole, base = views.of(slot)
+        off = _item_offset(item)
+        view = whole[off : off + item.nbytes]
+        addr = base + off
 
         def direct_read(fd: int, a: int) -> None:
             n = min(step, item.nbytes - a)
-            _prefault(addr + a, n)  # in the worker thread, so it overlaps other chunks' reads
             _pread_into(fd, item.begin + a, view[a : a + n], item.file, item.key)
 
-        return [lambda fd, a=a: direct_read(fd, a) for a in range(0, item.nbytes, step)]
+        return [
+            _Unit(item, min(step, item.nbytes - a), lambda fd, a=a: direct_read(fd, a), (addr + a, min(step, item.nbytes - a)))
+            for a in range(0, item.nbytes, step)
+        ]
+    dst = _dest(item)
     flat = dst.view(-1)
 
     def convert(fd: int, a: int) -> None:
@@ -495,57 +544,115 @@ def _chunks(item: _Item, device: torch.device, staging: _Staging) -> list[Callab
         with torch.no_grad():
             flat[a // src_es : (a + n) // src_es].copy_(tmp.view(item.src_dtype))
 
-    return [lambda fd, a=a: convert(fd, a) for a in range(0, item.nbytes, step)]
+    return [_Unit(item, min(step, item.nbytes - a), lambda fd, a=a: convert(fd, a)) for a in range(0, item.nbytes, step)]
 
 
-def _mapped_chunks(item: _Item) -> list[Callable[[int], None]]:
+def _mapped_chunks(item: _Item) -> list[_Unit]:
     """Work units that fault in the pages of a mapped `item`."""
     addr = item.slot.new.data_ptr()  # type: ignore[union-attr]
 
     def populate(fd: int, a: int) -> None:
         _populate_read(addr + a, min(CHUNK_BYTES, item.nbytes - a), item.file, item.key)
 
-    return [lambda fd, a=a: populate(fd, a) for a in range(0, item.nbytes, CHUNK_BYTES)]
+    return [
+        _Unit(item, min(CHUNK_BYTES, item.nbytes - a), lambda fd, a=a: populate(fd, a))
+        for a in range(0, item.nbytes, CHUNK_BYTES)
+    ]
 
 
-def _read_file(
-    path: Path, items: list[_Item], device: torch.device, staging: _Staging, pool, on_done, to_map: set[int]
-) -> None:
-    """Fill `items` from the file at `path`: one open file, chunks in file order over the pool.
+def _batches(units: list[_Unit], limit: int = CHUNK_BYTES) -> list[list[_Unit]]:
+    """Consecutive units grouped up to `limit` bytes a group (a larger unit stays alone).
 
-    Items whose slot is in `to_map` become views of the mapped file (if it can
-    be mapped); their destinations are allocated here otherwise.
+    A MoE checkpoint stored per expert has thousands of small tensors; one
+    pool task each spent more time in task hand-off than in reading.
     """
+    out: list[list[_Unit]] = []
+    cur: list[_Unit] = []
+    size = 0
+    for u in units:
+        if cur and size + u.nbytes > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(u)
+        size += u.nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _prefault_ranges(ranges: list[tuple[int, int]]) -> None:
+    """Back the destination ranges of a batch, adjacent ranges merged (per-expert rows are adjacent)."""
+    lo = hi = -1
+    for a, n in sorted(ranges):
+        if a == hi:
+            hi = a + n
+            continue
+        if hi > lo:
+            _prefault(lo, hi - lo)
+        lo, hi = a, a + n
+    if hi > lo:
+        _prefault(lo, hi - lo)
+
+
+def _run_batch(batch: list[_Unit], fd: int) -> None:
+    # in the worker thread, so backing one batch's memory overlaps other batches' reads
+    _prefault_ranges([u.prefault for u in batch if u.prefault is not None])
+    for u in batch:
+        _run_chunk(u.fn, fd, u.item)
+
+
+def _read_files(
+    by_file: dict[Path, list[_Item]], device: torch.device, staging: _Staging, pool, on_done, to_map: set[int]
+) -> None:
+    """Fill every item from its file: one open fd a file, batches of chunks in file order over the pool.
+
+    Every file's batches are queued before the first is waited for, so the
+    next file's planning overlaps the current reads; `on_done` still runs file
+    by file, in order. Items whose slot is in `to_map` become views of the
+    mapped file (if it can be mapped); their destinations are allocated here
+    otherwise.
+    """
+    views = _Views()
+    fds: list[int] = []
+    queued: list[tuple[list[_Item], set[int], list]] = []
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    except OSError as exc:
-        raise CheckpointError(f"`{path}`: cannot open: {exc.strerror or exc}") from None
-    try:
-        candidates = [it for it in items if id(it.slot) in to_map]
-        mapped = bool(candidates) and _map_items(fd, path, candidates)
-        if not mapped:
-            to_map = set()
-            for it in candidates:
-                it.slot.new = torch.empty(it.slot.shape, dtype=it.slot.dtype, device=device)
-        work = [
-            (it, fn)
-            for it in items
-            for fn in (_mapped_chunks(it) if id(it.slot) in to_map else _chunks(it, device, staging))
-        ]
-        if pool is None:
-            for it, fn in work:
-                _run_chunk(fn, fd, it)
-        else:
-            futures = [pool.submit(_run_chunk, fn, fd, it) for it, fn in work]
-            # Wait for every chunk before closing the fd (a failed chunk must not
-            # leave others reading a closed, possibly reused, descriptor).
-            wait(futures)
-            for fut in futures:
+        for path, items in by_file.items():
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            except OSError as exc:
+                raise CheckpointError(f"`{path}`: cannot open: {exc.strerror or exc}") from None
+            fds.append(fd)
+            mapped_here = to_map
+            candidates = [it for it in items if id(it.slot) in to_map]
+            if candidates and not _map_items(fd, path, candidates):
+                mapped_here = set()
+                for it in candidates:
+                    it.slot.new = torch.empty(it.slot.shape, dtype=it.slot.dtype, device=device)
+            work = _batches(
+                [
+                    u
+                    for it in items
+                    for u in (_mapped_chunks(it) if id(it.slot) in mapped_here else _chunks(it, device, staging, views))
+                ]
+            )
+            if pool is None:
+                for batch in work:
+                    _run_batch(batch, fd)
+                pending = []
+            else:
+                pending = [pool.submit(_run_batch, batch, fd) for batch in work]
+            queued.append((items, mapped_here, pending))
+        for items, mapped_here, pending in queued:
+            for fut in pending:
                 fut.result()
-        for it in items:
-            on_done(it, id(it.slot) in to_map)
+            for it in items:
+                on_done(it, id(it.slot) in mapped_here)
     finally:
-        os.close(fd)
+        # Every queued batch ends before any fd is closed (a failed one must not leave
+        # others reading a closed, possibly reused, descriptor).
+        wait([fut for _, _, pending in queued for fut in pending])
+        for fd in fds:
+            os.close(fd)
 
 
 def _run_chunk(fn, fd: int, it: _Item) -> None:
@@ -754,8 +861,7 @@ def stream_into(
         n_threads = _threads() if total > CHUNK_BYTES else 1
         pool = ThreadPoolExecutor(n_threads, thread_name_prefix="dflash-load") if n_threads > 1 else None
         try:
-            for path, file_items in by_file.items():
-                _read_file(path, file_items, dev, staging, pool, on_done, to_map)
+            _read_files(by_file, dev, staging, pool, on_done, to_map)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
