@@ -7,10 +7,21 @@
 #   scripts/phases.sh --reset            start a new table
 #   scripts/phases.sh TARGET...          run and time each target, stop at the first failure
 #   scripts/phases.sh --report           print the table (phase, seconds, exit code, total wall)
+#
+# Each phase also records how busy the machine's CPUs were during it (Linux: /proc/stat, all
+# cores, all processes): a phase well under 100% waits more than it computes.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 2
 file=${DFLASH_PHASE_TIMES:-$root/.phase-times.tsv}
+
+# "busy idle" jiffies of all CPUs since boot; empty where /proc/stat is missing
+cpu_ticks() {
+  local _cpu u n s i w q sq st _rest
+  [ -r /proc/stat ] || return 0
+  read -r _cpu u n s i w q sq st _rest < /proc/stat
+  echo "$((u + n + s + q + sq + st)) $((i + w))"
+}
 
 report() {
   [ -f "$file" ] || return 0
@@ -19,7 +30,7 @@ report() {
   now=$EPOCHREALTIME
   echo "phase times:"
   awk -F'\t' -v wall="$(awk -v a="$start" -v b="$now" 'BEGIN { printf "%.1f", b - a }')" '
-    { printf "  %-14s %8.1f s%s\n", $1, $2, ($3 == 0 ? "" : "  (exit " $3 ")"); sum += $2 }
+    { printf "  %-14s %8.1f s%s%s\n", $1, $2, ($4 == "" ? "" : sprintf("   cpu busy %3d%%", $4)), ($3 == 0 ? "" : "  (exit " $3 ")"); sum += $2 }
     END { printf "  %-14s %8.1f s\n  %-14s %8.1f s (%.1f min)\n", "phases", sum, "wall", wall, wall / 60 }' "$file"
 }
 
@@ -31,9 +42,18 @@ esac
 
 for target in "$@"; do
   t0=$EPOCHREALTIME
+  c0=$(cpu_ticks)
   make --no-print-directory "$target"
   rc=$?
-  awk -v t="$target" -v a="$t0" -v b="$EPOCHREALTIME" -v rc="$rc" 'BEGIN { printf "%s\t%.1f\t%d\n", t, b - a, rc }' >> "$file"
+  c1=$(cpu_ticks)
+  awk -v t="$target" -v a="$t0" -v b="$EPOCHREALTIME" -v rc="$rc" -v c0="$c0" -v c1="$c1" 'BEGIN {
+    busy = ""
+    if (c0 != "" && c1 != "") {
+      split(c0, x, " "); split(c1, y, " ")
+      d = (y[1] - x[1]) + (y[2] - x[2])
+      if (d > 0) busy = int(100 * (y[1] - x[1]) / d + 0.5)
+    }
+    printf "%s\t%.1f\t%d\t%s\n", t, b - a, rc, busy }' >> "$file"
   if [ "$rc" -ne 0 ]; then
     report
     exit "$rc"

@@ -6,18 +6,24 @@ leaves the other core idle for those minutes, so the files are collected longest
 processing time first), by the seconds `tests/durations.json` records per file; files it does not
 name keep their order after the ones it does. Refresh it after a full run with
 `DFLASH_RECORD_DURATIONS=tests/durations.json scripts/run-pytest.sh` (setup, call and teardown
-seconds summed per file, written by the controlling process at the end of the session).
+seconds summed per file, written by the controlling process at the end of the session). The same
+run writes `FILE.cpu.json`: per file, wall seconds, CPU seconds (the worker's own and its waited-for
+child processes', user + system) and their ratio, to see which files wait more than they compute.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 from pathlib import Path
+
+import pytest
 
 DURATIONS = Path(__file__).resolve().parent / "durations.json"
 RECORD_ENV = "DFLASH_RECORD_DURATIONS"
 _recorded: dict[str, float] = {}
+_recorded_cpu: dict[str, float] = {}
 
 
 def _file_of(nodeid: str) -> str:
@@ -43,10 +49,52 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: (-weights.get(_file_of(item.nodeid), 0.0), first[_file_of(item.nodeid)]))
 
 
+def _cpu_seconds() -> float:
+    """User + system seconds of this process and of its children that have been waited for."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _phase_start(item) -> None:
+    item._dflash_cpu0 = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    if os.environ.get(RECORD_ENV):
+        _phase_start(item)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if os.environ.get(RECORD_ENV):
+        _phase_start(item)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    if os.environ.get(RECORD_ENV):
+        _phase_start(item)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    cpu0 = getattr(item, "_dflash_cpu0", None)
+    if os.environ.get(RECORD_ENV) and cpu0 is not None:
+        # user_properties travel with the report from an xdist worker to the controller
+        outcome.get_result().user_properties.append(("dflash_cpu_s", _cpu_seconds() - cpu0))
+
+
 def pytest_runtest_logreport(report):
     if os.environ.get(RECORD_ENV):
         key = _file_of(report.nodeid)
         _recorded[key] = _recorded.get(key, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+        cpu = sum(float(v) for k, v in getattr(report, "user_properties", ()) if k == "dflash_cpu_s")
+        _recorded_cpu[key] = _recorded_cpu.get(key, 0.0) + cpu
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -56,3 +104,9 @@ def pytest_sessionfinish(session, exitstatus):
     if _recorded:
         doc = {k: round(v, 1) for k, v in sorted(_recorded.items(), key=lambda kv: -kv[1])}
         Path(out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        cpu = {
+            k: {"wall_s": round(v, 1), "cpu_s": round(_recorded_cpu.get(k, 0.0), 1),
+                "cpu_per_wall": round(_recorded_cpu.get(k, 0.0) / v, 2) if v > 0 else None}
+            for k, v in sorted(_recorded.items(), key=lambda kv: -kv[1])
+        }
+        Path(out + ".cpu.json").write_text(json.dumps(cpu, indent=1) + "\n", encoding="utf-8")
