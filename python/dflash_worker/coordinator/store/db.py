@@ -14,12 +14,17 @@ nest: a part never opens one inside another. Reads, and the heartbeat's one-stat
 updates, run in autocommit mode on the same connection.
 
 At open the database also passes SQLite's ``quick_check`` or is refused, and its schema is
-created or upgraded (`schema`).
+created or upgraded (`schema`). Only a path that does not exist (or a database with no tables)
+becomes a new database, in one transaction; an existing file that is empty (0 bytes), has
+tables but no schema version, or lacks a table its version has, is refused naming the file and
+the tables, because ``CREATE TABLE IF NOT EXISTS`` would otherwise bring a dropped table back
+empty and lose its rows without a word.
 """
 
 from __future__ import annotations
 
 import collections
+import re
 import secrets
 import sqlite3
 import threading
@@ -32,6 +37,38 @@ from .schema import MIGRATIONS, SCHEMA, SCHEMA_AFTER_MIGRATIONS, SCHEMA_VERSION
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1_000
+
+# The schema version that created each table of `SCHEMA` (the migration to that version relies on
+# `SCHEMA` creating it): a database of an older version may lack the newer ones. A table missing
+# here counts as created by the current version (`test_store_guard` checks that none is missing).
+TABLES_SINCE = {
+    "meta": 1, "runs": 1, "approved_versions": 1, "providers": 1, "jobs": 1, "attempts": 1,
+    "retired_tokens": 2, "records": 3, "publications": 4, "job_deps": 5, "placements": 6, "attempt_inputs": 7,
+}  # fmt: skip
+
+
+def schema_tables() -> list[str]:
+    """The tables `SCHEMA` creates, in order."""
+    return re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)
+
+
+def refuse_empty_file(path: Path) -> None:
+    """ConfigError if `path` is an existing empty file: SQLite would take it for a new database.
+
+    The coordinator never leaves one (it creates a database whole, in one transaction), so an
+    empty file at the path is someone else's: a truncated copy, or the wrong path.
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot open coordinator database `{path}`: {exc.strerror or exc}") from None
+    if size == 0 and path.is_file():
+        raise ConfigError(
+            f"coordinator database `{path}` is an empty file (0 bytes), not a coordinator database: a truncated copy, or the wrong path\n"
+            "hint: restore it from a backup, or remove the empty file (or pass `--db` a path that does not exist) to start a new database"
+        )
 
 
 class Database:
@@ -48,6 +85,7 @@ class Database:
         self._ckpt_lock = threading.Lock()
         self._ckpt_db: sqlite3.Connection | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        refuse_empty_file(self.path)
         try:
             self.conn = sqlite3.connect(str(self.path), isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")
@@ -60,30 +98,61 @@ class Database:
                     f"coordinator database `{self.path}` is damaged (SQLite quick_check: {'; '.join(problems)[:400]})\n"
                     "hint: restore it from a backup; the coordinator will not run on a damaged database"
                 )
-            self.conn.executescript(SCHEMA)
-            row = self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                self.conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if not tables:
+                # A new database (or one whose creation never committed): every table and the version in one transaction.
+                self.conn.executescript(
+                    f"BEGIN IMMEDIATE;{SCHEMA}INSERT INTO meta(key, value) VALUES ('schema_version', '{SCHEMA_VERSION}');COMMIT;"
+                )
             else:
-                try:
-                    version = int(str(row[0]).strip())
-                except ValueError:
-                    raise ConfigError(
-                        f"coordinator database `{self.path}` has a malformed schema version `{str(row[0])[:40]}`\n"
-                        "hint: this is not a database this coordinator wrote, or it was edited by hand"
-                    ) from None
+                version = self._stored_version(tables)
+                self._check_tables(version, tables)
+                # Tables of versions after `version` are created here; the migrations fill them.
+                self.conn.executescript(SCHEMA)
                 self._migrate(version)
             self.conn.executescript(SCHEMA_AFTER_MIGRATIONS)
         except sqlite3.DatabaseError as exc:
             raise ConfigError(f"cannot open coordinator database `{self.path}`: {exc}") from None
 
-    def _migrate(self, version: int) -> None:
-        """Upgrade a database at schema `version` to SCHEMA_VERSION in one transaction."""
+    def _stored_version(self, tables: set[str]) -> int:
+        """The schema version of an existing database; refused when it has none or a newer one."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() if "meta" in tables else None
+        if row is None:
+            found = ", ".join(f"`{t}`" for t in sorted(tables)[:8]) + (", ..." if len(tables) > 8 else "")
+            raise ConfigError(
+                f"coordinator database `{self.path}` has tables ({found}) but no schema version: it is not a database this coordinator wrote\n"
+                "hint: pass `--db` a path that does not exist yet to start a new coordinator database"
+            )
+        try:
+            version = int(str(row[0]).strip())
+        except ValueError:
+            raise ConfigError(
+                f"coordinator database `{self.path}` has a malformed schema version `{str(row[0])[:40]}`\n"
+                "hint: this is not a database this coordinator wrote, or it was edited by hand"
+            ) from None
         if version > SCHEMA_VERSION or (version < SCHEMA_VERSION and version not in MIGRATIONS):
             raise ConfigError(
                 f"coordinator database `{self.path}` has schema version {version}, this coordinator uses {SCHEMA_VERSION}"
                 + ("\nhint: it was written by a newer coordinator; run that one" if version > SCHEMA_VERSION else "")
             )
+        return version
+
+    def _check_tables(self, version: int, tables: set[str]) -> None:
+        """Refuse a database that lacks a table its schema version has (dropped, or a damaged copy).
+
+        `SCHEMA` creates missing tables, so without this a dropped table would come back empty
+        and its rows (runs, records, tokens) would be lost without a word.
+        """
+        missing = sorted(t for t in schema_tables() if t not in tables and TABLES_SINCE.get(t, SCHEMA_VERSION) <= version)
+        if missing:
+            raise ConfigError(
+                f"coordinator database `{self.path}` (schema version {version}) lacks the table{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(f'`{t}`' for t in missing)}: it was damaged or edited by hand\n"
+                "hint: restore it from a backup; the coordinator will not recreate a table empty, which would lose its rows without a word"
+            )
+
+    def _migrate(self, version: int) -> None:
+        """Upgrade a database at schema `version` (checked by `_stored_version`) to SCHEMA_VERSION in one transaction."""
         if version == SCHEMA_VERSION:
             return
         with self.tx() as db:
