@@ -1,13 +1,15 @@
-"""The coordinator database is refused when it is not whole.
+"""The coordinator database is refused when it is not whole, and served by one coordinator at a time.
 
 Issue 34: a 0-byte file or a database with a dropped table used to start silently (SQLite takes
 an empty file for a new database, and ``CREATE TABLE IF NOT EXISTS`` brings a dropped table back
-empty). Each case runs the real `dflash-coordinator serve` process on a real SQLite file; only a path that does
+empty), and a second coordinator on the same database used to start beside the first. Each case
+runs the real `dflash-coordinator serve` process on a real SQLite file; only a path that does
 not exist becomes a new database.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import sys
 import pytest
 from coordinator_helpers import subprocess_env
 
-from dflash_worker.coordinator.store import SCHEMA_VERSION, RunSpecData, Store
+from dflash_worker.coordinator.store import SCHEMA_VERSION, RunSpecData, ServeLock, Store
 from dflash_worker.coordinator.store.db import TABLES_SINCE, schema_tables
 from dflash_worker.errors import ConfigError
 
@@ -122,3 +124,33 @@ def test_a_new_path_and_a_database_with_no_tables_become_new_databases(tmp_path)
 def test_every_table_says_which_schema_version_created_it():
     assert [t for t in schema_tables() if t not in TABLES_SINCE] == []
     assert all(1 <= TABLES_SINCE[t] <= SCHEMA_VERSION for t in schema_tables())
+
+
+def test_a_second_coordinator_on_the_same_database_is_refused_until_the_first_dies(start_coordinator, tmp_path):
+    first = start_coordinator()
+    pid = first.proc.pid
+    r = _serve(first.db)
+    _refused(r, f"coordinator database `{first.db}` is in use by another coordinator (pid {pid}", f"{first.db}.lock")
+    # The same file by another name (a symlink) is the same database.
+    alias = tmp_path / "alias.db"
+    alias.symlink_to(first.db)
+    _refused(_serve(alias), f"is in use by another coordinator (pid {pid}")
+    # The first one still serves.
+    with first.admin() as admin:
+        assert admin.list_runs() == []
+    # SIGKILL: no cleanup ran, the kernel dropped the lock with the process.
+    first.kill()
+    second = start_coordinator(workdir=first.workdir)
+    assert second.proc.pid != pid
+    with second.admin() as admin:
+        assert admin.list_runs() == []
+    assert (first.workdir / "coordinator.db.lock").read_text().strip() == str(second.proc.pid)
+
+
+def test_the_lock_is_released_when_serving_ends(tmp_path):
+    db = tmp_path / "c.db"
+    lock = ServeLock(db).acquire()
+    with pytest.raises(ConfigError, match=f"pid {os.getpid()}"):
+        ServeLock(db).acquire()
+    lock.release()
+    ServeLock(db).acquire().release()

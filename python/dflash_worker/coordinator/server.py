@@ -1,6 +1,7 @@
 """Build and run the coordinator's gRPC server (grpc.aio, one event loop).
 
-`serve()` reads and checks the TLS files, opens the database, makes sure an
+`serve()` reads and checks the TLS files, locks and opens the database (a second
+coordinator on the same database is refused: `store.ServeLock`), makes sure an
 admin token exists, binds the listen address (TLS when a certificate is
 given; plaintext only on loopback unless `insecure`), reports the bound
 address through `on_ready`, expires leases on a timer and stops cleanly on
@@ -30,7 +31,7 @@ from .metrics import Metrics
 from .publish import PublishGate
 from .service import DEFAULT_UPLOAD_IDLE_SECONDS, AdminService, Artifacts, ProviderService, WorkSignal
 from .snapshot_proc import SnapshotProcess
-from .store import Quotas, Store, new_token
+from .store import Quotas, ServeLock, Store, new_token
 from .tls import ServerTls, is_loopback, load_server_tls
 from .web import StatusApp, WebConfig, server_ssl_context, start_web
 
@@ -199,16 +200,22 @@ async def serve(
     """Run the coordinator until SIGINT/SIGTERM (or `stop` is set)."""
     tls = config.load_tls()
     work = WorkSignal()
-    store = Store(
-        config.db,
-        lease_ttl=config.lease_ttl,
-        max_attempts=config.max_attempts,
-        on_work=work.notify,
-        quotas=config.quotas,
-        keep_checkpoints=config.keep_checkpoints,
-        # An idle provider asks again at least every long poll plus its retry delay.
-        live_seconds=max(2 * config.lease_ttl, 2 * (config.max_wait + config.retry_after)),
-    )
+    # One coordinator per database, from before it is opened (and migrated) until it is closed.
+    lock = ServeLock(config.db).acquire()
+    try:
+        store = Store(
+            config.db,
+            lease_ttl=config.lease_ttl,
+            max_attempts=config.max_attempts,
+            on_work=work.notify,
+            quotas=config.quotas,
+            keep_checkpoints=config.keep_checkpoints,
+            # An idle provider asks again at least every long poll plus its retry delay.
+            live_seconds=max(2 * config.lease_ttl, 2 * (config.max_wait + config.retry_after)),
+        )
+    except BaseException:
+        lock.release()
+        raise
     try:
         how = ensure_admin_token(store, config.admin_token, config.token_file)
         blobs = open_blob_store(config.blob_url, s3_endpoint_url=config.s3_endpoint_url)
@@ -328,3 +335,4 @@ async def serve(
             await server.stop(grace=1.0)
     finally:
         store.close()
+        lock.release()

@@ -15,7 +15,7 @@ through its one transaction helper (`db`). `Store` owns the connection and the p
 """
 
 from .credentials import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS, Principal, hash_token, new_token
-from .db import Database, next_token, page, printable
+from .db import Database, ServeLock, next_token, page, printable
 from .facade import Store
 from .jobs import FINAL_JOB_STATES
 from .leases import MAX_LEASE_INPUT_BYTES, MAX_LEASE_INPUTS, Grant, LiveLease, Progress, Upgrade
@@ -51,6 +51,7 @@ __all__ = [
     "Registration",
     "RunRow",
     "RunSpecData",
+    "ServeLock",
     "Store",
     "StoreReader",
     "StoredArtifact",

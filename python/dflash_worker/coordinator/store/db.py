@@ -19,11 +19,16 @@ becomes a new database, in one transaction; an existing file that is empty (0 by
 tables but no schema version, or lacks a table its version has, is refused naming the file and
 the tables, because ``CREATE TABLE IF NOT EXISTS`` would otherwise bring a dropped table back
 empty and lose its rows without a word.
+
+A serving coordinator also holds `ServeLock` on ``FILE.lock`` beside the database, so a second
+coordinator on the same database is refused (two would lease the same job twice).
 """
 
 from __future__ import annotations
 
 import collections
+import fcntl
+import os
 import re
 import secrets
 import sqlite3
@@ -69,6 +74,54 @@ def refuse_empty_file(path: Path) -> None:
             f"coordinator database `{path}` is an empty file (0 bytes), not a coordinator database: a truncated copy, or the wrong path\n"
             "hint: restore it from a backup, or remove the empty file (or pass `--db` a path that does not exist) to start a new database"
         )
+
+
+class ServeLock:
+    """An exclusive `flock` on ``FILE.lock`` beside the database, held while a coordinator serves it.
+
+    A second coordinator on the same database is refused, naming the holder's pid (written into
+    the lock file). The kernel drops the lock when the holder's file is closed or its process
+    ends however it ends (SIGKILL included), so a stale lock file never blocks a restart. The
+    lock file is named after the database's real path (symlinks resolved) and is never deleted:
+    deleting it would let a waiter lock a file the next coordinator no longer opens.
+    """
+
+    def __init__(self, db_path: Path):
+        self.db_path = Path(db_path)
+        real = Path(os.path.realpath(self.db_path))
+        self.path = real.with_name(real.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> ServeLock:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the lock file `{self.path}` of coordinator database `{self.db_path}`: {exc.strerror or exc}"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f"pid {holder}" if holder.isdigit() else "a process that has not written its pid yet"
+            raise ConfigError(
+                f"coordinator database `{self.db_path}` is in use by another coordinator ({who}, holding `{self.path}`)\n"
+                "hint: one coordinator serves a database; stop the other one first (two would lease the same job twice)"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigError(f"cannot lock `{self.path}` for coordinator database `{self.db_path}`: {exc.strerror or exc}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class Database:
