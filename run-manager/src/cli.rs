@@ -94,6 +94,11 @@ pub struct Cli {
     #[arg(long, allow_hyphen_values = true)]
     pub token: Option<String>,
 
+    /// The value of `DFLASH_PROVIDER_TOKEN`, read by `lockdown::lock_down` before it removes the
+    /// variable from this process's environment (not a flag).
+    #[arg(skip)]
+    pub env_token: Option<String>,
+
     /// File holding the provider token (one line); refused unless mode 0600 or stricter.
     #[arg(long, env = env_vars::PROVIDER_TOKEN_FILE, value_name = "PATH")]
     pub token_file: Option<PathBuf>,

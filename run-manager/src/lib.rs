@@ -26,6 +26,7 @@ pub mod heartbeat;
 pub mod jobdir;
 pub mod launch;
 pub mod lease_lost;
+pub mod lockdown;
 pub mod logging;
 pub mod paths;
 pub mod policy;

@@ -18,8 +18,11 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    // Before the runtime's threads and any child: it changes the environment.
+    let lockdown = run_manager::lockdown::lock_down(&mut cli);
     run_manager::logging::init(cli.log_format, cli.log_level, cli.verbose);
+    run_manager::lockdown::log(&lockdown);
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(e) => {

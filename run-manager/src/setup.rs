@@ -12,7 +12,6 @@ use crate::cli::{Cli, LaunchModeArg};
 use crate::client::RetryPolicy;
 use crate::device;
 use crate::docker::{self, DockerConfig};
-use crate::env_vars;
 use crate::error::{Error, Result};
 use crate::policy::PolicyContext;
 use crate::proto::{DeviceCapabilities, LaunchMode};
@@ -298,12 +297,13 @@ pub fn coordinator_target(cli: &Cli) -> Result<Target> {
     Target::new(addr, &files, cli.insecure)
 }
 
-/// The provider token: `--token` > `--token-file` / `DFLASH_PROVIDER_TOKEN_FILE` > `DFLASH_PROVIDER_TOKEN`.
+/// The provider token: `--token` > `--token-file` / `DFLASH_PROVIDER_TOKEN_FILE` > `DFLASH_PROVIDER_TOKEN`
+/// (read by `lockdown::lock_down` before it scrubbed the environment).
 pub fn provider_token(cli: &Cli) -> Result<(String, token::TokenSource)> {
     token::provider_token(
         cli.token.as_deref(),
         cli.token_file.as_deref(),
-        std::env::var(env_vars::PROVIDER_TOKEN).ok(),
+        cli.env_token.clone(),
     )
 }
 

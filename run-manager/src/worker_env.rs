@@ -58,8 +58,9 @@ pub const PASSED: &[&str] = &[
 /// `LC_CTYPE`, ...) and the device requirements (`DFLASH_REQUIRE_CUDA`, `DFLASH_REQUIRE_MPS`).
 pub const PASSED_PREFIXES: &[&str] = &["LC_", env_vars::REQUIRE_PREFIX];
 
-/// The run-manager's own credentials, never given to any child it supervises.
-const CREDENTIALS: &[&str] = &[
+/// The run-manager's own credentials, never given to any child it supervises
+/// (and scrubbed from its own environment at start: `crate::lockdown`).
+pub const CREDENTIALS: &[&str] = &[
     env_vars::PROVIDER_TOKEN,
     env_vars::PROVIDER_TOKEN_FILE,
     env_vars::ADMIN_TOKEN,

@@ -1767,3 +1767,214 @@ fn docker_mode_cancel_stops_and_removes_the_container() {
     rt.block_on(coordinator.stop());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// Least privilege against a compromised worker (`run_manager::lockdown`): a worker of the
+// same user can read the run-manager's `/proc/PID/cmdline` and, while it is dumpable,
+// `/proc/PID/environ`. The run-manager below joins a closed port and keeps retrying Register,
+// so it lives (with its credentials read) until killed.
+
+/// A value no test environment holds by chance.
+#[cfg(target_os = "linux")]
+fn marker(tag: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{tag}-{}-{nanos}", std::process::id())
+}
+
+/// `program` (a run-manager binary) joining a closed port, with `args` and `env` added to a
+/// clean DFLASH_* environment.
+#[cfg(target_os = "linux")]
+fn lingering_run_manager(
+    program: &Path,
+    work: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Command {
+    let mut c = Command::new(program);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("DFLASH_") {
+            c.env_remove(k);
+        }
+    }
+    c.env("NO_COLOR", "1")
+        .envs(env.iter().copied())
+        .args(["--coordinator", "http://127.0.0.1:9", "--work-dir"])
+        .arg(work)
+        .args([
+            "--worker-cmd",
+            "sleep 600",
+            "--device",
+            "cpu",
+            "--log-format",
+            "json",
+        ])
+        .args([
+            "--rpc-retries",
+            "1000",
+            "--rpc-backoff-ms",
+            "100",
+            "--rpc-backoff-max-ms",
+            "300",
+        ])
+        .args(args);
+    c
+}
+
+/// Start `cmd` and return it once it logged where its token came from (its credentials are
+/// read and scrubbed by then), with that line.
+#[cfg(target_os = "linux")]
+fn start_until_connecting(cmd: Command) -> (Child, serde_json::Value) {
+    let (mut child, rx) = spawn_watched(cmd);
+    let mut seen = Vec::new();
+    let line = wait_for(&rx, &mut seen, "the connection line", |v| {
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("connecting over"))
+    });
+    // Keep draining stderr so the process never blocks on a full pipe.
+    std::thread::spawn(move || rx.iter().for_each(drop));
+    assert!(child.try_wait().expect("try_wait").is_none(), "{seen:?}");
+    (child, line)
+}
+
+/// `/proc/PID/environ`, or `None` where this user may not read it: the run-manager is not
+/// dumpable, so only root (or `CAP_SYS_PTRACE`) can.
+#[cfg(target_os = "linux")]
+fn proc_environ(pid: u32) -> Option<Vec<u8>> {
+    match std::fs::read(format!("/proc/{pid}/environ")) {
+        Ok(b) => Some(b),
+        Err(e)
+            if e.kind() == std::io::ErrorKind::PermissionDenied
+                && unsafe { libc::geteuid() } != 0 =>
+        {
+            None
+        }
+        Err(e) => panic!("cannot read /proc/{pid}/environ: {e}"),
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    haystack
+        .windows(needle.len())
+        .any(|w| w == needle.as_bytes())
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn credentials_are_scrubbed_from_the_run_managers_own_environ_and_cmdline() {
+    let dir = temp_dir("lockdown");
+    let flag_token = marker("flag-tok");
+    let env_token = marker("env-tok");
+    let token_file = dir.join(marker("token-file")).display().to_string();
+    let admin_token = marker("admin-tok");
+    let aws_secret = marker("aws-secret");
+    let env = [
+        ("DFLASH_PROVIDER_TOKEN", env_token.as_str()),
+        ("DFLASH_PROVIDER_TOKEN_FILE", token_file.as_str()),
+        ("DFLASH_ADMIN_TOKEN", admin_token.as_str()),
+        ("AWS_SECRET_ACCESS_KEY", aws_secret.as_str()),
+    ];
+    let work = dir.join("work");
+    // The token on the command line (it outranks the file and the environment).
+    let (mut child, line) = start_until_connecting(lingering_run_manager(
+        Path::new(RUN_MANAGER),
+        &work,
+        &["--token", &flag_token],
+        &env,
+    ));
+    assert_eq!(
+        line["message"],
+        "connecting over plaintext; provider token from `--token`"
+    );
+    let pid = child.id();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    assert!(
+        !contains(&cmdline, &flag_token),
+        "{}",
+        String::from_utf8_lossy(&cmdline)
+    );
+    // Only the value went: the other arguments read as they were given.
+    assert!(contains(&cmdline, "\0--token\0") && contains(&cmdline, "\0--worker-cmd\0sleep 600\0"));
+    if let Some(environ) = proc_environ(pid) {
+        let text = String::from_utf8_lossy(&environ);
+        for (name, value) in env {
+            assert!(
+                !contains(&environ, value),
+                "the value of `{name}` is in {text:?}"
+            );
+        }
+        assert!(text.split('\0').any(|e| e == "NO_COLOR=1"), "{text:?}");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+
+    // The token from the environment only: read before the scrub, and gone from the block.
+    let (mut child, line) = start_until_connecting(lingering_run_manager(
+        Path::new(RUN_MANAGER),
+        &work,
+        &[],
+        &[("DFLASH_PROVIDER_TOKEN", &env_token)],
+    ));
+    assert_eq!(
+        line["message"],
+        "connecting over plaintext; provider token from `DFLASH_PROVIDER_TOKEN`"
+    );
+    if let Some(environ) = proc_environ(child.id()) {
+        assert!(
+            !contains(&environ, &env_token),
+            "{}",
+            String::from_utf8_lossy(&environ)
+        );
+        assert!(contains(&environ, "DFLASH_PROVIDER_TOKEN=\0"));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The kernel gives a non-dumpable process's `/proc/PID/environ` (and its other private files)
+/// to root, and `/proc/PID` itself to the process's user: so the run-manager runs as another
+/// user than root (as `nobody` when this test runs as root, from a copy `nobody` can execute).
+#[cfg(target_os = "linux")]
+#[test]
+fn the_run_manager_is_not_dumpable() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::os::unix::process::CommandExt;
+
+    let dir = temp_dir("dumpable");
+    let work = dir.join("work");
+    std::fs::create_dir_all(&work).expect("mkdir");
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut program = PathBuf::from(RUN_MANAGER);
+    if root {
+        let copy = dir.join("run-manager");
+        std::fs::copy(&program, &copy).expect("copy the binary");
+        for (p, mode) in [(&dir, 0o755), (&copy, 0o755), (&work, 0o777)] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        }
+        program = copy;
+    }
+    let mut cmd = lingering_run_manager(&program, &work, &["--token", "t"], &[]);
+    if root {
+        cmd.uid(65534).gid(65534);
+    }
+    let (mut child, _) = start_until_connecting(cmd);
+    let pid = child.id();
+    let owner = std::fs::metadata(format!("/proc/{pid}"))
+        .expect("stat")
+        .uid();
+    let environ_owner = std::fs::metadata(format!("/proc/{pid}/environ"))
+        .expect("stat")
+        .uid();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_ne!(owner, 0, "the run-manager ran as root");
+    assert_eq!(
+        environ_owner, 0,
+        "/proc/{pid}/environ belongs to uid {environ_owner}: the run-manager is dumpable"
+    );
+}
