@@ -146,7 +146,6 @@ def test_sigterm_commits_a_checkpoint_and_stops(tmp_path):
         (noop(-1), {}, "spec.noop.steps"),
         ({"stages": ["noop"], "noop": {"steps": True}}, {}, "spec.noop.steps"),
         (noop(3), {"schema_version": 99}, "schema_version"),
-        (noop(3), {"resume_checkpoint": "/nonexistent/ckpt.json"}, "cannot resume"),
     ],
 )
 def test_bad_input_is_a_non_retryable_error_event(tmp_path, spec, extra, needle):
@@ -173,11 +172,37 @@ def test_corrupt_spec_json_is_reported_not_a_traceback(tmp_path, content):
     assert "Traceback" not in stderr
 
 
-def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize(
+    "content",
+    [None, b'{"step": "x"}', b"not json", json.dumps({"format": "dflash-worker-noop-checkpoint/1", "step": 2**62, "state": "0" * 64}).encode()],
+)
+def test_an_unusable_resume_checkpoint_is_skipped_with_a_warning(tmp_path, content):
+    """Issue 34: a resume checkpoint may be another attempt's bytes (a missing file, garbage, a manifest
+    claiming step 2**62): it is skipped with a warning and the job starts from the beginning, never fails."""
     bad = tmp_path / "bad.json"
-    bad.write_text('{"step": "x"}')
+    if content is not None:
+        bad.write_bytes(content)
     job = tmp_path / "job"
     write_spec(job, noop(3), resume_checkpoint=str(bad))
+    rc, events, stderr = run_job(job)
+    assert rc == 0, stderr
+    assert f"skipped resume checkpoint `{bad}`" in stderr and "noop starts from step 0" in stderr, stderr
+    report = json.loads((job / "export/noop-report.json").read_text())
+    assert report["state"] == noop_final_state(3) and report["resumed_from"] == 0
+
+
+def test_an_unusable_resume_checkpoint_falls_back_to_the_newest_older_one(tmp_path):
+    job = _prepare(tmp_path, noop(6, every=2))
     rc, events, _ = run_job(job)
-    assert rc == 1
-    assert "cannot resume" in events[-1]["message"]
+    assert rc == 0
+    # The job directory keeps its own checkpoints 2, 4, 6; the lease names a lying one.
+    bad = tmp_path / "lying" / "manifest.json"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps({"format": "dflash-worker-noop-checkpoint/1", "step": 2**62, "state": "0" * 64}))
+    (job / "checkpoints" / "step-000006").rename(job / "checkpoints" / ".gone")
+    write_spec(job, noop(6, every=2), resume_checkpoint=str(bad), restart=1)
+    rc, events, stderr = run_job(job)
+    assert rc == 0, stderr
+    assert [e["step"] for e in events if e["event"] == "progress" and e["phase"] == "train"] == [5, 6]
+    report = json.loads((job / "export/noop-report.json").read_text())
+    assert report["state"] == noop_final_state(6) and report["resumed_from"] == 4

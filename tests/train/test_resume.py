@@ -205,3 +205,27 @@ def test_corrupt_checkpoint_is_refused(pipeline, tmp_path):
 
     with pytest.raises(CheckpointError, match="optimizer.pt"):
         train(load_recipe(recipe), resume=True)
+
+
+def test_an_unusable_checkpoint_is_skipped_for_the_next_older_one(pipeline, reference):
+    """Issue 34: with `skip_unusable` (the job runner's choice: a coordinator job's checkpoints may come from
+    another attempt) a checkpoint that fails to load is a warning, the next older one is resumed, and the
+    result is bit-identical to an uninterrupted run."""
+    from dflash_worker.worker.events import Log
+
+    recipe = _recipe(pipeline, "resume-skip")
+    run = pipeline.root / "resume-skip"
+    r1 = _start_and_signal(recipe, run, 5, signal.SIGINT)
+    assert r1.returncode == 0, r1.stderr
+    steps = [s for s, _ in ckpt.committed(run)]
+    assert len(steps) >= 2, steps
+    newest, older = ckpt.committed(run)[-1][1], ckpt.committed(run)[-2]
+    opt = newest / "optimizer.pt"
+    os.chmod(opt, 0o644)
+    opt.write_bytes(opt.read_bytes()[:-7] + b"garbage")
+    events = []
+    train(load_recipe(recipe), resume=True, skip_unusable=True, on_event=events.append)
+    logs = [(e.level, e.message) for e in events if isinstance(e, Log)]
+    assert any(level == "warning" and m.startswith(f"skipped checkpoint `{newest}`") and "optimizer.pt" in m for level, m in logs), logs
+    assert ("info", f"resumed from `{older[1]}` at step {older[0]}") in logs, logs
+    _assert_identical(reference, _final(run), run)

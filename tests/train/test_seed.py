@@ -51,3 +51,16 @@ def test_a_damaged_source_or_a_file_changed_mid_copy_commits_nothing(tmp_path, m
     with pytest.raises(CheckpointError, match="optimizer.pt"):
         ckpt.seed(tmp_path / "c", src / "manifest.json")
     assert ckpt.latest(tmp_path / "c") is None
+
+
+def test_a_manifest_claiming_a_step_no_checkpoint_name_holds_commits_nothing(tmp_path):
+    """Issue 34: a lying provider's manifest (step 2**62, files intact) is refused before anything is copied."""
+    import json
+
+    src = _source(tmp_path)
+    doc = json.loads((src / "manifest.json").read_text())
+    doc["step"] = 2**62
+    (src / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"no valid `step` \(an integer in \[0, 99999999\]\), got `4611686018427387904`"):
+        ckpt.seed(tmp_path / "b", src / "manifest.json")
+    assert ckpt.latest(tmp_path / "b") is None and not list((tmp_path / "b").rglob("step-*"))

@@ -43,6 +43,8 @@ LATEST = "LATEST"
 FORMAT = "dflash-worker-train-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8})$")
 _FILES = ("trainable.safetensors", "optimizer.pt", "rng.json", "state.json")
+# Steps a checkpoint directory name can hold (`step_name`, `_NAME`: eight digits).
+MAX_STEP = 10**8 - 1
 
 
 def step_name(step: int) -> str:
@@ -155,8 +157,8 @@ def seed(run_dir: str | Path, manifest: str | Path) -> int | None:
         raise CheckpointError(f"resume checkpoint `{src}` is not a checkpoint's `manifest.json`")
     source = verify(src.parent)
     step = source.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"checkpoint `{src}` has no valid `step`")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise CheckpointError(f"checkpoint `{src}` has no valid `step` (an integer in [0, {MAX_STEP}]), got `{str(step)[:40]}`")
 
     def write(tmp: Path) -> None:
         for name in _FILES:

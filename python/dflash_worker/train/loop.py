@@ -29,6 +29,21 @@ committed at every validation step and the best one is never pruned. Without
 a validation split (or with ``val_every = 0`` and no val examples) the last
 step is selected.
 
+General-domain guard: when the capture's val split holds general rows
+(`prepare-data --replay-val-fraction`, listed in the capture manifest's
+``data.replay.val_ids``), validation measures the own rows and the general
+rows apart (the first `val_examples` of each), and the run measures the
+released draft on the general rows once, before the first update, through the
+same export-values path (``released_general``, kept in every checkpoint). The
+rule then becomes: among validated checkpoints whose general matching
+proposals are at least ``(1 - [train].general_tolerance) x`` the released
+draft's, the highest own matching proposals (ties: the earliest step). When no
+checkpoint passes, the one with the highest general matching proposals is
+selected, ``selection.json``'s ``guard.passed`` is false and a warning says so.
+``guard`` lists every validated step and whether the guard rejected it. Without
+general rows nothing of this exists: validation, metrics and ``selection.json``
+are what they were.
+
 Features (`[train].features`): `cache` reads each sequence's target features from the capture;
 `online` (the capture holds token ids only) loads the frozen target in `TrainSetup.load` and
 computes them as each sequence is read (`data.CapturedSplit`, through `capture.teacher.Teacher`,
@@ -45,6 +60,9 @@ of the released draft) must all equal the checkpoint's; otherwise
 Events (`worker.events`, to the `on_event` sink of `train`):
 
 - ``Log`` ``resumed from `CHECKPOINT` at step S`` after a resume;
+- ``Log`` ``released draft: general-domain matching proposals X on N examples ...``
+  once the guard's baseline is measured (a fresh run with general val rows);
+- ``Log`` (warning) ``no checkpoint kept ...`` when no checkpoint passes the guard;
 - ``Artifact(kind="checkpoint")`` after each commit: the checkpoint's
   ``manifest.json`` (absolute path), named ``checkpoints/step-NNNNNNNN/manifest.json``
   (relative to the run dir), ``step`` its step;
@@ -71,7 +89,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from .. import dist
-from ..errors import ConfigError, ResumeError
+from ..errors import CheckpointError, ConfigError, ResumeError
 from ..manifest import fingerprint, sha256_file
 from ..recipe import Recipe, TrainConfig
 from ..worker.events import Artifact, Event, EventSink, Log, Progress
@@ -179,8 +197,8 @@ def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raise `ResumeError` naming every field in which `current` differs from `saved`."""
     diffs = []
     s_rec, c_rec = saved.get("recipe_view") or {}, current["recipe_view"]
-    if s_rec:  # checkpoints from before `[train].features` existed trained on the cache
-        s_rec = {"train.features": "cache", **s_rec}
+    if s_rec:  # checkpoints from before `[train].features` (`general_tolerance`) existed: their defaults
+        s_rec = {"train.features": "cache", "train.general_tolerance": 0.03, **s_rec}
     for key in sorted(set(s_rec) | set(c_rec)):
         if s_rec.get(key, "<absent>") != c_rec.get(key, "<absent>"):
             diffs.append(f"recipe `{key}`: checkpoint `{s_rec.get(key, '<absent>')}`, now `{c_rec.get(key, '<absent>')}`")
@@ -327,6 +345,9 @@ class TrainSetup:
     train_split: CapturedSplit
     val_split: CapturedSplit | None
     order: Order
+    # the val split's own rows and general rows (`prepare-data --replay-val-fraction`), as indices
+    val_own: list[int]
+    val_general: list[int]
     # `[train].features = "online"`: the frozen target, run in the step for each sequence's features
     teacher: Teacher | None = None
     # `[train].l2sp > 0`: the trained tensors' starting values (the draft the recipe names), FP32
@@ -369,12 +390,26 @@ class TrainSetup:
             teacher = Teacher.load(recipe.model.target, read_target_layer_ids(recipe.model.draft), device=str(device), dtype=cap.dtype)
         train_split = CapturedSplit(cap.output, "train", verify=True, teacher=teacher)
         val_split = CapturedSplit(cap.output, "val", verify=False, teacher=teacher) if "val" in cap.splits else None
+        val_own, val_general = general_val_rows(val_split)
         return cls(
             device=device, model=model, head=head, tensors=tensors, params=params, weights=weights,
             autocast=_autocast_dtype(cfg.autocast, device), optimizer=optimizer, scheduler=scheduler,
             train_split=train_split, val_split=val_split, order=Order(len(train_split), cfg.seed),
+            val_own=val_own, val_general=val_general,
             start=[p.detach().clone() for p in params] if cfg.l2sp > 0 else None, teacher=teacher,
         )
+
+
+def general_val_rows(split: CapturedSplit | None) -> tuple[list[int], list[int]]:
+    """(own, general) indices of the val split: general rows are those the capture manifest lists
+    in ``data.replay.val_ids`` (`prepare-data --replay-val-fraction`), in capture order."""
+    if split is None:
+        return [], []
+    general_ids = set(((split.reader.manifest.get("data") or {}).get("replay") or {}).get("val_ids") or ())
+    own, general = [], []
+    for i in range(len(split)):
+        (general if split.id_of(i) in general_ids else own).append(i)
+    return own, general
 
 
 # --------------------------------------------------------------------- the shared forward path
@@ -427,8 +462,12 @@ class Trainer:
         device: DeviceChoice | None = None,
         attention: str = "auto",
         ranks: dist.Ranks | None = None,
+        skip_unusable: bool = False,
     ) -> None:
         self.recipe = recipe
+        # Resume: skip a checkpoint that fails to load or does not fit this run (warning) for the next
+        # older one, else start fresh (`_restore_newest_usable`); without it such a checkpoint fails the run.
+        self.skip_unusable = skip_unusable
         self.ranks = ranks if ranks is not None else dist.ranks_from_env()
         self.cfg = recipe.require("train")
         self.cap = recipe.require("capture")
@@ -455,6 +494,8 @@ class Trainer:
         }
         self.step = 0
         self.val_history: list[dict[str, Any]] = []
+        # the released draft on the general val rows (the guard's baseline), measured before the first update
+        self.released_general: dict[str, Any] | None = None
         self.committed_step: int | None = None
         self._setup: TrainSetup | None = None
 
@@ -536,6 +577,8 @@ class Trainer:
             "recipe": self.recipe.resolved(),
             **self.identity,
             "val_history": self.val_history,
+            # only with general val rows: other runs' checkpoints stay what they were
+            **({} if self.released_general is None else {"released_general": self.released_general}),
             "trainable": self.names,
             "qat_names": self.qat_names,
             "total_steps": self.cfg.steps,
@@ -561,6 +604,28 @@ class Trainer:
         self.emit(Artifact.for_file(manifest.absolute(), artifact=name, kind="checkpoint", step=self.step))
         return path
 
+    def _restore_newest_usable(self, existing: Path) -> bool:
+        """Restore `existing`, else the next older committed checkpoint that loads and fits this run;
+        False (a fresh start) when none does. Each one skipped is a warning, never a failure: a
+        coordinator job's checkpoints may come from another attempt (`skip_unusable`)."""
+        older = [p for _, p in reversed(ckpt.committed(self.run_dir)) if p != existing]
+        for path in [existing, *older]:
+            try:
+                loaded = ckpt.load(path)
+                if not 0 <= loaded.step <= self.cfg.steps:
+                    raise CheckpointError(f"checkpoint `{path}` is at step {loaded.step}, outside this run's 0..{self.cfg.steps}")
+                self.restore(loaded)
+            except (CheckpointError, ResumeError, KeyError, ValueError, TypeError, RuntimeError) as exc:
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self.emit(Log(level="warning", message=f"skipped checkpoint `{path}`: {why[:300]}"))
+                self.step, self.val_history, self.committed_step = 0, [], None
+                self.setup()  # a restore that failed midway may have changed the model or the optimizer
+                continue
+            self.emit(Log(message=f"resumed from `{path}` at step {self.step}"))
+            return True
+        self.emit(Log(level="warning", message="no committed checkpoint could be resumed; training starts from step 0"))
+        return False
+
     def restore(self, loaded: ckpt.Loaded) -> None:
         from ..device import restore_rng_state
 
@@ -576,6 +641,7 @@ class Trainer:
         restore_rng_state(loaded.rng)
         self.step = loaded.step
         self.val_history = list(loaded.state.get("val_history") or [])
+        self.released_general = loaded.state.get("released_general")
         self.committed_step = loaded.step
         if self.ranks.main:  # the metrics file is rank 0's: another rank rewriting it would race its appends
             truncate_metrics(self.run_dir / METRICS, loaded.step)
@@ -726,51 +792,105 @@ class Trainer:
             **({} if penalty is None else {"l2sp_penalty": penalty}),
         }
 
-    def _val_blocks(self) -> Iterator[Blocks]:
-        """The first `val_examples` validation sequences with anchors (the same at every validation)."""
+    def _val_blocks(self, rows: list[int]) -> Iterator[Blocks]:
+        """The first `val_examples` of the validation sequences `rows` with anchors (the same at every validation)."""
         cfg, split = self.cfg, self.val_split
-        for i in range(min(len(split), cfg.val_examples) if split is not None else 0):
+        for i in rows[: cfg.val_examples] if split is not None else ():
             seq = split.get(i)
             anchors = sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 2, i))
             if anchors.numel():
                 yield self.blocks(seq, anchors)
 
-    def validate(self) -> dict[str, Any]:
-        """Matching proposals on the validation split, computed with exactly the export's weights.
-
-        The FP32 masters are swapped out for `export_values` (BF16, or AF4G64 for QAT names) and
-        the very same parameter objects are put back afterwards, success or failure.
-        """
+    @contextlib.contextmanager
+    def _export_weights(self) -> Iterator[None]:
+        """The draft in eval mode, without grad, with the FP32 masters swapped out for `export_values`
+        (BF16, or AF4G64 for QAT names); the very same parameter objects are put back afterwards,
+        success or failure."""
         tensors = self.parts.tensors
         values = export_values(dict(self.model.named_parameters()), tensors.export_names, qat_names=tensors.val_quant)
-        counts = []
-        ce = sel = denom = 0.0
         was_training = self.model.training
         self.model.eval()
         try:
             with swapped(self.model, values), torch.no_grad():
-                if self.hooks.inside_validation is not None:
-                    self.hooks.inside_validation(self)
-                for b in self._val_blocks():
-                    s = self.score(b, objective="weighted_ce", with_selector=self.model.candidate_selector is not None)
-                    counts.append(s.counts)
-                    ce += float(s.ce_sum)
-                    sel += float(s.selector_sum)
-                    denom += weight_total(b.valid, self.pw)
+                yield
         finally:
             self.model.train(was_training)
+
+    def _measure(self, rows: list[int]) -> dict[str, Any]:
+        """Matching proposals (`summarize`) and the CE terms over validation sequences `rows`."""
+        counts = []
+        ce = sel = denom = 0.0
+        for b in self._val_blocks(rows):
+            s = self.score(b, objective="weighted_ce", with_selector=self.model.candidate_selector is not None)
+            counts.append(s.counts)
+            ce += float(s.ce_sum)
+            sel += float(s.selector_sum)
+            denom += weight_total(b.valid, self.pw)
         out = summarize(counts, self.T - 1)
         out["ce"] = ce / denom if denom else None
         out["selector_ce"] = sel / denom if denom else None
-        out["step"] = self.step
         return out
 
+    def validate(self) -> dict[str, Any]:
+        """Matching proposals on the validation split, computed with exactly the export's weights
+        (`_export_weights`): the own rows, and the general rows apart (``general``) when there are any."""
+        with self._export_weights():
+            if self.hooks.inside_validation is not None:
+                self.hooks.inside_validation(self)
+            out = self._measure(self.parts.val_own)
+            general = self._measure(self.parts.val_general) if self.parts.val_general else None
+        out["step"] = self.step
+        if general is not None:
+            out["general"] = {k: general[k] for k in VAL_KEYS}
+        return out
+
+    def measure_released(self) -> dict[str, Any]:
+        """The guard's baseline: the general val rows scored with the export values of the draft as
+        loaded (call before the first update), through the path `validate` takes."""
+        assert self.step == 0, "the released draft is measured before the first update"
+        with self._export_weights():
+            general = self._measure(self.parts.val_general)
+        return {"step": 0, "examples": len(self.parts.val_general[: self.cfg.val_examples]), **{k: general[k] for k in VAL_KEYS}}
+
+    def guard(self) -> dict[str, Any] | None:
+        """The general-domain guard over the validation history (module docstring), as ``selection.json``
+        records it; None when the run has no released general baseline (no general val rows)."""
+        rel = self.released_general
+        if rel is None or not rel.get("blocks"):
+            return None
+        tol = self.cfg.general_tolerance
+        floor = (1.0 - tol) * rel["matching_proposals"]
+        steps = []
+        for v in self.val_history:
+            if v.get("blocks", 0) <= 0:
+                continue
+            g = v.get("general") or {}
+            kept = bool(g.get("blocks")) and g["matching_proposals"] >= floor
+            steps.append({"step": v["step"], "matching_proposals": v["matching_proposals"],
+                          "general_matching_proposals": g.get("matching_proposals"), "rejected": not kept})
+        return {
+            "tolerance": tol,
+            "released_general_matching_proposals": rel["matching_proposals"],
+            "released_general_blocks": rel["blocks"],
+            "floor": floor,
+            "passed": any(not c["rejected"] for c in steps),
+            "rejected_steps": [c["step"] for c in steps if c["rejected"]],
+            "checkpoints": steps,
+        }
+
     def best(self) -> dict[str, Any] | None:
-        """The selected validation entry: highest matching proposals, earliest step on ties."""
+        """The selected validation entry: highest matching proposals, earliest step on ties; with the
+        general-domain guard, among the checkpoints it keeps (none kept: the highest general ones)."""
         scored = [v for v in self.val_history if v.get("blocks", 0) > 0]
         if not scored:
             return None
-        return max(scored, key=lambda v: (v["matching_proposals"], -v["step"]))
+        guard = self.guard()
+        if guard is None:
+            return max(scored, key=lambda v: (v["matching_proposals"], -v["step"]))
+        kept = {c["step"] for c in guard["checkpoints"] if not c["rejected"]}
+        if kept:
+            return max((v for v in scored if v["step"] in kept), key=lambda v: (v["matching_proposals"], -v["step"]))
+        return max(scored, key=lambda v: ((v.get("general") or {}).get("matching_proposals", -1.0), -v["step"]))
 
     # ----------------------------------------------------------------- run
     def run(self) -> TrainResult:
@@ -784,11 +904,17 @@ class Trainer:
         if self.resume and (self.run_dir / SELECTION).is_file():
             return self.verify_completed()
         self.setup()
-        if self.resume and existing is not None:
+        resumed = False
+        if self.resume and existing is not None and self.skip_unusable:
+            resumed = self._restore_newest_usable(existing)
+        elif self.resume and existing is not None:
             self.restore(ckpt.load(existing))
             self.emit(Log(message=f"resumed from `{existing}` at step {self.step}"))
-        elif self.ranks.main:  # a fresh start (also `--resume` before the first commit): no metric line survives
+            resumed = True
+        if not resumed and self.ranks.main:  # a fresh start (also `--resume` before the first commit): no metric line survives
             (self.run_dir / METRICS).unlink(missing_ok=True)
+            if self.parts.val_general:
+                self._measure_baseline()
         metrics_file = self.run_dir / METRICS if self.ranks.main else Path(os.devnull)
         with SignalGuard(self.flags), open(metrics_file, "a", encoding="utf-8") as mf:
             while self.step < self.cfg.steps:
@@ -796,6 +922,16 @@ class Trainer:
                 if stopped is not None:
                     return stopped
         return self.finish()
+
+    def _measure_baseline(self) -> None:
+        """Measure and report the released draft's general acceptance (`measure_released`)."""
+        self.released_general = rel = self.measure_released()
+        tol = self.cfg.general_tolerance
+        self.emit(Log(message=(
+            f"released draft: general-domain matching proposals {rel['matching_proposals']:.4f} on {rel['examples']} examples "
+            f"({rel['blocks']} blocks); the general-domain guard keeps checkpoints at or above "
+            f"{(1.0 - tol) * rel['matching_proposals']:.4f} (`general_tolerance` {tol})"
+        )))
 
     def _advance(self, mf: IO[str]) -> TrainResult | None:
         """One step in the order of the module docstring; the result when a signal stops the run."""
@@ -809,6 +945,8 @@ class Trainer:
             v = self.validate()
             self.val_history.append(v)
             line["val"] = {k: v[k] for k in VAL_KEYS}
+            if "general" in v:
+                line["val_general"] = v["general"]
         mf.write(json.dumps(line, sort_keys=True, allow_nan=False) + "\n")
         mf.flush()
         # a signal on any rank stops (or checkpoints) every rank at this step
@@ -837,18 +975,27 @@ class Trainer:
             msg = f"rank {self.ranks.rank}/{self.ranks.world}: trained {self.step} steps; rank 0 selects and exports"
             return TrainResult(self.run_dir, "completed", self.step, self.cfg.steps, msg)
 
-        best = self.best()
+        best, guard = self.best(), self.guard()
         chosen = best["step"] if best else self.step
         path = self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(chosen)
+        rule = ("highest validation matching proposals (mean accepted tokens per block against the "
+                "teacher's continuation), earliest step on ties; the last step when nothing was validated")
+        history = [{"step": v["step"], "matching_proposals": v["matching_proposals"]} for v in self.val_history]
+        if guard is not None:
+            rule = ("highest own-domain validation matching proposals among the checkpoints whose general-domain "
+                    "matching proposals are at least (1 - tolerance) x the released draft's, earliest step on ties; "
+                    "when none is, the highest general-domain matching proposals (`guard.passed` false)")
+            for h, v in zip(history, self.val_history, strict=True):
+                h["general_matching_proposals"] = (v.get("general") or {}).get("matching_proposals")
         selection = {
-            "rule": "highest validation matching proposals (mean accepted tokens per block against the "
-            "teacher's continuation), earliest step on ties; the last step when nothing was validated",
+            "rule": rule,
             "step": chosen,
             "checkpoint": path.name,
             "checkpoint_manifest_sha256": sha256_file(path / "manifest.json"),
             "validation": best,
-            "history": [{"step": v["step"], "matching_proposals": v["matching_proposals"]} for v in self.val_history],
+            "history": history,
             "total_steps": self.cfg.steps,
+            **({} if guard is None else {"guard": guard}),
         }
         fmt = self.export_format
         result = export_run(self.run_dir, fmt=fmt, recipe=self.recipe, selection=selection)
@@ -858,7 +1005,21 @@ class Trainer:
             name = f"{result.out_dir.name}/{f.relative_to(result.out_dir).as_posix()}"
             self.emit(Artifact.for_file(f.absolute(), artifact=name, kind="export", step=chosen))
         msg = f"trained {self.step} steps; selected step {chosen}; exported `{result.out_dir}`"
+        if guard is not None:
+            msg += self._guard_note(guard)
         return TrainResult(self.run_dir, "completed", self.step, self.cfg.steps, msg, selection, result.out_dir, path)
+
+    def _guard_note(self, guard: dict[str, Any]) -> str:
+        """The guard's part of the result message; a warning event when no checkpoint passed it."""
+        rejected = ", ".join(str(s) for s in guard["rejected_steps"]) or "none"
+        if guard["passed"]:
+            return f"; the general-domain guard rejected steps: {rejected}"
+        self.emit(Log(level="warning", message=(
+            f"no checkpoint kept general-domain matching proposals within {guard['tolerance']:.0%} of the released "
+            f"draft's ({guard['released_general_matching_proposals']:.4f}); selected the one with the highest general "
+            "acceptance instead\nhint: lower `[train].lr`, add replay rows (`prepare-data --replay-fraction`) or `[train].l2sp`"
+        )))
+        return "; no checkpoint passed the general-domain guard (selection.json `guard.passed` false)"
 
     def verify_completed(self) -> TrainResult:
         """A completed run: check selection, its checkpoint and the export instead of retraining."""
@@ -914,15 +1075,18 @@ def train(
     hooks: Hooks | None = None,
     device: DeviceChoice | None = None,
     attention: str = "auto",
+    skip_unusable: bool = False,
 ) -> TrainResult:
     """Run (or resume, or verify) the training run of `recipe` in `run_dir`.
 
     Events go to `on_event` as `worker.events` objects (module docstring); `device` and
-    `attention` are the job runner's placement (see `Trainer`).
+    `attention` are the job runner's placement (see `Trainer`). `skip_unusable`: a checkpoint
+    that cannot be resumed is skipped with a warning for an older one or a fresh start (the
+    job runner's choice: its checkpoints may come from another attempt), instead of an error.
     """
     trainer = Trainer(
         recipe, resolve_run_dir(recipe, run_dir), resume=resume, on_event=on_event, flags=flags, hooks=hooks,
-        device=device, attention=attention,
+        device=device, attention=attention, skip_unusable=skip_unusable,
     )
     try:
         return trainer.run()

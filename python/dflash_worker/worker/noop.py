@@ -74,13 +74,32 @@ def _resume(path: Path, steps: int) -> tuple[int, str]:
     return start, state
 
 
+def _resume_newest_usable(ctx: StageContext, steps: int) -> tuple[int, str] | None:
+    """The lease's resume checkpoint, else this job directory's newest one that loads; None for a fresh
+    start. One that does not load is skipped with a warning, never the job's failure (it may be another
+    attempt's bytes)."""
+    own = sorted((ctx.job_dir / "checkpoints").glob("step-*/manifest.json"), reverse=True)
+    candidates = [ctx.spec.resume_checkpoint] if ctx.spec.resume_checkpoint is not None else []
+    candidates += [p for p in own if p not in candidates]
+    for path in candidates:
+        try:
+            return _resume(path, steps)
+        except CheckpointError as exc:
+            log.warning("skipped resume checkpoint `%s`: %s", path, exc)
+    return None
+
+
 def run_noop(ctx: StageContext) -> None:
     """Count `steps` steps, checkpointing every `checkpoint_every`; write a report artifact."""
     cfg = ctx.spec.job.noop
     state, start = hashlib.sha256(NOOP_SEED.encode()).hexdigest(), 0
     if ctx.spec.resume_checkpoint is not None:
-        start, state = _resume(ctx.spec.resume_checkpoint, cfg.steps)
-        log.info("resuming noop from step %d", start)
+        found = _resume_newest_usable(ctx, cfg.steps)
+        if found is not None:
+            start, state = found
+            log.info("resuming noop from step %d", start)
+        else:
+            log.warning("no checkpoint could be resumed; noop starts from step 0")
     committed = start
     for k in range(start + 1, cfg.steps + 1):
         time.sleep(cfg.step_seconds)

@@ -9,7 +9,9 @@ verified or skipped:
 - ``capture``: teacher features into ``DIR/capture`` (resumes by shard);
 - ``train``: ``DIR/run``; resumes from its newest committed checkpoint, or from the
   lease's ``resume_checkpoint`` (a checkpoint's ``manifest.json``) when this directory
-  has none; exports the selected checkpoint in ``[export].format``;
+  has none; a checkpoint that fails to load or does not fit the run is skipped with a
+  warning for the next older one, else training starts fresh (never the job's failure:
+  it may be another attempt's); exports the selected checkpoint in ``[export].format``;
 - ``export``: further formats listed in ``spec.export_formats``;
 - ``evaluate``: released vs trained draft on held-out prompts, ``DIR/eval``;
 - ``noop``: a counting stage the run-manager's tests use (`dflash_worker.worker.noop`).
@@ -145,6 +147,7 @@ def run_assemble(ctx: StageContext) -> None:
 
 def run_train(ctx: StageContext) -> None:
     from .. import dist
+    from ..errors import CheckpointError
     from ..train import checkpoint as ckpt
     from ..train import train
     from ..train.export_run import SELECTION
@@ -160,7 +163,11 @@ def run_train(ctx: StageContext) -> None:
         if resume_from is not None and not resume_from.is_file():
             log.warning("resume checkpoint `%s` is gone; training starts from its own directory or fresh", resume_from)
         elif resume_from is not None:
-            seeded = ckpt.seed(run_dir, resume_from)
+            try:
+                seeded = ckpt.seed(run_dir, resume_from)
+            except CheckpointError as exc:  # another attempt's bytes: skipped, never the job's failure
+                log.warning("skipped resume checkpoint `%s`: %s; training starts from its own directory or fresh", resume_from, exc)
+                seeded = None
             if seeded is not None:
                 log.info("seeded run from resume checkpoint `%s` (step %d)", resume_from, seeded)
         resume = ckpt.latest(run_dir) is not None or (run_dir / SELECTION).is_file()
@@ -183,6 +190,7 @@ def run_train(ctx: StageContext) -> None:
         flags=flags,
         device=ctx.devices["train"],
         attention=ctx.placement.draft_attention,
+        skip_unusable=True,  # a checkpoint that cannot be resumed is a warning: an older one, or a fresh start
     )
     if result.status == "stopped":
         raise Stopped(result.step)
