@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import grpc
 import pytest
-from coordinator_helpers import Provider, code_of, run_spec, wait_until
+from coordinator_helpers import SPEC, Provider, code_of, run_spec, wait_until
 
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
 TTL = 0.6
+# These tests hand a lost provider's checkpoint to another provider, which only `trust_inputs = "any"`
+# allows (the default, `own`, hands a provider only its own: tests/coordinator/test_trust_inputs.py).
+SPEC_TRUST_ANY = json.dumps({**json.loads(SPEC), "trust_inputs": "any"})
 
 
 def _expect_aborted(fn):
@@ -24,7 +28,7 @@ def _expect_aborted(fn):
 def test_expiry_requeues_with_resume_checkpoint_and_aborts_the_stale_holder(start_coordinator):
     coord = start_coordinator(lease_ttl=TTL)
     with coord.admin() as admin:
-        run = admin.create_run(run_spec("expire"))
+        run = admin.create_run(run_spec("expire", spec_json=SPEC_TRUST_ANY))
         a = Provider(coord.address, admin.create_provider("a"))
         b = Provider(coord.address, admin.create_provider("b"))
     a.register()
@@ -96,7 +100,7 @@ def test_restart_after_sigkill_keeps_state_and_requeues(start_coordinator, tmp_p
     workdir = tmp_path / "restart"
     coord = start_coordinator(lease_ttl=1.0, workdir=workdir)
     with coord.admin() as admin:
-        run = admin.create_run(run_spec("survive", num_jobs=2))
+        run = admin.create_run(run_spec("survive", num_jobs=2, spec_json=SPEC_TRUST_ANY))
         admin.approve_version(run.run_id, "0.2.0")
         token_a = admin.create_provider("a")
         token_b = admin.create_provider("b")

@@ -219,6 +219,8 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
     db.execute("DROP INDEX jobs_by_kind")
     for table, col in [("jobs", "kind"), ("jobs", "shard_index"), ("jobs", "shard_count"), ("jobs", "reason"), ("jobs", "pending_deps"), ("runs", "capture_shards"), ("runs", "eval_shards"), ("runs", "failure")]:
         db.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
+    db.execute("DROP TABLE attempt_inputs")  # nor what schema 7 added (trust_inputs, provenance)
+    db.execute("ALTER TABLE runs DROP COLUMN trust_inputs")
     db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
     db.close()
 

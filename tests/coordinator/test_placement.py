@@ -243,6 +243,8 @@ def test_a_version_5_database_learns_declared_memory_and_keeps_its_graphs(tmp_pa
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("DROP TABLE placements")
     db.execute("ALTER TABLE providers DROP COLUMN memory_bytes")
+    db.execute("DROP TABLE attempt_inputs")  # nor what schema 7 added (trust_inputs, provenance)
+    db.execute("ALTER TABLE runs DROP COLUMN trust_inputs")
     db.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
     db.close()
 

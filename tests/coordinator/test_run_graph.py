@@ -47,8 +47,8 @@ def _provider(store: Store, name: str = "box") -> str:
     return pid
 
 
-def _graph(store: Store, name: str = "g", *, n: int = 3, m: int = 0):
-    run = store.create_run(RunSpecData(name=name, spec_json="{}", required_client_version="0.1.0", capture_shards=n, eval_shards=m))
+def _graph(store: Store, name: str = "g", *, n: int = 3, m: int = 0, spec_json: str = "{}"):
+    run = store.create_run(RunSpecData(name=name, spec_json=spec_json, required_client_version="0.1.0", capture_shards=n, eval_shards=m))
     jobs, _ = store.run_jobs(run.run_id)
     return run, jobs
 
@@ -212,10 +212,11 @@ def test_a_retryable_capture_is_requeued_and_train_still_waits(store):
 
 
 def test_a_re_leased_capture_job_gets_its_earlier_attempts_shards_as_inputs(store):
-    """A capture provider lost mid-job: the next attempt, anywhere, is handed the shards the lost one
-    committed (the newest record of each name), so it captures only the rest."""
+    """A capture provider lost mid-job: under `trust_inputs = "any"` the next attempt, anywhere, is handed
+    the shards the lost one committed (the newest record of each name), so it captures only the rest
+    (the default policy's rule: tests/coordinator/test_trust_inputs.py)."""
     pid, other = _provider(store), _provider(store, "other")
-    _graph(store, n=1, m=1)
+    _graph(store, n=1, m=1, spec_json='{"trust_inputs": "any"}')
     p = _lease(store, pid)
     prep = _record(store, pid, p, "data/manifest.json", kind="manifest")
     store.finish(pid, p.lease_id, "succeeded", "")
@@ -437,6 +438,8 @@ def test_a_version_4_database_is_migrated(tmp_path):
         db.execute(f"ALTER TABLE jobs DROP COLUMN {col}")
     for col in ("capture_shards", "eval_shards", "failure"):
         db.execute(f"ALTER TABLE runs DROP COLUMN {col}")
+    db.execute("DROP TABLE attempt_inputs")  # nor what schema 7 added (trust_inputs, provenance)
+    db.execute("ALTER TABLE runs DROP COLUMN trust_inputs")
     db.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
     db.close()
 

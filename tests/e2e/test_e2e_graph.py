@@ -110,8 +110,9 @@ def test_three_providers_run_one_graph_with_the_one_job_results(tmp_path, procs,
 def test_a_capture_provider_killed_midway_its_job_is_re_leased_and_the_export_is_unchanged(tmp_path, procs, spec, baseline):
     """Capture shard 0 of 3 owns two of the capture's shards (0 and 3). Its provider dies once the first
     one is uploaded: the job is re-leased to another provider, which is handed that shard (the lost
-    attempt's records), keeps it after verifying it, captures the rest, and the export is unchanged."""
-    coord, run_id = _graph_run(procs, tmp_path, spec, lease_ttl=3)
+    attempt's records: the run trusts any provider's, `trust_inputs = "any"`), keeps it after verifying
+    it, captures the rest, and the export is unchanged."""
+    coord, run_id = _graph_run(procs, tmp_path, {**spec, "trust_inputs": "any"}, lease_ttl=3)
     rms = [_provider(procs, coord, tmp_path, f"p{i}") for i in range(3)]
     kinds = _kinds(coord, run_id)
     (job_id,) = [j for j, kind in kinds.items() if kind == ("capture", 0)]

@@ -11,8 +11,9 @@ from e2e_helpers import client_version, is_checkpoint_report, pid_alive, wait_un
 
 pytestmark = pytest.mark.slow
 
-# About 10 s of work with a checkpoint every 0.25 s: long enough to revoke mid-job.
-NOOP_SPEC = {"stages": ["noop"], "noop": {"steps": 200, "step_seconds": 0.05, "checkpoint_every": 5}}
+# About 10 s of work with a checkpoint every 0.25 s: long enough to revoke mid-job. B resumes from A's
+# checkpoint only because the run trusts any provider's (`trust_inputs`; the default, `own`, would start B fresh).
+NOOP_SPEC = {"stages": ["noop"], "noop": {"steps": 200, "step_seconds": 0.05, "checkpoint_every": 5}, "trust_inputs": "any"}
 
 
 def _started(v: dict) -> bool:

@@ -32,6 +32,14 @@ from ..errors import InvalidRequestError
 
 PROTOCOL_VERSION = "dflash.v1"
 CHECKPOINT_POLICIES = ("durable", "ephemeral")
+# Which earlier attempts' artifacts a new attempt of the same job is handed (its resume checkpoint,
+# a capture job's shards): a job's earlier attempts never succeeded, so their bytes were never
+# vouched for by anyone but the provider that sent them. `own`: only attempts of the provider the
+# new attempt runs on (a provider resuming its own crashed work gains nothing it did not have);
+# `succeeded`: none; `any`: every attempt's, whoever ran it. Outputs of needed jobs (their
+# SUCCEEDED attempts') are inputs under every policy. Ordered from the strictest.
+TRUST_INPUTS = ("succeeded", "own", "any")
+DEFAULT_TRUST_INPUTS = "own"
 BACKENDS = ("cuda", "mps", "cpu")
 # Offered by a CPU provider started with `run-manager --cpu-ranks N`: it runs up to `device_count` ranks.
 CPU_RANKS_FEATURE = "cpu_ranks"
@@ -126,6 +134,17 @@ class Placement:
     min_memory_bytes: int = 0
     required_features: tuple[str, ...] = ()
     local_ranks: int = 1
+
+
+def check_trust_inputs(value: Any, field: str = "spec.spec_json.trust_inputs") -> str:
+    """A run's `trust_inputs` policy (`TRUST_INPUTS`); INVALID_ARGUMENT naming `field` otherwise."""
+    if not isinstance(value, str) or value not in TRUST_INPUTS:
+        shown = value[:40] if isinstance(value, str) else type(value).__name__
+        raise InvalidRequestError(
+            f"`{field}` must be one of {', '.join(f'`{t}`' for t in TRUST_INPUTS)}, got `{shown}`\n"
+            f"hint: leave it out for `{DEFAULT_TRUST_INPUTS}` (docs/run-admin.md, Trust model)"
+        )
+    return value
 
 
 def default_placement(kind: str, max_local_ranks: int) -> Placement:

@@ -616,6 +616,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     waiting_for=list(j.waiting_for),
                     reason=j.reason,
                     waiting_reason=j.waiting_reason,
+                    provenance=[admin_pb2.InputSource(**dataclasses.asdict(src)) for src in j.provenance],
                 )
                 for j in jobs
             ],

@@ -397,8 +397,9 @@ class NoopOptions:
         )
 
 
-# `placement` (per-kind provider requirements of a job graph) is the coordinator's; the worker only lets it through.
-_JOB_KEYS = ("stages", "inputs", "prepare", "recipe", "export_formats", "evaluate", "noop", "placement")
+# `placement` (per-kind provider requirements of a job graph) and `trust_inputs` (which earlier attempts'
+# checkpoints and shards a lease names) are the coordinator's; the worker only lets them through.
+_JOB_KEYS = ("stages", "inputs", "prepare", "recipe", "export_formats", "evaluate", "noop", "placement", "trust_inputs")
 
 
 @dataclass(frozen=True, kw_only=True)

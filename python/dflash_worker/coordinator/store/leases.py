@@ -4,7 +4,9 @@ Leases live on the ``attempts`` table: each attempt of a job holds exactly one l
 (``lease_id``, ``lease_expires_unix``), valid while the attempt's state is ``live``, it is its
 job's ``current_attempt_id`` and it has not expired. A lease names the final artifacts of the
 jobs its job needs (`Grant.inputs`), which the provider may download (`find_input`), and the
-job's newest checkpoint to resume from.
+job's newest checkpoint to resume from. Earlier attempts' checkpoints and capture shards are
+named only as the run's ``trust_inputs`` allows (`provenance.trust_filter`), and what a lease
+names is recorded with the attempt that produced it (`provenance.record_inputs`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..artifacts import ArtifactRecord
 from ..policy import Verdict, decide, local_ranks
 from .db import Database, Part, new_id
 from .jobs import Jobs
+from .provenance import Handed, record_inputs, trust_filter
 from .providers import Providers
 from .records import REC_COLS, Records, record_from_row
 from .runs import Runs
@@ -132,7 +135,9 @@ class Leases(Part):
                     continue
                 job_id, attempts, kind, shard_index, shard_count = row
                 req = reqs[kind]
-                inputs = self.inputs(job_id)
+                trust = run.spec.trust_inputs
+                handed = self.handed_inputs(job_id, provider_id=provider_id, trust=trust)
+                inputs = tuple(h.record for h in handed)
                 too_many = self._too_many_inputs(inputs)
                 if too_many:
                     db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE job_id=?", (too_many, now, job_id))
@@ -148,6 +153,8 @@ class Leases(Part):
                     "UPDATE jobs SET state='leased', attempts=?, current_attempt_id=?, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
                     (attempts + 1, attempt_id, now, job_id),
                 )
+                resume = self.resume_checkpoint(job_id, provider_id=provider_id, trust=trust)
+                record_inputs(db, attempt_id, resume=resume, inputs=handed)
             self.counts["leases_granted"] += 1
             return Grant(
                 lease_id=lease_id,
@@ -156,7 +163,7 @@ class Leases(Part):
                 attempt=attempts + 1,
                 spec_json=self.runs.spec_json(run_id),
                 ttl_seconds=self.lease_ttl,
-                resume_checkpoint=self.records.last_checkpoint(job_id),
+                resume_checkpoint=None if resume is None else resume.record,
                 checkpoint_policy=run.spec.checkpoint_policy,
                 local_ranks=local_ranks(req, profile),
                 required_features=req.required_features,
@@ -189,27 +196,46 @@ class Leases(Part):
             "hint: have each capture shard commit fewer, larger files"
         )
 
-    def inputs(self, job_id: str) -> tuple[ArtifactRecord, ...]:
+    def inputs(self, job_id: str, *, provider_id: str = "", trust: str = "any") -> tuple[ArtifactRecord, ...]:
+        """The records a lease of `job_id` on `provider_id` names as inputs under the run policy `trust` (`handed_inputs`)."""
+        return tuple(h.record for h in self.handed_inputs(job_id, provider_id=provider_id, trust=trust))
+
+    def handed_inputs(self, job_id: str, *, provider_id: str, trust: str) -> tuple[Handed, ...]:
         """The final artifacts of the jobs `job_id` needs (their SUCCEEDED attempts' records, checkpoints
-        aside: those are a job's own), in the needed jobs' order; at most MAX_LEASE_INPUTS + 1 (one more says "too many").
+        aside: those are a job's own), in the needed jobs' order, each with the attempt that uploaded it;
+        at most MAX_LEASE_INPUTS + 1 (one more says "too many").
 
         A capture job's earlier attempts (a provider lost mid-job) hand on their `capture` records too,
-        the newest of each name: the shards they committed, which the next attempt verifies and keeps
-        instead of capturing them again (`capture.run.scan_shards`), on whichever provider it runs."""
+        the newest of each name among the attempts the run's `trust` policy allows a new attempt on
+        `provider_id` (`provenance.trust_filter`): the shards they committed, which the next attempt
+        verifies and keeps instead of capturing them again (`capture.run.scan_shards`)."""
         cols = ", ".join("r." + c.strip() for c in REC_COLS.split(","))
         rows = self.db.execute(
-            f"SELECT {cols} FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
+            f"SELECT {cols}, r.attempt_id FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
             " JOIN attempts a ON a.job_id=n.job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
             " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') ORDER BY n.seq, r.seq LIMIT ?",
             (job_id, MAX_LEASE_INPUTS + 1),
         ).fetchall()
         if len(rows) <= MAX_LEASE_INPUTS and self.db.execute("SELECT kind FROM jobs WHERE job_id=?", (job_id,)).fetchone() == ("capture",):
+            trusted, params = trust_filter(trust, provider_id)
             rows += self.db.execute(
-                f"SELECT {cols} FROM records r WHERE r.seq IN (SELECT MAX(seq) FROM records WHERE job_id=? AND kind='capture' GROUP BY name)"
-                " ORDER BY r.seq LIMIT ?",
-                (job_id, MAX_LEASE_INPUTS + 1 - len(rows)),
+                f"SELECT {cols}, r.attempt_id FROM records r WHERE r.seq IN (SELECT MAX(x.seq) FROM records x JOIN attempts a ON a.attempt_id=x.attempt_id"
+                f" WHERE x.job_id=? AND x.kind='capture' AND {trusted} GROUP BY x.name) ORDER BY r.seq LIMIT ?",
+                (job_id, *params, MAX_LEASE_INPUTS + 1 - len(rows)),
             ).fetchall()
-        return tuple(record_from_row(r) for r in rows)
+        return tuple(Handed(record=record_from_row(r[:-1]), producer_attempt_id=r[-1]) for r in rows)
+
+    def resume_checkpoint(self, job_id: str, *, provider_id: str, trust: str) -> Handed | None:
+        """The job's newest committed checkpoint (highest step, then latest recorded) among the attempts
+        the run's `trust` policy allows a new attempt on `provider_id`, with the attempt that uploaded it."""
+        trusted, params = trust_filter(trust, provider_id)
+        r = self.db.execute(
+            f"SELECT {', '.join('r.' + c.strip() for c in REC_COLS.split(','))}, r.attempt_id FROM records r"
+            f" JOIN attempts a ON a.attempt_id=r.attempt_id WHERE r.job_id=? AND r.kind='checkpoint' AND {trusted}"
+            " ORDER BY r.step DESC, r.seq DESC LIMIT 1",
+            (job_id, *params),
+        ).fetchone()
+        return None if r is None else Handed(record=record_from_row(r[:-1]), producer_attempt_id=r[-1])
 
     def find_input(self, job_id: str, name: str, sha256: str) -> ArtifactRecord:
         """A record a lease of `job_id` may download: its own job's (`find_record`), or one of its `inputs`."""

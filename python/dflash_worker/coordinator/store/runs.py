@@ -16,6 +16,7 @@ from ...errors import ConflictError, InvalidRequestError, NotFoundError
 from ..artifacts import ArtifactRecord
 from ..policy import GRAPH_KINDS, Placement, RunRequirements, Verdict, check_version, decide, default_placement
 from .db import Database, Part, new_id, next_token, page
+from .provenance import InputSource, result_attempt, sources
 from .providers import Providers
 from .reader import PublicationRow, read_publication
 from .records import REC_COLS, Records, record_from_row
@@ -66,6 +67,8 @@ class JobRow:
     reason: str = ""
     # Why a queued job whose needs all succeeded is not leased yet ("" otherwise): computed when asked.
     waiting_reason: str = ""
+    # The attempts whose artifacts reached the job's result (its SUCCEEDED attempt, else its newest): `provenance.sources`.
+    provenance: tuple[InputSource, ...] = ()
 
 
 class Runs(Part):
@@ -83,8 +86,8 @@ class Runs(Part):
             with self._tx() as db:
                 db.execute(
                     "INSERT INTO runs(run_id, name, spec_json, required_client_version, checkpoint_policy,"
-                    " max_local_ranks, required_features, image, num_jobs, created_unix, capture_shards, eval_shards)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " max_local_ranks, required_features, image, num_jobs, created_unix, capture_shards, eval_shards, trust_inputs)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         run_id,
                         spec.name,
@@ -98,6 +101,7 @@ class Runs(Part):
                         now,
                         spec.capture_shards,
                         spec.eval_shards,
+                        spec.trust_inputs,
                     ),
                 )
                 graph = spec.graph()
@@ -134,12 +138,13 @@ class Runs(Part):
             num_jobs=r[8],
             capture_shards=r[10],
             eval_shards=r[11],
+            trust_inputs=r[13],
         )
         return RunRow(run_id=run_id, spec=spec, approved_native_versions=approved, created_unix=r[9], job_states=states, failure=r[12])
 
     _RUN_COLS = (
         "run_id, name, spec_json, required_client_version, checkpoint_policy, max_local_ranks, required_features, image, num_jobs, created_unix,"
-        " capture_shards, eval_shards, failure"
+        " capture_shards, eval_shards, failure, trust_inputs"
     )
 
     def run_for_lease(self, run_id: str) -> RunRow:
@@ -202,11 +207,14 @@ class Runs(Part):
                 ).fetchone()
                 export = None if r is None else record_from_row(r)
             pub = read_publication(self.db, job_id) if export is not None else None
+            result = result_attempt(self.db, job_id) if attempts else None
+            provenance = tuple(sources(self.db, result)) if result is not None else ()
             out.append(
                 JobRow(
                     job_id=job_id, run_id=run_id, state=state, attempts=attempts, artifact_count=count, export=export, publication=pub,
                     kind=kind, shard_index=shard_index, shard_count=shard_count, reason=reason,
                     needs=tuple(d for d, _ in deps), waiting_for=tuple(d for d, st in deps if st != "succeeded"),
+                    provenance=provenance,
                 )  # fmt: skip
             )
         waiting = [j for j in out if j.state == "queued" and not j.waiting_for] if not run.failure else []

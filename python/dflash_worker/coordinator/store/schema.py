@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..policy import MAX_MEMORY_BYTES
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS runs (
   created_unix REAL NOT NULL,
   capture_shards INTEGER NOT NULL DEFAULT 0,
   eval_shards INTEGER NOT NULL DEFAULT 0,
-  failure TEXT NOT NULL DEFAULT ''
+  failure TEXT NOT NULL DEFAULT '',
+  trust_inputs TEXT NOT NULL DEFAULT 'own'
 );
 CREATE TABLE IF NOT EXISTS approved_versions (
   run_id TEXT NOT NULL REFERENCES runs(run_id),
@@ -151,6 +152,17 @@ CREATE TABLE IF NOT EXISTS placements (
   local_ranks INTEGER NOT NULL DEFAULT 1,
   PRIMARY KEY (run_id, kind)
 );
+-- What each attempt was handed when it was leased (its resume checkpoint, `resume`, and its
+-- inputs, `input`), each with the attempt that uploaded it: the provenance of what it produced.
+CREATE TABLE IF NOT EXISTS attempt_inputs (
+  attempt_id TEXT NOT NULL REFERENCES attempts(attempt_id),
+  role TEXT NOT NULL,
+  name TEXT NOT NULL,
+  kind TEXT NOT NULL,
+  sha256 TEXT NOT NULL,
+  producer_attempt_id TEXT NOT NULL REFERENCES attempts(attempt_id),
+  PRIMARY KEY (attempt_id, role, name)
+);
 """
 
 # Indexes on columns a migration adds: created once the database has them.
@@ -227,7 +239,15 @@ def _migrate_5_to_6(db: sqlite3.Connection) -> None:
         db.execute("UPDATE providers SET memory_bytes=? WHERE provider_id=?", (min(memory, MAX_MEMORY_BYTES), pid))
 
 
+def _migrate_6_to_7(db: sqlite3.Connection) -> None:
+    # Version 6 handed a new attempt every earlier attempt's checkpoints and capture shards,
+    # whoever ran it, and recorded no provenance. Its runs get the safe default, `own` (a
+    # provider resumes only its own earlier work); `attempt_inputs` (created by SCHEMA) stays
+    # empty for attempts leased before the upgrade.
+    db.execute("ALTER TABLE runs ADD COLUMN trust_inputs TEXT NOT NULL DEFAULT 'own'")
+
+
 # version -> the step that upgrades a database of that version to the next one.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
-    1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4, 4: _migrate_4_to_5, 5: _migrate_5_to_6,
+    1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4, 4: _migrate_4_to_5, 5: _migrate_5_to_6, 6: _migrate_6_to_7,
 }  # fmt: skip

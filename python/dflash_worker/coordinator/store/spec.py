@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 
 from ...errors import ConfigError, InvalidRequestError
 from ...strict_json import no_duplicate_keys
-from ..policy import CHECKPOINT_POLICIES, JOB_GRAPH_FEATURE, MAX_LOCAL_RANKS, Placement, check_features, check_placement, check_version
+from ..policy import (
+    CHECKPOINT_POLICIES,
+    DEFAULT_TRUST_INPUTS,
+    JOB_GRAPH_FEATURE,
+    MAX_LOCAL_RANKS,
+    Placement,
+    check_features,
+    check_placement,
+    check_trust_inputs,
+    check_version,
+)
 
 # Job kinds: `pipeline` (every stage in one job: runs without a graph) and the graph's stages.
 JOB_KINDS = ("pipeline", "prepare", "capture", "train", "evaluate")
@@ -69,6 +79,9 @@ class RunSpecData:
     # Each graph kind's placement, from the spec JSON's `placement` object (validated here,
     # stored in `placements` at creation so leasing never parses `spec_json`); () for pipeline runs.
     placements: tuple[tuple[str, Placement], ...] = field(default=(), init=False, compare=False)
+    # Which earlier attempts' checkpoints and capture shards a new attempt is handed (`policy.TRUST_INPUTS`),
+    # from the spec JSON's `trust_inputs` (stored in `runs.trust_inputs` at creation).
+    trust_inputs: str = field(default=DEFAULT_TRUST_INPUTS, init=False, compare=False)
 
     def __post_init__(self):
         if not self.name or len(self.name) > 200 or any(ord(c) < 0x20 for c in self.name):
@@ -111,6 +124,7 @@ class RunSpecData:
                 "`spec.spec_json.placement` applies to the jobs of a job graph; this run has none\n"
                 "hint: give `--capture-shards N`, or use `--feature` and `--max-local-ranks` for the run's pipeline jobs"
             )
+        object.__setattr__(self, "trust_inputs", check_trust_inputs(doc.get("trust_inputs", DEFAULT_TRUST_INPUTS)))
         if self.capture_shards:
             placements = check_placement(doc.get("placement", {}), max_local_ranks=self.max_local_ranks)
             object.__setattr__(self, "placements", tuple(placements.items()))

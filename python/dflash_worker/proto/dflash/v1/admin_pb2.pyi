@@ -93,7 +93,7 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export", "publication", "kind", "shard_index", "shard_count", "needs", "waiting_for", "reason", "waiting_reason")
+    __slots__ = ("job_id", "state", "attempts", "artifact_count", "export", "publication", "kind", "shard_index", "shard_count", "needs", "waiting_for", "reason", "waiting_reason", "provenance")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class JobInfo(_message.Message):
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WAITING_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROVENANCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     attempts: int
@@ -120,7 +121,30 @@ class JobInfo(_message.Message):
     waiting_for: _containers.RepeatedScalarFieldContainer[str]
     reason: str
     waiting_reason: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ..., kind: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., needs: _Optional[_Iterable[str]] = ..., waiting_for: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., waiting_reason: _Optional[str] = ...) -> None: ...
+    provenance: _containers.RepeatedCompositeFieldContainer[InputSource]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., attempts: _Optional[int] = ..., artifact_count: _Optional[int] = ..., export: _Optional[_Union[_provider_pb2.Artifact, _Mapping]] = ..., publication: _Optional[_Union[Publication, _Mapping]] = ..., kind: _Optional[str] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., needs: _Optional[_Iterable[str]] = ..., waiting_for: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., waiting_reason: _Optional[str] = ..., provenance: _Optional[_Iterable[_Union[InputSource, _Mapping]]] = ...) -> None: ...
+
+class InputSource(_message.Message):
+    __slots__ = ("role", "job_id", "attempt", "attempt_id", "provider_id", "provider", "attempt_state", "artifacts", "depth")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_STATE_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    job_id: str
+    attempt: int
+    attempt_id: str
+    provider_id: str
+    provider: str
+    attempt_state: str
+    artifacts: int
+    depth: int
+    def __init__(self, role: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., attempt_id: _Optional[str] = ..., provider_id: _Optional[str] = ..., provider: _Optional[str] = ..., attempt_state: _Optional[str] = ..., artifacts: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class Publication(_message.Message):
     __slots__ = ("published", "verdict", "reason", "decided_unix", "override_unix", "override_note", "override_peer", "tau_released", "tau_trained", "split", "tolerance")
