@@ -22,7 +22,13 @@ received itself. An upload (`UploadArtifact`, or `ReportArtifact` with inline
 Names are relative paths inside a job's namespace; anything that could step
 outside it once written to a disk (``..``, absolute paths, backslashes, NUL,
 control characters, empty segments, a segment over 255 bytes) is refused
-before any byte is stored.
+before any byte is stored. So is anything that makes a name read as another
+one: invisible format characters (bidirectional overrides and isolates, LRM/RLM/ALM,
+zero-width spaces and joiners, BOM: Unicode category Cf) and line or paragraph
+separators; and, within a job, a name that differs from one of its recorded names
+only by case or Unicode normalisation (`fold_name`: ``Model.bin`` and ``model.bin``,
+NFC and NFD ``é``), which a case- or normalisation-insensitive disk (macOS, Windows)
+would store as one file.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import hashlib
 import json
 import shutil
 import time
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +76,26 @@ def artifact_uri(run_id: str, job_id: str, attempt: int, name: str) -> str:
     return f"{URI_SCHEME}://{run_id}/{job_id}/{attempt}/{name}"
 
 
+def escape_name(name: str) -> str:
+    """`name` with every character outside printable ASCII as a ``\\uXXXX`` escape: what a message shows of it,
+    so an invisible or look-alike character is seen (and cannot reorder the terminal line it is printed on)."""
+    return "".join(c if " " <= c <= "~" else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}" for c in name)
+
+
+def fold_name(name: str) -> str:
+    """The key under which two names are one file on a case- and normalisation-insensitive disk
+    (Unicode canonical caseless matching: NFD(casefold(NFD(name))))."""
+    return unicodedata.normalize("NFD", unicodedata.normalize("NFD", name).casefold())
+
+
+def _invisible(name: str) -> str | None:
+    """The first character of `name` that changes how it reads without being seen (format, line or paragraph separator)."""
+    for c in name:
+        if unicodedata.category(c) in ("Cf", "Zl", "Zp"):
+            return c
+    return None
+
+
 def check_name(name: str) -> str:
     """Return `name` if it is a safe relative path, else raise INVALID_ARGUMENT."""
     if not name:
@@ -83,6 +110,11 @@ def check_name(name: str) -> str:
         raise InvalidRequestError(f"`artifact.name` `{name}` is absolute; names are relative to the job's namespace")
     if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
         raise InvalidRequestError("`artifact.name` contains a control character")
+    if (c := _invisible(name)) is not None:
+        raise InvalidRequestError(
+            f"`artifact.name` `{escape_name(name)}` contains U+{ord(c):04X} ({unicodedata.name(c, 'format character')}), "
+            "an invisible character that changes how the name reads\nhint: name artifacts with visible characters only"
+        )
     for part in name.split("/"):
         if part in ("", ".", ".."):
             raise InvalidRequestError(

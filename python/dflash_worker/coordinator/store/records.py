@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, ConflictError, InvalidRequestError, NotFoundError, QuotaError
-from ..artifacts import ArtifactRecord, Claim, artifact_uri, checkpoint_dir, name_conflict
+from ..artifacts import ArtifactRecord, Claim, artifact_uri, checkpoint_dir, escape_name, fold_name, name_conflict
 from .db import Database, Part, page
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ class Records(Part):
         # Blobs whose last record went away (checkpoint rotation, ended attempts): the
         # server deletes them from the blob store unless a record refers to them again.
         self.garbage: set[str] = set()
+        # `check_name_free`'s twin lookup folds only non-ASCII names in Python (an ASCII name's fold is SQLite's `lower`).
+        self.db.create_function("dflash_fold_name", 1, fold_name, deterministic=True)
 
     def recorded(self, attempt_id: str, claim: Claim) -> ArtifactRecord | None:
         """This attempt's record of `claim.name` if it has the same sha256; ALREADY_EXISTS if it differs; None if absent."""
@@ -99,7 +101,8 @@ class Records(Part):
                 )
 
     def check_name_free(self, attempt_id: str, name: str) -> None:
-        """INVALID_ARGUMENT if `name` and one of this attempt's names cannot both be paths (`a` and `a/b`)."""
+        """INVALID_ARGUMENT if `name` and one of this attempt's names cannot both be paths (`a` and `a/b`), or if
+        another name of the attempt's job differs from `name` only by case or Unicode normalisation (`fold_name`)."""
         parts = name.split("/")
         prefixes = ["/".join(parts[:i]) for i in range(1, len(parts))]
         r = self.db.execute(
@@ -109,6 +112,18 @@ class Records(Part):
         if r is not None and name_conflict(name, r[0]):
             raise InvalidRequestError(
                 f"artifact `{name}` and this attempt's artifact `{r[0]}` cannot both be files: one names the other's directory"
+            )
+        # Names are free of control characters (`check_name`), so GLOB '*[^ -~]*' is "not ASCII".
+        twin = self.db.execute(
+            "SELECT r.name FROM attempts a JOIN records r ON r.job_id=a.job_id WHERE a.attempt_id=? AND r.name<>?"
+            " AND (CASE WHEN r.name GLOB '*[^ -~]*' THEN dflash_fold_name(r.name) ELSE lower(r.name) END) = ? LIMIT 1",
+            (attempt_id, name, fold_name(name)),
+        ).fetchone()
+        if twin is not None:
+            raise InvalidRequestError(
+                f"artifact `{escape_name(name)}` differs from this job's artifact `{escape_name(twin[0])}` only by case or Unicode normalisation: "
+                "a case- or normalisation-insensitive disk (macOS, Windows) would store both as one file\n"
+                f"hint: upload it as `{escape_name(twin[0])}`, exactly as spelled before"
             )
 
     def missing_checkpoint_file(self, attempt_id: str, manifest_name: str, files: dict[str, tuple[str, int]]) -> str | None:
