@@ -227,6 +227,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     val_every: int = 50
     val_examples: int = 64
+    # the general-domain guard (`train.loop`): a checkpoint whose general validation acceptance is
+    # below (1 - general_tolerance) x the released draft's is never selected; 1 turns it off
+    general_tolerance: float = 0.03
     device: str = "auto"
     qat: str | None = None
     qat_scope: str = "selector_context"
@@ -283,6 +286,7 @@ class TrainConfig:
         _check_number(s, "lr", self.lr, 0.0, lo_open=True)
         _check_number(s, "weight_decay", self.weight_decay, 0.0)
         _check_number(s, "l2sp", self.l2sp, 0.0)
+        _check_number(s, "general_tolerance", self.general_tolerance, 0.0, 1.0)
         if isinstance(self.betas, list):
             object.__setattr__(self, "betas", tuple(self.betas))
         _check_type(s, "betas", self.betas, (tuple,))

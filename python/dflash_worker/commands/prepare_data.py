@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-fraction", type=float, default=DEFAULT_REPLAY_FRACTION, metavar="F",
                         help=f"share of the train split made of replay rows, in (0, 1) (default {DEFAULT_REPLAY_FRACTION}; "
                         "fewer when the replay files hold fewer rows, recorded as `replay.short`)")
+    parser.add_argument("--replay-val-fraction", type=float, default=None, metavar="F",
+                        help="also hold this share of the replay rows, in (0, 1), at least one row, out into val as "
+                        "general-domain validation rows (`\"domain\": \"general\"`): training then keeps the selected "
+                        "checkpoint's general acceptance within `[train].general_tolerance` of the released draft's")
     parser.add_argument("--skip-invalid", action="store_true",
                         help="drop unusable rows (counted by reason in the manifest and on stderr) instead of failing")
     parser.add_argument("--max-line-bytes", type=int, default=DEFAULT_MAX_LINE_BYTES, metavar="N",
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         args.input, args.output, seed=args.seed, val_fraction=args.val_fraction,
         test_fraction=args.test_fraction, skip_invalid=args.skip_invalid,
         max_line_bytes=args.max_line_bytes, on_drop=on_drop, split=args.split, holdout_file=args.holdout_file,
-        replay=args.replay, replay_fraction=args.replay_fraction,
+        replay=args.replay, replay_fraction=args.replay_fraction, replay_val_fraction=args.replay_val_fraction,
     )
     # The summary on stdout (with `--json`, log lines: stdout holds only the manifest); warnings on stderr.
     summary = sys.stderr if args.json else sys.stdout
@@ -79,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if r is not None:
         short = f" (wanted {r['wanted_rows']}: the replay files hold only {r['pool_rows']} usable rows)" if r["short"] else ""
         print(f"mixed {r['rows']} replay rows into train ({r['rows'] / max(1, r['rows'] + r['own_train_rows']):.0%} of it){short}", file=summary)
+        if "val_rows" in r:
+            print(f"held out {r['val_rows']} replay rows in val as general-domain validation rows", file=summary)
     if m["dropped"]:
         print("dropped " + ", ".join(f"{k} {v}" for k, v in m["dropped"].items()), file=summary)
     if args.json:

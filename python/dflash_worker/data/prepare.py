@@ -23,7 +23,11 @@ typically general prompts the released draft was made for, mixed into
 ``train`` only so that adapting a draft keeps what it could do (`_replay`).
 They are read, normalised and deduplicated like the inputs, never split,
 and recorded in the manifest's ``replay`` section; the teacher answers them
-during capture like any other row.
+during capture like any other row. With ``replay_val_fraction`` some replay
+rows are held out into ``val`` instead, tagged ``"domain": "general"`` and
+listed in ``replay.val_ids``: training validates them apart from the own
+rows and its checkpoint selection keeps general-domain acceptance within a
+tolerance of the released draft's (`train.loop`, the general-domain guard).
 
 A prompt that appears in two sources (or with different spacing) is one
 group: all of its rows land in the same split, each keeping its own `source`
@@ -31,7 +35,7 @@ tag; only rows identical in every message are duplicates.
 
 Output is a pure function of the input bytes, their file names, the order
 they are given in, the seed, the fractions, `split`, the holdout file's
-bytes and the replay files' bytes and fraction: rows keep input order within a split, JSON is written with sorted keys, and the manifest holds no
+bytes and the replay files' bytes and fractions: rows keep input order within a split, JSON is written with sorted keys, and the manifest holds no
 timestamps or absolute paths. Every file is written atomically (temporary
 file, fsync, rename), manifest last, and nothing is written until every input
 has been read, so a failure never touches what is already in the output dir.
@@ -72,7 +76,7 @@ class _Kept:
     line: int
     group: str
     exact: str
-    replay: bool = False  # from a `replay` file: mixed into train by `_replay`, never split
+    replay: bool = False  # from a `replay` file: mixed into train (or held out into val) by `_replay`, never split
 
 
 def split_of(group: str, *, seed: int, val_fraction: float, test_fraction: float) -> str:
@@ -226,35 +230,51 @@ def _assign(kept: Sequence[_Kept], plan: SplitPlan) -> tuple[list[str], dict[str
     return out, section
 
 
-def _check_replay(plan: SplitPlan, fraction: float) -> None:
+def _check_fraction(flag: str, fraction: float) -> None:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (0.0 < fraction < 1.0):
+        raise ConfigError(f"`{flag}` must be in (0, 1), found `{fraction}`")
+
+
+def _check_replay(plan: SplitPlan, fraction: float, val_fraction: float | None) -> None:
     if plan.mode.startswith("all:"):
         raise ConfigError(
             f"`--replay` mixes rows into `train`, but `--split {plan.mode[4:]}` sends every row to one split"
             "\nhint: prepare replay only with the fractions (a held-out set takes no replay)"
         )
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (0.0 < fraction < 1.0):
-        raise ConfigError(f"`--replay-fraction` must be in (0, 1), found `{fraction}`")
+    _check_fraction("--replay-fraction", fraction)
+    if val_fraction is not None:
+        _check_fraction("--replay-val-fraction", val_fraction)
 
 
 def _replay(
     pool: Sequence[_Kept], kept: Sequence[_Kept], assigned: Sequence[str], *, seed: int, fraction: float,
-    inputs: list[dict[str, Any]],
-) -> tuple[list[_Kept], dict[str, Any]]:
-    """The replay rows mixed into train, and the manifest's `replay` section.
+    inputs: list[dict[str, Any]], val_fraction: float | None = None,
+) -> tuple[list[_Kept], list[_Kept], dict[str, Any]]:
+    """The replay rows mixed into train, those held out into val, and the manifest's `replay` section.
 
     Replay rows make up `fraction` of the train split: ``round(fraction / (1 - fraction) * own)``
     rows for ``own`` train rows of the inputs, or all of the pool when it holds fewer (``short``).
     A replay row whose prompt group is also an input's group is left out (``overlap_dropped``),
     so replay never puts a held-out prompt into train. The rows are the first of a seeded hash
     order of their ids and keep their file order, so the choice is a pure function of the bytes.
+
+    `val_fraction` (``--replay-val-fraction``) holds out the last ``max(1, round(val_fraction *
+    pool_rows))`` rows of that order, with every usable row of their prompt groups, into val (the
+    general validation rows, ``val_ids``); train draws from the rest, so the two never share a
+    prompt, and train's rows are those it takes without a held-out set unless the pool runs short.
     """
     own_groups = {k.group for k in kept}
     usable = [k for k in pool if k.group not in own_groups]
     own_train = sum(1 for s in assigned if s == "train")
     wanted = round(fraction / (1.0 - fraction) * own_train)
     rank = sorted(range(len(usable)), key=lambda i: hashlib.sha256(f"dflash-replay\0{seed}\0{usable[i].exact}".encode()).digest())
-    chosen = sorted(rank[:wanted])
+    held_out: set[int] = set()
+    if val_fraction is not None and usable:
+        groups = {usable[i].group for i in rank[len(rank) - max(1, round(val_fraction * len(usable))):]}
+        held_out = {i for i, k in enumerate(usable) if k.group in groups}
+    chosen = sorted([i for i in rank if i not in held_out][:wanted])
     mixed = [usable[i] for i in chosen]
+    general_val = [usable[i] for i in sorted(held_out)]
     section = {
         "inputs": inputs,
         "fraction": fraction,
@@ -266,7 +286,11 @@ def _replay(
         "short": len(mixed) < wanted,
         "source": dict(sorted(Counter(k.row.source for k in mixed).items())),
     }
-    return mixed, section
+    if val_fraction is not None:  # only then: a replay manifest without a held-out set stays what it was
+        section["val_fraction"] = val_fraction
+        section["val_rows"] = len(general_val)
+        section["val_ids"] = [k.exact[:ROW_ID_LEN] for k in general_val]
+    return mixed, general_val, section
 
 
 def _check_args(inputs: Sequence[Path], seed: int, val_fraction: float, test_fraction: float, max_line_bytes: int) -> None:
@@ -291,14 +315,17 @@ def _check_args(inputs: Sequence[Path], seed: int, val_fraction: float, test_fra
         raise ConfigError(f"`--max-line-bytes` must be at least 2, found `{max_line_bytes}`")
 
 
-def _row_json(kept: _Kept) -> dict[str, Any]:
-    return {
+def _row_json(kept: _Kept, *, general: bool = False) -> dict[str, Any]:
+    row = {
         "id": kept.exact[:16],
         "messages": list(kept.row.messages),
         "origin": {"file": kept.file, "line": kept.line},
         "schema": kept.row.schema,
         "source": kept.row.source,
     }
+    if general:  # a replay row held out for validation (`_replay`); other rows carry no `domain`
+        row["domain"] = "general"
+    return row
 
 
 def dumps_row(obj: dict[str, Any]) -> bytes:
@@ -320,6 +347,7 @@ def prepare_data(
     holdout_file: str | Path | None = None,
     replay: Sequence[str | Path] = (),
     replay_fraction: float = DEFAULT_REPLAY_FRACTION,
+    replay_val_fraction: float | None = None,
 ) -> dict[str, Any]:
     """Prepare `inputs` into `output`; returns the manifest that was written.
 
@@ -328,6 +356,8 @@ def prepare_data(
     `holdout_file` forces the groups it lists into ``test`` (see `read_holdout`).
     `replay` files (general-domain rows, read like the inputs) are mixed into ``train`` only,
     as `replay_fraction` of the train split (see `_replay`); the manifest's ``replay`` records it.
+    `replay_val_fraction` also holds that share of the replay rows out into ``val`` as general
+    validation rows (``"domain": "general"``, listed in ``replay.val_ids``).
 
     Raises DataError naming file and line for the first unusable row unless
     `skip_invalid`, in which case each one is dropped, counted by reason in the
@@ -340,7 +370,9 @@ def prepare_data(
     replay_paths = [Path(p) for p in replay]
     _check_args([*paths, *replay_paths], seed, plan.val_fraction or 0.0, plan.test_fraction or 0.0, max_line_bytes)
     if replay_paths:
-        _check_replay(plan, replay_fraction)
+        _check_replay(plan, replay_fraction, replay_val_fraction)
+    elif replay_val_fraction is not None:
+        raise ConfigError("`--replay-val-fraction` is set but no `--replay` file is given\nhint: add `--replay FILE.jsonl`")
     output = Path(output)
 
     kept: list[_Kept] = []
@@ -422,11 +454,14 @@ def prepare_data(
     prompt_only: Counter[str] = Counter()
     assigned, holdout_section = _assign(kept, plan)
     replay_section = None
+    n_own = len(kept)
     if replay_paths:
-        mixed, replay_section = _replay(pool, kept, assigned, seed=seed, fraction=replay_fraction, inputs=replay_meta)
-        kept, assigned = [*kept, *mixed], [*assigned, *(["train"] * len(mixed))]
-    for k, s in zip(kept, assigned, strict=True):
-        split_rows[s].append(dumps_row(_row_json(k)))
+        mixed, general_val, replay_section = _replay(pool, kept, assigned, seed=seed, fraction=replay_fraction,
+                                                     inputs=replay_meta, val_fraction=replay_val_fraction)
+        kept = [*kept, *mixed, *general_val]
+        assigned = [*assigned, *(["train"] * len(mixed)), *(["val"] * len(general_val))]
+    for i, (k, s) in enumerate(zip(kept, assigned, strict=True)):
+        split_rows[s].append(dumps_row(_row_json(k, general=i >= n_own and s == "val")))
         by_split[s] += 1
         source_counts[k.row.source] += 1
         source_split.setdefault(k.row.source, Counter())[s] += 1
@@ -442,6 +477,8 @@ def prepare_data(
     params = plan.params()
     if replay_section is not None:
         params["replay"] = {"fraction": replay_fraction, "sha256": [m["sha256"] for m in replay_meta]}
+        if replay_val_fraction is not None:
+            params["replay"]["val_fraction"] = replay_val_fraction
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "params": {**params, "skip_invalid": skip_invalid, "max_line_bytes": max_line_bytes},

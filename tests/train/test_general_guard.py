@@ -1,0 +1,222 @@
+"""The general-domain guard: `prepare-data --replay-val-fraction` holds general rows out into val,
+training validates them apart from the own rows, measures the released draft on them before the
+first update, and selection never picks a checkpoint that forgot the general domain.
+
+The world: a tiny target, and a draft "released" by training it here on general rows (words in
+`WORDS` order). The own domain spells every word backwards, so fitting it overwrites what the
+released draft learned: a run adapting to it gains own acceptance while its general acceptance
+falls far below the released draft's within a few steps. The guard must reject those checkpoints
+and select an earlier one, where the same run without the guard (`general_tolerance = 1`) selects
+a later one; both runs train bit-identically, only the selection differs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dflash_worker.errors import ConfigError
+from dflash_worker.manifest import sha256_file
+from dflash_worker.recipe import load_recipe, recipe_from_dict
+from dflash_worker.testing.world import WORDS
+from dflash_worker.train import StopFlags, train
+from dflash_worker.train import checkpoint as ckpt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline import _toml  # noqa: E402
+
+# the tiny world measures acceptance on 16 general rows x 4 blocks: one block moves it by ~1.5%,
+# so the guard run tolerates 10% (the recipe default, 3%, is for real validation sets)
+TOLERANCE = 0.1
+
+
+def _rows(path: Path, words: list[str], n: int, seed: int, tag: str) -> Path:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
+        start = rng.randrange(len(words))
+        response = " ".join(words[(start + j) % len(words)] for j in range(rng.randint(10, 16)))
+        rows.append({"prompt": f"{tag}{i} {prompt}", "response": response})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@dataclass
+class GuardWorld:
+    root: Path
+    base: dict  # model/data/capture sections of the adapting runs
+    general: Path  # the general rows (the replay file)
+    own: Path
+
+    def recipe(self, run: str, **train_kw) -> Path:
+        raw = dict(self.base)
+        raw["train"] = {"scope": "full", "steps": 24, "lr": 3e-3, "warmup_steps": 16, "blocks_per_sequence": 4,
+                        "val_every": 2, "checkpoint_every": 2, "val_examples": 16, "device": "cpu",
+                        "output": str(self.root / run), **train_kw}
+        path = self.root / f"{run}.toml"
+        path.write_text(_toml(raw))
+        return path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> GuardWorld:
+    from dflash_worker.capture import run_capture
+    from dflash_worker.data import prepare_data
+    from dflash_worker.testing.world import build_world
+
+    root = tmp_path_factory.mktemp("guard")
+    w = build_world(root / "world", examples=4)
+    general = _rows(root / "general.jsonl", list(WORDS), 60, 1, "g")
+    own = _rows(root / "own.jsonl", [x[::-1] for x in WORDS], 60, 2, "o")
+
+    def sections(draft: Path, data: Path, capture: Path) -> dict:
+        return {"model": {"target": str(w.target), "draft": str(draft), "family": "qwen3"},
+                "data": {"dir": str(data), "thinking": "off", "max_length": 256},
+                "capture": {"output": str(capture), "dtype": "float32", "splits": ["train", "val"], "device": "cpu"}}
+
+    # the released draft: trained on the general rows only, exported in the released layout (BF16)
+    prepare_data([general], root / "general-data", seed=0, val_fraction=0.2, test_fraction=0.0)
+    rel = sections(w.draft, root / "general-data", root / "general-capture")
+    run_capture(recipe_from_dict(rel, base=root))
+    rel["train"] = {"scope": "full", "steps": 200, "lr": 3e-3, "warmup_steps": 1, "blocks_per_sequence": 4,
+                    "val_every": 200, "checkpoint_every": 200, "val_examples": 8, "device": "cpu",
+                    "output": str(root / "release")}
+    (root / "release.toml").write_text(_toml(rel))
+    assert train(load_recipe(root / "release.toml")).status == "completed"
+
+    # the own data, with general rows held out into val (and, at this fraction, none mixed into train)
+    m = prepare_data([own], root / "own-data", seed=0, val_fraction=0.25, test_fraction=0.0, replay=[general],
+                     replay_fraction=0.01, replay_val_fraction=0.25)
+    assert m["replay"]["rows"] == 0 and m["replay"]["val_rows"] == 15
+    base = sections(root / "release" / "export", root / "own-data", root / "own-capture")
+    run_capture(recipe_from_dict(base, base=root))
+    return GuardWorld(root, base, general, own)
+
+
+def _selection(run: Path) -> dict:
+    return json.loads((run / "selection.json").read_text())
+
+
+def _general(entry: dict) -> float:
+    return entry["general_matching_proposals"]
+
+
+def test_the_guard_rejects_checkpoints_that_forgot_and_selects_an_earlier_one(world):
+    events = []
+    guarded = train(load_recipe(world.recipe("guarded", general_tolerance=TOLERANCE)), on_event=events.append)
+    assert train(load_recipe(world.recipe("free", general_tolerance=1.0))).status == "completed"
+    g, f = _selection(world.root / "guarded"), _selection(world.root / "free")
+    guard = g["guard"]
+
+    # the same training either way: only the selection differs
+    assert g["history"] == f["history"] and len(g["history"]) == 12
+    released = guard["released_general_matching_proposals"]
+    assert released > 0.5 and guard["floor"] == pytest.approx((1 - TOLERANCE) * released)
+    assert f["guard"]["released_general_matching_proposals"] == released
+    # the released draft was measured once, before the first update, and said so
+    assert any(getattr(e, "message", "").startswith("released draft: general-domain matching proposals") for e in events)
+
+    # the run forgot: its last checkpoint keeps less than half the released draft's general acceptance
+    last = guard["checkpoints"][-1]
+    assert _general(last) < 0.75 * released
+
+    # without the guard, the best own checkpoint is a late one that forgot
+    best_own = max(f["history"], key=lambda h: (h["matching_proposals"], -h["step"]))
+    assert f["step"] == best_own["step"] and not f["guard"]["rejected_steps"] and f["guard"]["passed"]
+    assert _general(best_own) < guard["floor"]
+
+    # with it: every checkpoint below the floor is rejected (the free run's choice among them), and
+    # the selection is the best own checkpoint among those kept, an earlier step
+    rejected = {c["step"] for c in guard["checkpoints"] if _general(c) < guard["floor"]}
+    assert set(guard["rejected_steps"]) == rejected and f["step"] in rejected
+    kept = [c for c in guard["checkpoints"] if not c["rejected"]]
+    assert guard["passed"] and kept
+    assert g["step"] == max(kept, key=lambda c: (c["matching_proposals"], -c["step"]))["step"] < f["step"]
+    assert g["validation"]["general"]["matching_proposals"] >= guard["floor"]
+    assert g["validation"]["matching_proposals"] < best_own["matching_proposals"]
+    assert "rejected steps" in guarded.message and guarded.export_dir is not None
+    assert json.loads((guarded.export_dir / "manifest.json").read_text())["provenance"]["checkpoint"]["step"] == g["step"]
+
+    # metrics carry both validations; the checkpoints carry the baseline
+    lines = [json.loads(x) for x in (world.root / "guarded" / "metrics.jsonl").read_text().splitlines()]
+    validated = [x for x in lines if "val" in x]
+    assert [x["step"] for x in validated] == [h["step"] for h in g["history"]]
+    assert all(x["val_general"]["matching_proposals"] == _general(h) for x, h in zip(validated, g["history"]))
+    state = ckpt.load(world.root / "guarded" / ckpt.CHECKPOINTS / ckpt.step_name(g["step"])).state
+    assert state["released_general"]["matching_proposals"] == released and state["released_general"]["examples"] == 15
+
+
+def test_no_checkpoint_passing_selects_the_most_general_one_and_says_so(world):
+    events = []
+    res = train(load_recipe(world.recipe("strict", general_tolerance=0.0, steps=8, lr=3e-2, warmup_steps=0)),
+                on_event=events.append)
+    sel = _selection(world.root / "strict")
+    guard = sel["guard"]
+    if guard["passed"]:
+        pytest.skip("a checkpoint kept the released draft's general acceptance exactly")
+    assert guard["rejected_steps"] == [c["step"] for c in guard["checkpoints"]]
+    top = max(guard["checkpoints"], key=lambda c: (_general(c), -c["step"]))
+    assert sel["step"] == top["step"]
+    assert any(getattr(e, "level", "") == "warning" and "general-domain" in e.message for e in events)
+    assert "no checkpoint passed the general-domain guard" in res.message
+
+
+def test_a_guarded_run_resumes_bit_identical(world):
+    kw = dict(general_tolerance=TOLERANCE, steps=8, checkpoint_every=1)
+    ref = train(load_recipe(world.recipe("res-ref", **kw)))
+    flags = StopFlags()
+    flags.request_stop("test")
+    assert train(load_recipe(world.recipe("res", **kw)), flags=flags).status == "stopped"
+    done = train(load_recipe(world.recipe("res", **kw)), resume=True)
+    assert done.status == "completed" and ref.status == "completed"
+    a, b = world.root / "res-ref", world.root / "res"
+    sa, sb = _selection(a), _selection(b)
+    for key in ("step", "validation", "history", "guard"):
+        assert sa[key] == sb[key], key
+    last = ckpt.step_name(8)
+    for name in ("trainable.safetensors", "optimizer.pt"):
+        assert sha256_file(a / ckpt.CHECKPOINTS / last / name) == sha256_file(b / ckpt.CHECKPOINTS / last / name)
+    state_a, state_b = (ckpt.load(r / ckpt.CHECKPOINTS / last).state for r in (a, b))
+    assert state_a["released_general"] == state_b["released_general"] and state_a["val_history"] == state_b["val_history"]
+    metrics = lambda r: [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert [x.get("val_general") for x in metrics(a)] == [x.get("val_general") for x in metrics(b)]
+    assert [x["step"] for x in metrics(b)] == list(range(1, 9))
+
+
+def test_prepare_holds_general_rows_out_of_train_and_tags_them(world, tmp_path):
+    from dflash_worker.data import prepare_data
+
+    own, general = world.own, world.general
+    plain = prepare_data([own], tmp_path / "plain", seed=3, replay=[general], replay_fraction=0.3)
+    m = prepare_data([own], tmp_path / "out", seed=3, replay=[general], replay_fraction=0.3, replay_val_fraction=0.1)
+    again = prepare_data([own], tmp_path / "again", seed=3, replay=[general], replay_fraction=0.3, replay_val_fraction=0.1)
+    assert m == again and (tmp_path / "out" / "val.jsonl").read_bytes() == (tmp_path / "again" / "val.jsonl").read_bytes()
+    rows = {s: [json.loads(x) for x in (tmp_path / "out" / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "val")}
+    general_val = [r for r in rows["val"] if r.get("domain") == "general"]
+    assert [r["id"] for r in general_val] == m["replay"]["val_ids"] and m["replay"]["val_rows"] == 6 == round(0.1 * 60)
+    assert all(r["source"] == "general.jsonl" for r in general_val)
+    assert not any("domain" in r for r in rows["train"]) and all(r["source"] == "own.jsonl" for r in rows["val"] if "domain" not in r)
+    prompts = lambda rs: {r["messages"][0]["content"] for r in rs}  # noqa: E731
+    assert not prompts(general_val) & prompts(rows["train"])
+    # a large pool: train takes the rows it takes without a held-out set, the own split is unchanged
+    plain_train = (tmp_path / "plain" / "train.jsonl").read_bytes()
+    assert (tmp_path / "out" / "train.jsonl").read_bytes() == plain_train and m["replay"]["rows"] == plain["replay"]["rows"]
+    assert m["split_fingerprint"] != plain["split_fingerprint"] and m["params"]["replay"]["val_fraction"] == 0.1
+    assert "val_ids" not in plain["replay"] and "val_fraction" not in plain["params"]["replay"]
+    with pytest.raises(ConfigError, match="--replay-val-fraction"):
+        prepare_data([own], tmp_path / "x", replay=[general], replay_val_fraction=1.0)
+    with pytest.raises(ConfigError, match="no `--replay` file"):
+        prepare_data([own], tmp_path / "x", replay_val_fraction=0.1)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "3%", True])
+def test_general_tolerance_is_a_share(world, bad):
+    raw = dict(world.base, train={"scope": "full", "general_tolerance": bad})
+    with pytest.raises(ConfigError, match="general_tolerance"):
+        recipe_from_dict(raw, base=world.root)
