@@ -100,14 +100,15 @@ def test_quotas_refuse_with_resource_exhausted_naming_the_limit(start_coordinato
     p.upload(lease2.lease_id, "a.bin", b"x" * 90_000)
     p.finish(lease2.lease_id, provider_pb2.ATTEMPT_OUTCOME_RETRYABLE, "next")
     lease3 = p.acquire().lease
-    code, msg = _details(lambda: p.upload(lease3.lease_id, "b.bin", b"y" * 70_000))
-    assert code == C.RESOURCE_EXHAUSTED and "run quota is 150000 bytes" in msg, msg
+    # The retryable attempts' records no longer hold the run's quota (issue 34; the run quota's refusals:
+    # test_hostile_names_quota.py): the next attempt's upload lands.
+    assert p.upload(lease3.lease_id, "b.bin", b"y" * 70_000).size_bytes == 70_000
     assert not list((coord.workdir / "staging").rglob("*.part"))
     with coord.admin() as admin:
         # GetRun stays small whatever the records: artifacts are listed by ListArtifacts, paged.
         resp = admin.get_run(run.run_id)
         assert resp.ByteSize() < 2000
-        assert len(admin.list_artifacts(run.run_id, all_attempts=True)) == 6
+        assert len(admin.list_artifacts(run.run_id, all_attempts=True)) == 7
 
 
 def test_many_records_page_and_runs_page(start_coordinator):
@@ -307,7 +308,8 @@ def test_a_full_disk_is_unavailable_and_the_work_lands_once_space_is_freed(start
                 pass
         export = os.urandom(1 << 20)
         code, msg = _details(lambda: p.upload(lease.lease_id, "run/export/model.safetensors", export, kind="export"))
-        assert code == C.UNAVAILABLE and "disk may be full" in msg, (code, msg)
+        # Refused at admission when the declared size is past the free space (issue 34), else when a write fails.
+        assert code == C.UNAVAILABLE and ("bytes free" in msg or "disk may be full" in msg), (code, msg)
         # Heartbeats go on (or are UNAVAILABLE, never INTERNAL) while the disk is full.
         try:
             hb.send(lease.lease_id, step=2)

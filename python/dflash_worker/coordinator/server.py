@@ -26,7 +26,7 @@ from ..errors import ConfigError, DflashError
 from ..proto.dflash.v1 import admin_pb2_grpc, provider_pb2_grpc
 from .artifacts import Staging
 from .auth import DEFAULT_FAILURE_LIMIT, DEFAULT_FAILURE_WINDOW, AuthInterceptor, FailureLimiter, Gate
-from .blobs import open_blob_store
+from .blobs import LocalBlobStore, open_blob_store
 from .metrics import Metrics
 from .publish import PublishGate
 from .service import DEFAULT_UPLOAD_IDLE_SECONDS, AdminService, Artifacts, ProviderService, WorkSignal
@@ -223,7 +223,8 @@ async def serve(
             await asyncio.to_thread(blobs.check)
         except DflashError as exc:
             raise ConfigError(f"artifact store {blobs.describe} is not usable: {exc}") from None
-        artifacts = Artifacts(store, blobs, Staging(config.staging_dir), idle_seconds=config.upload_idle_seconds)
+        staging = Staging(config.staging_dir, blob_dir=blobs.root if isinstance(blobs, LocalBlobStore) else None)
+        artifacts = Artifacts(store, blobs, staging, idle_seconds=config.upload_idle_seconds)
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),

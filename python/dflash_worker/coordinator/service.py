@@ -189,7 +189,10 @@ class Artifacts:
             raise PolicyError(f"artifact `{claim.name}`: another upload of it is in progress\nhint: wait for it to end, then resume from UploadOffset")
         if len(inflight) >= MAX_UPLOADS_PER_ATTEMPT:
             raise QuotaError(f"artifact `{claim.name}`: this attempt already has {len(inflight)} uploads in progress; at most {MAX_UPLOADS_PER_ATTEMPT} at once")
-        self.store.records.check_quota(lease, claim, pending_bytes=sum(inflight.values()), pending_records=len(inflight))
+        # Staged uploads (in progress, or stopped short and not swept yet) count with their declared sizes.
+        self.store.records.check_quota(lease, claim, staged=self.staging.staged(lease.run_id, lease.attempt_id, path))
+        self.staging.check_space(claim, offset)
+        self.staging.reserve(lease.run_id, lease.attempt_id, claim)
         inflight[path] = claim.size_bytes
         return path
 

@@ -4,7 +4,8 @@
 (`blobs`), each blob once. Records belong to the attempt that uploaded them, so a failed or
 retried attempt's records never shadow another's: a job's final artifacts are its SUCCEEDED
 attempt's, and its resume checkpoint is the newest checkpoint any attempt committed. Quotas
-(`Quotas`) bound each attempt's and each run's records and bytes. Only the newest
+(`Quotas`) bound each attempt's records and bytes, and each run's in its live and succeeded
+attempts, uploads staged but not yet recorded included (`check_quota`). Only the newest
 `keep_checkpoints` checkpoints of a job are kept; older ones lose their records first and
 their blobs after (`take_garbage`), so no record points at deleted bytes.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, ConflictError, InvalidRequestError, NotFoundError, QuotaError
-from ..artifacts import ArtifactRecord, Claim, artifact_uri, checkpoint_dir, escape_name, fold_name, name_conflict
+from ..artifacts import NOTHING_STAGED, ArtifactRecord, Claim, Staged, artifact_uri, checkpoint_dir, escape_name, fold_name, name_conflict
 from .db import Database, Part, page
 
 if TYPE_CHECKING:
@@ -81,23 +82,35 @@ class Records(Part):
             )
         return record_from_row(r)
 
-    def check_quota(self, lease: LiveLease, claim: Claim, *, pending_bytes: int = 0, pending_records: int = 0) -> None:
-        """RESOURCE_EXHAUSTED, naming the limit, if recording `claim` (plus uploads in flight) would pass a quota."""
+    def check_quota(self, lease: LiveLease, claim: Claim, *, staged: Staged = NOTHING_STAGED) -> None:
+        """RESOURCE_EXHAUSTED, naming the limit, if recording `claim` (plus the uploads `staged`) would pass a quota.
+
+        An attempt counts all its records. A run counts the records of its live and succeeded attempts:
+        an attempt that ended otherwise keeps its records (listed with `--all-attempts`, its checkpoints
+        still a resume point) but no longer holds the run's quota against the attempts after it; each
+        attempt is bounded by its own quota, and `--max-attempts` bounds how many a job has.
+        """
         q = self.quotas
-        for scope, column, key, max_records, max_bytes in (
-            ("attempt", "attempt_id", lease.attempt_id, q.attempt_records, q.attempt_bytes),
-            ("run", "run_id", lease.run_id, q.run_records, q.run_bytes),
-        ):
-            n, b = self.db.execute(f"SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM records WHERE {column}=?", (key,)).fetchone()
+        for scope, sql, key, max_records, max_bytes, pending_records, pending_bytes in (
+            ("attempt", "SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM records WHERE attempt_id=?", lease.attempt_id,
+             q.attempt_records, q.attempt_bytes, staged.attempt_records, staged.attempt_bytes),
+            ("run", "SELECT COUNT(*), COALESCE(SUM(r.size_bytes), 0) FROM records r JOIN attempts a ON a.attempt_id=r.attempt_id"
+             " WHERE r.run_id=? AND a.state IN ('live', 'succeeded')", lease.run_id,
+             q.run_records, q.run_bytes, staged.run_records, staged.run_bytes),
+        ):  # fmt: skip
+            n, b = self.db.execute(sql, (key,)).fetchone()
+            of = " in its live and succeeded attempts" if scope == "run" else ""
             if n + pending_records + 1 > max_records:
                 raise QuotaError(
-                    f"artifact `{claim.name}`: this {scope} already has {n} artifact records (+{pending_records} uploading); "
+                    f"artifact `{claim.name}`: this {scope} already has {n} artifact records{of} (+{pending_records} staged or uploading); "
                     f"the {scope} quota is {max_records} records\nhint: the run admin sets it with `serve --quota-{scope}-records`"
                 )
             if b + pending_bytes + claim.size_bytes > max_bytes:
                 raise QuotaError(
-                    f"artifact `{claim.name}` ({claim.size_bytes} bytes): this {scope} already stores {b} bytes (+{pending_bytes} uploading); "
+                    f"artifact `{claim.name}` ({claim.size_bytes} bytes): this {scope} already stores {b} bytes{of} "
+                    f"(+{pending_bytes} declared by uploads staged or in progress); "
                     f"the {scope} quota is {max_bytes} bytes\nhint: the run admin sets it with `serve --quota-{scope}-bytes`"
+                    + ("; a stopped upload keeps its share until it is resumed and committed, its attempt ends, or it sits idle" if pending_bytes else "")
                 )
 
     def check_name_free(self, attempt_id: str, name: str) -> None:
