@@ -228,3 +228,13 @@ def test_general_tolerance_is_a_share(world, bad):
     raw = dict(world.base, train={"scope": "full", "general_tolerance": bad})
     with pytest.raises(ConfigError, match="general_tolerance"):
         recipe_from_dict(raw, base=world.root)
+
+
+def test_checkpoints_from_before_the_key_resume_with_the_default_tolerance():
+    from dflash_worker.errors import ResumeError
+    from dflash_worker.train.loop import compare_for_resume
+
+    saved = {"recipe_view": {"train.lr": 1.0}, "data_fingerprint": "d", "draft_fingerprint": {}}
+    compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.general_tolerance": 0.03}})
+    with pytest.raises(ResumeError, match="`train.general_tolerance`"):
+        compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.general_tolerance": 0.1}})

@@ -197,8 +197,9 @@ def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raise `ResumeError` naming every field in which `current` differs from `saved`."""
     diffs = []
     s_rec, c_rec = saved.get("recipe_view") or {}, current["recipe_view"]
-    if s_rec:  # checkpoints from before `[train].features` (`general_tolerance`) existed: their defaults
-        s_rec = {"train.features": "cache", "train.general_tolerance": 0.03, **s_rec}
+    if s_rec:  # a key added after a checkpoint was written (or absent from a view) counts as its default
+        added = {"train.features": "cache", "train.general_tolerance": 0.03}
+        s_rec, c_rec = {**added, **s_rec}, {**added, **c_rec}
     for key in sorted(set(s_rec) | set(c_rec)):
         if s_rec.get(key, "<absent>") != c_rec.get(key, "<absent>"):
             diffs.append(f"recipe `{key}`: checkpoint `{s_rec.get(key, '<absent>')}`, now `{c_rec.get(key, '<absent>')}`")
