@@ -221,6 +221,8 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
         db.execute(f"ALTER TABLE {table} DROP COLUMN {col}")
     db.execute("DROP TABLE attempt_inputs")  # nor what schema 7 added (trust_inputs, provenance)
     db.execute("ALTER TABLE runs DROP COLUMN trust_inputs")
+    for col in ("quarantined_unix", "quarantine_reason"):  # nor what schema 8 added (verification by replay)
+        db.execute(f"ALTER TABLE providers DROP COLUMN {col}")
     db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
     db.close()
 

@@ -245,6 +245,8 @@ def test_a_version_5_database_learns_declared_memory_and_keeps_its_graphs(tmp_pa
     db.execute("ALTER TABLE providers DROP COLUMN memory_bytes")
     db.execute("DROP TABLE attempt_inputs")  # nor what schema 7 added (trust_inputs, provenance)
     db.execute("ALTER TABLE runs DROP COLUMN trust_inputs")
+    for col in ("quarantined_unix", "quarantine_reason"):  # nor what schema 8 added (verification by replay)
+        db.execute(f"ALTER TABLE providers DROP COLUMN {col}")
     db.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
     db.close()
 
@@ -256,7 +258,7 @@ def test_a_version_5_database_learns_declared_memory_and_keeps_its_graphs(tmp_pa
         # The graph leases with the default placement: prepare 1 rank, train the run's maximum.
         reqs = store.kind_requirements(store.get_run(run.run_id))
         assert {k: (r.max_local_ranks, r.min_memory_bytes) for k, r in reqs.items()} == {
-            "prepare": (1, 0), "capture": (1, 0), "train": (2, 0), "evaluate": (1, 0),
+            "prepare": (1, 0), "capture": (1, 0), "train": (2, 0), "evaluate": (1, 0), "verify": (1, 0),
         }  # fmt: skip
         assert _lease(store, pid).kind == "prepare"
     finally:

@@ -407,7 +407,10 @@ def _print_provider(p: admin_pb2.ProviderInfo) -> None:
     mode = provider_pb2.LaunchMode.Name(p.launch_mode) if p.launch_mode in provider_pb2.LaunchMode.values() else str(p.launch_mode)
     seen = _when(p.last_seen_unix) if p.last_seen_unix else "never"
     revoked = f"  REVOKED {_when(p.revoked_unix)}" if p.revoked_unix else ""
-    print(f"{p.provider_id}  {p.identity or p.name}  {p.name}  {p.client_version or '-'}  {mode}  {p.capabilities.backend or '-'}  last seen {seen}{revoked}")
+    quarantined = f"  QUARANTINED {_when(p.quarantined_unix)}" if p.quarantined_unix else ""
+    print(f"{p.provider_id}  {p.identity or p.name}  {p.name}  {p.client_version or '-'}  {mode}  {p.capabilities.backend or '-'}  last seen {seen}{revoked}{quarantined}")
+    if p.quarantined_unix:
+        print(f"    quarantined: {p.quarantine_reason}")
 
 
 def _print_token(token: str) -> None:

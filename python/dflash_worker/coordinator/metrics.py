@@ -15,12 +15,13 @@ coordinators in one process (tests) never share counts.
 | `dflash_leases_granted_total` | counter | |
 | `dflash_leases_expired_total` | counter | |
 | `dflash_attempts_ended_total` | counter | `state` |
+| `dflash_verify_mismatches_total` | counter | |
 | `dflash_heartbeats_total` | counter | |
 | `dflash_heartbeat_latency_seconds` | histogram | |
 | `dflash_artifact_bytes_received_total` | counter | |
 | `dflash_artifact_bytes_sent_total` | counter | |
 | `dflash_jobs` | gauge | `state` |
-| `dflash_providers` | gauge | `state` (`registered`, `revoked`) |
+| `dflash_providers` | gauge | `state` (`registered`, `revoked`, `quarantined`) |
 | `dflash_job_training_loss` | gauge | `run_id`, `job_id` |
 | `dflash_job_tokens_per_second` | gauge | `run_id`, `job_id` |
 | `dflash_job_progress_ratio` | gauge | `run_id`, `job_id` (step / total) |
@@ -55,9 +56,12 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("dflash_leases_granted", "Leases handed to providers.", value=c["leases_granted"])
         yield CounterMetricFamily("dflash_leases_expired", "Leases that expired without a heartbeat (their jobs were requeued or failed).", value=c["attempt_expired"])
         ended = CounterMetricFamily("dflash_attempts_ended", "Attempts that ended, by their state.", labels=["state"])
-        for state in ("succeeded", "failed", "cancelled", "retryable", "expired", "revoked"):
+        for state in ("succeeded", "failed", "cancelled", "retryable", "expired", "revoked", "quarantined", "discarded", "mismatch"):
             ended.add_metric([state], c[f"attempt_{state}"])
         yield ended
+        yield CounterMetricFamily(
+            "dflash_verify_mismatches", "Verify jobs that recomputed other bytes than a capture attempt uploaded (its provider quarantined).", value=c["verify_mismatches"]
+        )
         yield CounterMetricFamily("dflash_heartbeats", "Heartbeat messages handled.", value=c["heartbeats"])
         yield CounterMetricFamily("dflash_artifact_bytes_received", "Artifact bytes received from providers (staged uploads).", value=self.artifacts.bytes_in)
         yield CounterMetricFamily("dflash_artifact_bytes_sent", "Artifact bytes sent (downloads by providers, admins and the status page).", value=self.artifacts.bytes_out)
@@ -68,10 +72,12 @@ class _StoreCollector(Collector):
         for state in JOB_STATES:
             jobs.add_metric([state], counted.get(state, 0))
         yield jobs
-        provs = GaugeMetricFamily("dflash_providers", "Providers, registered (not revoked) and revoked.", labels=["state"])
+        provs = GaugeMetricFamily("dflash_providers", "Providers, registered (not revoked), revoked, and quarantined (by a verify job's mismatch; also counted above).", labels=["state"])
         (live, revoked) = db.execute("SELECT COALESCE(SUM(revoked_unix IS NULL), 0), COALESCE(SUM(revoked_unix IS NOT NULL), 0) FROM providers").fetchone()
         provs.add_metric(["registered"], live)
         provs.add_metric(["revoked"], revoked)
+        (quarantined,) = db.execute("SELECT COUNT(*) FROM providers WHERE quarantined_unix IS NOT NULL").fetchone()
+        provs.add_metric(["quarantined"], quarantined)
         yield provs
 
         loss = GaugeMetricFamily("dflash_job_training_loss", "Last training loss a live attempt reported.", labels=["run_id", "job_id"])

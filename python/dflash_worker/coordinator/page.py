@@ -161,6 +161,8 @@ def _provider(p: dict[str, Any]) -> str:
     lease = f"<code>{_e(p['lease']['job_id'])}</code> (run <code>{_e(p['lease']['run_id'])}</code>)" if p["lease"] else "-"
     version = _e(p["client_version"] or "-") + (f" (native {_e(p['native_client_version'])})" if p["native_client_version"] else "")
     revoked = ' <span class="badge failed">revoked</span>' if p["revoked"] else ""
+    if p.get("quarantined") is not None:
+        revoked += f' <span class="badge failed quarantined" title="{_e(p["quarantined"])}">quarantined</span>'
     return (
         f'<tr class="provider" data-provider-id="{_e(p["provider_id"])}"><td>{_e(p["identity"])}{revoked}</td><td>{_e(p["name"])}</td><td>{device}</td>'
         f'<td>{version}</td><td>{_when(p["last_heartbeat_unix"] or p["last_seen_unix"])}</td><td class="lease">{lease}</td></tr>'

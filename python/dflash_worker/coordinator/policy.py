@@ -147,6 +147,24 @@ def check_trust_inputs(value: Any, field: str = "spec.spec_json.trust_inputs") -
     return value
 
 
+# Verification by replay: the share of a graph run's capture jobs that a `verify` job recomputes on
+# another provider (spec JSON `verify_fraction`, 0 to 1; 0: none). A verify job uploads what it
+# recomputed under `VERIFY_PREFIX` + the producer's name, and the coordinator compares the digests.
+DEFAULT_VERIFY_FRACTION = 0.0
+VERIFY_PREFIX = "verify/"
+
+
+def check_verify_fraction(value: Any, field: str = "spec.spec_json.verify_fraction") -> float:
+    """A run's spot-check fraction: a number from 0 to 1; INVALID_ARGUMENT naming `field` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        shown = str(value)[:40] if isinstance(value, (int, float)) else type(value).__name__
+        raise InvalidRequestError(
+            f"`{field}` must be a number from 0 to 1, got `{shown}`\n"
+            "hint: the share of capture jobs another provider recomputes (docs/run-admin.md, Trust model); leave it out for none"
+        )
+    return float(value)
+
+
 def default_placement(kind: str, max_local_ranks: int) -> Placement:
     """A kind's placement when the run names none: train (and a pipeline job) gets the run's ranks, the rest 1."""
     return Placement(local_ranks=max_local_ranks if kind in ("train", "pipeline") else 1)

@@ -76,6 +76,8 @@ def provider_pb(p: ProviderRow) -> admin_pb2.ProviderInfo:
         last_seen_unix=int(p.last_seen_unix or 0),
         identity=p.identity,
         revoked_unix=int(p.revoked_unix or 0),
+        quarantined_unix=int(p.quarantined_unix or 0),
+        quarantine_reason=p.quarantine_reason,
     )
 
 

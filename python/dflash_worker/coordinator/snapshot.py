@@ -106,12 +106,12 @@ def _job(
 def _providers(store: StoreReader, now: float) -> Iterator[None | list[dict[str, Any]]]:
     db = store.db
     rows = db.execute(
-        "SELECT provider_id, identity, name, client_version, native_client_version, backend, device_count, capabilities, last_seen_unix, revoked_unix"
-        " FROM providers ORDER BY seq DESC LIMIT ?",
+        "SELECT provider_id, identity, name, client_version, native_client_version, backend, device_count, capabilities, last_seen_unix, revoked_unix,"
+        " quarantined_unix, quarantine_reason FROM providers ORDER BY seq DESC LIMIT ?",
         (MAX_PROVIDERS,),
     ).fetchall()
     out = []
-    for i, (pid, identity, name, version, native_version, backend, count, caps, last_seen, revoked) in enumerate(rows):
+    for i, (pid, identity, name, version, native_version, backend, count, caps, last_seen, revoked, quarantined, why) in enumerate(rows):
         if i % 25 == 24:
             yield None
         lease = db.execute(
@@ -133,6 +133,8 @@ def _providers(store: StoreReader, now: float) -> Iterator[None | list[dict[str,
                 "last_heartbeat_unix": hb,
                 "last_seen_unix": seen,
                 "revoked": revoked is not None,
+                # Why a verify job quarantined it (None while it is not quarantined).
+                "quarantined": None if quarantined is None else why,
                 "lease": None if lease is None else {"job_id": lease[0], "run_id": lease[1], "expires_unix": lease[3]},
             }
         )

@@ -198,11 +198,17 @@ GRAPH_KIND_STAGES: dict[str, frozenset[str]] = {
     "capture": frozenset({"capture"}),
     "train": frozenset({"train", "export"}),
     "evaluate": frozenset({"evaluate"}),
+    # Verification by replay: capture shard i of N again, into `VERIFY_DIR` (never over its inputs).
+    "verify": frozenset({"capture"}),
 }
 MAX_SHARD_COUNT = 1024  # the coordinator's `store.MAX_SHARDS`
 # The step a graph's train job runs first when the spec captures: the capture jobs' shards (its
 # inputs) become one capture with its manifest (`capture.assemble_capture`). Not a spec stage.
 ASSEMBLE_STAGE = "assemble"
+# What a graph's verify job runs instead of capture: the capture of its shard into `VERIFY_DIR`,
+# reported under the same names there (`verify/capture/...`; the coordinator compares the digests).
+VERIFY_STAGE = "verify"
+VERIFY_DIR = "verify"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,8 +282,11 @@ class GraphInfo:
         }
 
     def stages(self, listed: tuple[str, ...]) -> list[str]:
-        """The job spec's stages this job runs, in the spec's order (a train job assembles the capture first)."""
+        """The job spec's stages this job runs, in the spec's order (a train job assembles the capture first;
+        a verify job runs `VERIFY_STAGE` in place of capture)."""
         names = [s for s in listed if s in GRAPH_KIND_STAGES[self.kind]]
+        if self.kind == "verify":
+            return [VERIFY_STAGE] if names else []
         if self.kind == "train" and "capture" in listed:
             names.insert(0, ASSEMBLE_STAGE)
         return names

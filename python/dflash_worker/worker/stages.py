@@ -28,7 +28,10 @@ and reports what later jobs need:
   plus ``run/selection.json`` (kind ``manifest``) for the evaluate jobs;
 - ``evaluate`` shard j of M: the prompts with ``i % M == j`` of the train job's BF16
   export; shard j > 0 reports ``eval/part-J.json``, shard 0 (which runs last) merges them
-  into the one report (`evaluate.report.EvalPart`).
+  into the one report (`evaluate.report.EvalPart`);
+- ``verify`` shard i of N (a run's `verify_fraction`): capture shard i again into ``DIR/verify``
+  and report the files as ``verify/capture/...`` (kind ``capture``), whose digests the
+  coordinator compares with the capture job's (`run_verify`).
 
 Library calls report through typed events (`dflash_worker.worker.events`); a stage
 forwards ``Progress`` and ``Artifact`` (renamed relative to the job directory) to the
@@ -44,7 +47,7 @@ from collections.abc import Callable
 from .context import StageContext, Stopped
 from .events import Artifact, Event, Log, Progress
 from .noop import run_noop
-from .spec import ASSEMBLE_STAGE, CAPTURE_DIR, DATA_DIR, EVAL_DIR, RUN_DIR
+from .spec import ASSEMBLE_STAGE, CAPTURE_DIR, DATA_DIR, EVAL_DIR, RUN_DIR, VERIFY_DIR, VERIFY_STAGE
 
 log = logging.getLogger("dflash_worker.job")
 
@@ -133,6 +136,38 @@ def run_capture_stage(ctx: StageContext) -> None:
         for entry in done["shards"]:  # the reused ones, and other ranks' (only rank 0 sees its own commits)
             report_shard(entry["shard"])
         _progress(ctx, "capture", len(done["shards"]), len(done["shards"]), shards=float(len(done["shards"])))
+
+
+def run_verify(ctx: StageContext) -> None:
+    """A graph's verify job: capture its shard again into `VERIFY_DIR` from the prepared data alone (never
+    reusing the producer's shards, its inputs), and report each file under its name there, ``verify/capture/...``.
+    The coordinator compares those digests with the producer's records (`coordinator.store.verify`); what this
+    stage logs about its inputs is for the provider's own log."""
+    import dataclasses
+
+    from .. import dist
+    from ..capture import CapturePart, run_capture
+    from ..capture.layout import shard_path, sidecar_path
+    from ..manifest import sha256_file
+
+    recipe = ctx.spec.job.require_recipe()
+    recipe.require("capture")
+    graph = ctx.spec.graph
+    out = ctx.job_dir / VERIFY_DIR / CAPTURE_DIR
+    recipe = dataclasses.replace(recipe, capture=dataclasses.replace(recipe.capture, output=out))
+    done = run_capture(recipe, on_event=_capture_events(ctx), device=ctx.devices["capture"], part=CapturePart(graph.shard_index, graph.shard_count))
+    if not dist.ranks_from_env().main:
+        return
+    theirs = {a.name: a.sha256 for a in graph.inputs if a.kind == "capture"}
+    differ = 0
+    for entry in done["shards"]:
+        for f in (shard_path(out, entry["shard"]), sidecar_path(out, entry["shard"])):
+            name = f.relative_to(ctx.job_dir / VERIFY_DIR).as_posix()
+            if theirs.get(name) != sha256_file(f):
+                differ += 1
+                log.warning("verify: recomputed `%s` differs from the input the coordinator handed (sha256 %s)", name, theirs.get(name, "none"))
+            ctx.report(f, kind="capture")
+    _progress(ctx, "capture", len(done["shards"]), len(done["shards"]), shards=float(len(done["shards"])), differ=float(differ))
 
 
 def run_assemble(ctx: StageContext) -> None:
@@ -257,6 +292,7 @@ def run_evaluate(ctx: StageContext) -> None:
 # Stage name -> runner (the names are `spec.STAGE_NAMES`).
 STAGES: dict[str, Callable[[StageContext], None]] = {
     ASSEMBLE_STAGE: run_assemble,
+    VERIFY_STAGE: run_verify,
     "prepare": run_prepare,
     "check": run_check,
     "capture": run_capture_stage,

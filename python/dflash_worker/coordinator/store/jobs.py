@@ -4,7 +4,10 @@ Job states: ``queued`` -> ``leased`` (-> ``cancelling``) -> ``succeeded`` | ``fa
 ``cancelled``, or back to ``queued`` when an attempt expires or ends retryable (at most
 ``max_attempts`` attempts, then ``failed``).
 Attempt states: ``live``, ``succeeded``, ``failed``, ``cancelled``, ``retryable``, ``expired``,
-``revoked`` (its provider was revoked; the job is requeued like an expired one).
+``revoked`` (its provider was revoked; the job is requeued like an expired one), ``quarantined``
+(likewise, its provider was quarantined), ``discarded`` (a capture attempt that had succeeded, and
+its provider was quarantined: its job is queued again; or a verify attempt of such a capture),
+``mismatch`` (a verify attempt that recomputed other bytes than the capture's; `verify`).
 
 When a job of a graph run ends ``failed`` or ``cancelled`` the run fails: ``runs.failure``
 names that job, and every queued job of the run (its dependents among them) is failed with
@@ -18,6 +21,7 @@ from __future__ import annotations
 from ...errors import NotFoundError, PolicyError
 from .db import Database, Part, printable
 from .records import Records
+from .verify import describe, discard, judge, quarantine
 
 FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
 
@@ -34,8 +38,19 @@ class Jobs(Part):
 
     def end_attempt(self, db, attempt_id: str, job_id: str, attempt_state: str, message: str, now: float) -> str:
         """Close an attempt and move its job on; returns the job's new state."""
-        cancel, attempts = db.execute("SELECT cancel_requested, attempts FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        if attempt_state == "succeeded":
+        cancel, attempts, kind = db.execute("SELECT cancel_requested, attempts, kind FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        verdict = judge(db, attempt_id, job_id) if attempt_state == "succeeded" and kind == "verify" else None
+        if verdict is not None and not verdict.producer_attempt_id:
+            # The capture it recomputed was discarded meanwhile (its producer was quarantined): verified again once redone.
+            attempt_state, message, verdict = "discarded", "the capture attempt it verified was discarded meanwhile", None
+            job_state = "queued"
+        elif verdict is not None and verdict.mismatch:
+            attempt_state, job_state = "mismatch", "queued"  # verified again once the capture job is redone
+        elif verdict is not None and verdict.missing:
+            attempt_state, message = "retryable", f"the verify attempt uploaded no recomputation of `{printable(verdict.missing[0][:200])}`"
+        if attempt_state in ("discarded", "mismatch"):
+            pass
+        elif attempt_state == "succeeded":
             job_state = "succeeded"
         elif attempt_state == "failed":
             job_state = "failed"
@@ -59,11 +74,23 @@ class Jobs(Part):
             "UPDATE jobs SET state=?, current_attempt_id=NULL, checkpoint_requested=0, reason=?, updated_unix=? WHERE job_id=?",
             (job_state, f"run failed: {failure}" if failure else "", now, job_id),
         )
+        if verdict is not None and verdict.mismatch:
+            self._quarantine(db, verdict, describe(verdict, verify_job_id=job_id, attempt_id=attempt_id), now)
         if job_state == "succeeded":
             db.execute("UPDATE jobs SET pending_deps=pending_deps-1 WHERE job_id IN (SELECT job_id FROM job_deps WHERE needs_job_id=?)", (job_id,))
         if job_state in ("failed", "cancelled") and not failure:
             self.fail_graph_run(db, job_id, job_state, message, now)
         return job_state
+
+    def _quarantine(self, db, verdict, reason: str, now: float) -> None:
+        """A verify job's mismatch: the producer's capture attempt is discarded and its job redone, the producer quarantined."""
+        discard(db, verdict.producer_attempt_id, verdict.capture_job_id, reason, now)
+        self.counts["verify_mismatches"] += 1
+        live, others = quarantine(db, verdict.producer_id, reason, now)
+        for attempt_id, job_id in others:  # its other captures that no job has used yet are redone too
+            discard(db, attempt_id, job_id, f"its provider was quarantined: {reason}", now)
+        for attempt_id, job_id in live:
+            self.end_attempt(db, attempt_id, job_id, "quarantined", f"provider `{verdict.producer_id}` was quarantined: {reason}", now)
 
     def fail_graph_run(self, db, job_id: str, job_state: str, message: str, now: float) -> None:
         """A job of a graph run ended `job_state` (failed or cancelled): the run fails, naming it, and

@@ -33,6 +33,14 @@ MAX_LEASE_INPUT_BYTES = 8 << 20
 # `pending_deps` counts those that have not (a succeeded job never changes state again), so
 # finding a leasable job is an index lookup (`jobs_ready`), however many jobs wait.
 _READY = "j.pending_deps=0"
+# A verify job goes to a provider other than the one whose attempt produced the capture it recomputes, on
+# the same backend (capture is byte-reproducible on one kind of device; `verify`). Parameters: the
+# provider asking, its backend.
+_VERIFIER = (
+    "(j.kind!='verify' OR EXISTS (SELECT 1 FROM job_deps d JOIN jobs c ON c.job_id=d.needs_job_id AND c.kind='capture'"
+    " JOIN attempts a ON a.job_id=c.job_id AND a.state='succeeded' JOIN providers p ON p.provider_id=a.provider_id"
+    " WHERE d.job_id=j.job_id AND a.provider_id!=? AND p.backend=?))"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +112,9 @@ class Leases(Part):
         profile = self.providers.profile(provider_id)
         now = self.clock()
         self.db.execute("UPDATE providers SET last_seen_unix=? WHERE provider_id=?", (now, provider_id))
+        if self.providers.quarantined(provider_id):
+            return None  # a verify job recomputed other bytes than it uploaded: it is leased nothing more
+        who = (provider_id, profile.backend)
         upgrade: Upgrade | None = None
         # EXISTS over the (state, run_id) index: O(runs), not O(queued jobs). A run whose queued
         # jobs all wait for others has nothing to lease (and so asks no provider to upgrade).
@@ -125,12 +136,12 @@ class Leases(Part):
                 elif verdict is Verdict.UPGRADE:
                     behind.append(kind)
                     why = reason
-            if behind and upgrade is None and self._ready_job(run_id, behind) is not None:
+            if behind and upgrade is None and self._ready_job(run_id, behind, who) is not None:
                 upgrade = Upgrade(required_client_version=run.spec.required_client_version, message=f"run `{run.spec.name}`: {why}")
             if not fits:
                 continue
             with self._tx() as db:
-                row = self._ready_job(run_id, fits)
+                row = self._ready_job(run_id, fits, who)
                 if row is None:
                     continue
                 job_id, attempts, kind, shard_index, shard_count = row
@@ -176,12 +187,13 @@ class Leases(Part):
             )
         return upgrade
 
-    def _ready_job(self, run_id: str, kinds: list[str]) -> tuple | None:
-        """`(job_id, attempts, kind, shard_index, shard_count)` of the run's oldest leasable job of one of `kinds`."""
+    def _ready_job(self, run_id: str, kinds: list[str], who: tuple[str, str]) -> tuple | None:
+        """`(job_id, attempts, kind, shard_index, shard_count)` of the run's oldest job of one of `kinds` leasable
+        to provider `who` = `(provider_id, backend)` (a verify job: not to its capture's producer, `_VERIFIER`)."""
         return self.db.execute(
             f"SELECT job_id, attempts, kind, shard_index, shard_count FROM jobs j WHERE run_id=? AND state='queued' AND {_READY}"
-            f" AND kind IN ({','.join('?' * len(kinds))}) ORDER BY seq LIMIT 1",
-            (run_id, *kinds),
+            f" AND kind IN ({','.join('?' * len(kinds))}) AND {_VERIFIER} ORDER BY seq LIMIT 1",
+            (run_id, *kinds, *who),
         ).fetchone()
 
     @staticmethod
@@ -207,13 +219,13 @@ class Leases(Part):
 
         A capture job's earlier attempts (a provider lost mid-job) hand on their `capture` records too,
         the newest of each name among the attempts the run's `trust` policy allows a new attempt on
-        `provider_id` (`provenance.trust_filter`): the shards they committed, which the next attempt
+        `provider_id` (`provenance.trust_filter`; never a discarded attempt's): the shards they committed, which the next attempt
         verifies and keeps instead of capturing them again (`capture.run.scan_shards`)."""
         cols = ", ".join("r." + c.strip() for c in REC_COLS.split(","))
         rows = self.db.execute(
             f"SELECT {cols}, r.attempt_id FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
             " JOIN attempts a ON a.job_id=n.job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
-            " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') ORDER BY n.seq, r.seq LIMIT ?",
+            " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') AND n.kind!='verify' ORDER BY n.seq, r.seq LIMIT ?",
             (job_id, MAX_LEASE_INPUTS + 1),
         ).fetchall()
         if len(rows) <= MAX_LEASE_INPUTS and self.db.execute("SELECT kind FROM jobs WHERE job_id=?", (job_id,)).fetchone() == ("capture",):

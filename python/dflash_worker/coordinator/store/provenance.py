@@ -32,10 +32,11 @@ def trust_filter(policy: str, provider_id: str) -> tuple[str, tuple]:
     whose records a new attempt on `provider_id` may be handed under `policy`, and its parameters."""
     if policy not in TRUST_INPUTS:  # a value the store did not write (runs.trust_inputs is checked at creation)
         policy = "succeeded"
+    # A discarded attempt (its provider was quarantined: `verify`) is never handed on, whatever the policy.
     if policy == "any":
-        return "1", ()
+        return "a.state NOT IN ('discarded', 'mismatch')", ()
     if policy == "own":
-        return "(a.state='succeeded' OR a.provider_id=?)", (provider_id,)
+        return "(a.state='succeeded' OR (a.provider_id=? AND a.state NOT IN ('discarded', 'mismatch')))", (provider_id,)
     return "a.state='succeeded'", ()
 
 

@@ -42,6 +42,9 @@ class ProviderRow:
     last_seen_unix: float | None
     identity: str = ""
     revoked_unix: float | None = None
+    # Set when a verify job recomputed other bytes than this provider uploaded (`verify`): it is leased nothing.
+    quarantined_unix: float | None = None
+    quarantine_reason: str = ""
 
 
 class Providers(Part):
@@ -85,13 +88,16 @@ class Providers(Part):
             if cur.rowcount != 1:
                 raise NotFoundError(f"no provider `{provider_id}`")
 
-    _PROVIDER_COLS = "provider_id, name, client_version, launch_mode, capabilities, last_seen_unix, identity, revoked_unix"
+    _PROVIDER_COLS = (
+        "provider_id, name, client_version, launch_mode, capabilities, last_seen_unix, identity, revoked_unix, quarantined_unix, quarantine_reason"
+    )
 
     @staticmethod
     def _provider_row(r) -> ProviderRow:
         return ProviderRow(
-            provider_id=r[0], name=r[1], client_version=r[2], launch_mode=r[3], capabilities=r[4], last_seen_unix=r[5], identity=r[6], revoked_unix=r[7]
-        )
+            provider_id=r[0], name=r[1], client_version=r[2], launch_mode=r[3], capabilities=r[4], last_seen_unix=r[5], identity=r[6], revoked_unix=r[7],
+            quarantined_unix=r[8], quarantine_reason=r[9],
+        )  # fmt: skip
 
     def list_providers(self) -> list[ProviderRow]:
         return [self._provider_row(r) for r in self.db.execute(f"SELECT {self._PROVIDER_COLS} FROM providers ORDER BY seq")]
@@ -99,6 +105,10 @@ class Providers(Part):
     def get_provider(self, provider_id: str) -> ProviderRow:
         self.provider_state(provider_id)
         return self._provider_row(self.db.execute(f"SELECT {self._PROVIDER_COLS} FROM providers WHERE provider_id=?", (provider_id,)).fetchone())
+
+    def quarantined(self, provider_id: str) -> bool:
+        r = self.db.execute("SELECT quarantined_unix FROM providers WHERE provider_id=?", (provider_id,)).fetchone()
+        return r is not None and r[0] is not None
 
     def profile(self, provider_id: str) -> ProviderProfile:
         r = self.db.execute(
@@ -127,7 +137,7 @@ class Providers(Part):
         now = self.clock()
         cols = "provider_id, identity, name, client_version, native_client_version, native, backend, device_count, features, memory_bytes"
         rows = self.db.execute(
-            f"SELECT {cols} FROM providers WHERE last_seen_unix >= ? AND revoked_unix IS NULL AND registered_unix IS NOT NULL"
+            f"SELECT {cols} FROM providers WHERE last_seen_unix >= ? AND revoked_unix IS NULL AND quarantined_unix IS NULL AND registered_unix IS NOT NULL"
             " ORDER BY last_seen_unix DESC LIMIT ?",
             (now - self.live_seconds, MAX_WAITING_PROVIDERS + 1),
         ).fetchall()
@@ -141,7 +151,7 @@ class Providers(Part):
         for pid in sorted(busy - seen):
             if len(rows) > MAX_WAITING_PROVIDERS:
                 break
-            r = self.db.execute(f"SELECT {cols} FROM providers WHERE provider_id=? AND revoked_unix IS NULL AND registered_unix IS NOT NULL", (pid,)).fetchone()
+            r = self.db.execute(f"SELECT {cols} FROM providers WHERE provider_id=? AND revoked_unix IS NULL AND quarantined_unix IS NULL AND registered_unix IS NOT NULL", (pid,)).fetchone()
             if r is not None:
                 rows.append(r)
         out = []

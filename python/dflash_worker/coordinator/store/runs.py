@@ -104,7 +104,7 @@ class Runs(Part):
                         spec.trust_inputs,
                     ),
                 )
-                graph = spec.graph()
+                graph = spec.graph(run_id)
                 ids = [new_id("job") for _ in graph]
                 db.executemany(
                     "INSERT INTO jobs(job_id, run_id, state, updated_unix, kind, shard_index, shard_count, pending_deps) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?)",
@@ -166,7 +166,9 @@ class Runs(Part):
                 "SELECT kind, min_memory_bytes, required_features, local_ranks FROM placements WHERE run_id=?", (run.run_id,)
             )
         }
-        return {kind: req.for_kind(stored.get(kind) or default_placement(kind, req.max_local_ranks)) for kind in GRAPH_KINDS}
+        out = {kind: req.for_kind(stored.get(kind) or default_placement(kind, req.max_local_ranks)) for kind in GRAPH_KINDS}
+        out["verify"] = out["capture"]  # a verify job recomputes a capture shard: it needs what capture needs
+        return out
 
     def spec_json(self, run_id: str) -> str:
         return self.db.execute("SELECT spec_json FROM runs WHERE run_id=?", (run_id,)).fetchone()[0]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..policy import MAX_MEMORY_BYTES
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -58,7 +58,9 @@ CREATE TABLE IF NOT EXISTS providers (
   last_seen_unix REAL,
   identity TEXT NOT NULL DEFAULT '',
   revoked_unix REAL,
-  memory_bytes INTEGER NOT NULL DEFAULT 0
+  memory_bytes INTEGER NOT NULL DEFAULT 0,
+  quarantined_unix REAL,
+  quarantine_reason TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS retired_tokens (
   token_sha256 TEXT PRIMARY KEY,
@@ -247,7 +249,15 @@ def _migrate_6_to_7(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE runs ADD COLUMN trust_inputs TEXT NOT NULL DEFAULT 'own'")
 
 
+def _migrate_7_to_8(db: sqlite3.Connection) -> None:
+    # Version 7 had no verification by replay: no provider was ever quarantined (a verify job's
+    # mismatch does that), and no attempt was `discarded`.
+    db.execute("ALTER TABLE providers ADD COLUMN quarantined_unix REAL")
+    db.execute("ALTER TABLE providers ADD COLUMN quarantine_reason TEXT NOT NULL DEFAULT ''")
+
+
 # version -> the step that upgrades a database of that version to the next one.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4, 4: _migrate_4_to_5, 5: _migrate_5_to_6, 6: _migrate_6_to_7,
+    7: _migrate_7_to_8,
 }  # fmt: skip

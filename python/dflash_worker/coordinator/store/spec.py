@@ -13,7 +13,9 @@ x N (shard i of N) -> ``train`` -> ``evaluate`` x M, with the edges in ``job_dep
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 
 from ...errors import ConfigError, InvalidRequestError
@@ -21,17 +23,20 @@ from ...strict_json import no_duplicate_keys
 from ..policy import (
     CHECKPOINT_POLICIES,
     DEFAULT_TRUST_INPUTS,
+    DEFAULT_VERIFY_FRACTION,
     JOB_GRAPH_FEATURE,
     MAX_LOCAL_RANKS,
     Placement,
     check_features,
     check_placement,
     check_trust_inputs,
+    check_verify_fraction,
     check_version,
 )
 
 # Job kinds: `pipeline` (every stage in one job: runs without a graph) and the graph's stages.
-JOB_KINDS = ("pipeline", "prepare", "capture", "train", "evaluate")
+# `verify`: another provider recomputes a capture job's shards (the run's `verify_fraction`).
+JOB_KINDS = ("pipeline", "prepare", "capture", "train", "evaluate", "verify")
 # Capture / evaluate shards per graph run (each one job).
 MAX_SHARDS = 1024
 MAX_JOBS_PER_RUN = 10_000
@@ -82,6 +87,9 @@ class RunSpecData:
     # Which earlier attempts' checkpoints and capture shards a new attempt is handed (`policy.TRUST_INPUTS`),
     # from the spec JSON's `trust_inputs` (stored in `runs.trust_inputs` at creation).
     trust_inputs: str = field(default=DEFAULT_TRUST_INPUTS, init=False, compare=False)
+    # The share of capture jobs a `verify` job recomputes on another provider (spec JSON `verify_fraction`;
+    # read only when the run is created, which creates the verify jobs).
+    verify_fraction: float = field(default=DEFAULT_VERIFY_FRACTION, init=False, compare=False)
 
     def __post_init__(self):
         if not self.name or len(self.name) > 200 or any(ord(c) < 0x20 for c in self.name):
@@ -125,11 +133,25 @@ class RunSpecData:
                 "hint: give `--capture-shards N`, or use `--feature` and `--max-local-ranks` for the run's pipeline jobs"
             )
         object.__setattr__(self, "trust_inputs", check_trust_inputs(doc.get("trust_inputs", DEFAULT_TRUST_INPUTS)))
+        fraction = check_verify_fraction(doc.get("verify_fraction", DEFAULT_VERIFY_FRACTION))
+        if fraction and not self.capture_shards:
+            raise InvalidRequestError(
+                "`spec.spec_json.verify_fraction` spot-checks the capture jobs of a job graph; this run has none\n"
+                "hint: give `--capture-shards N`, or leave `verify_fraction` out"
+            )
+        object.__setattr__(self, "verify_fraction", fraction)
         if self.capture_shards:
             placements = check_placement(doc.get("placement", {}), max_local_ranks=self.max_local_ranks)
             object.__setattr__(self, "placements", tuple(placements.items()))
 
-    def graph(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    def verified_shards(self, run_id: str) -> list[int]:
+        """The capture shards a verify job recomputes: ceil(`verify_fraction` x N) of the N, those whose
+        sha256(run id, shard) is smallest (deterministic for the run, unknown to a provider beforehand)."""
+        n = self.capture_shards
+        count = min(n, math.ceil(self.verify_fraction * n - 1e-9)) if self.verify_fraction else 0
+        return sorted(sorted(range(n), key=lambda i: hashlib.sha256(f"{run_id}:{i}".encode()).digest())[:count])
+
+    def graph(self, run_id: str = "") -> list[tuple[str, int, int, tuple[int, ...]]]:
         """The run's jobs in creation order: `(kind, shard_index, shard_count, needs)`, `needs` indexing this list.
 
         Every later job needs prepare (the worker reads the prepared data in each); train needs
@@ -147,6 +169,10 @@ class RunSpecData:
         jobs.append(("train", 0, 1, (0, *range(1, n + 1))))
         jobs.append(("evaluate", 0, m, (0, train, *range(train + 2, train + 1 + m))))
         jobs += [("evaluate", i, m, (0, train)) for i in range(1, m)]
+        verify = [(len(jobs) + k, i) for k, i in enumerate(self.verified_shards(run_id))]
+        jobs += [("verify", i, n, (0, 1 + i)) for _, i in verify]
+        kind, index, count, needs = jobs[train]
+        jobs[train] = (kind, index, count, (*needs, *(j for j, _ in verify)))
         return jobs
 
     @classmethod

@@ -281,7 +281,7 @@ class CreateProviderResponse(_message.Message):
     def __init__(self, token: _Optional[str] = ..., provider_id: _Optional[str] = ...) -> None: ...
 
 class ProviderInfo(_message.Message):
-    __slots__ = ("provider_id", "name", "client_version", "launch_mode", "capabilities", "last_seen_unix", "identity", "revoked_unix")
+    __slots__ = ("provider_id", "name", "client_version", "launch_mode", "capabilities", "last_seen_unix", "identity", "revoked_unix", "quarantined_unix", "quarantine_reason")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,8 @@ class ProviderInfo(_message.Message):
     LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     REVOKED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     name: str
     client_version: str
@@ -298,7 +300,9 @@ class ProviderInfo(_message.Message):
     last_seen_unix: int
     identity: str
     revoked_unix: int
-    def __init__(self, provider_id: _Optional[str] = ..., name: _Optional[str] = ..., client_version: _Optional[str] = ..., launch_mode: _Optional[_Union[_provider_pb2.LaunchMode, str]] = ..., capabilities: _Optional[_Union[_provider_pb2.DeviceCapabilities, _Mapping]] = ..., last_seen_unix: _Optional[int] = ..., identity: _Optional[str] = ..., revoked_unix: _Optional[int] = ...) -> None: ...
+    quarantined_unix: int
+    quarantine_reason: str
+    def __init__(self, provider_id: _Optional[str] = ..., name: _Optional[str] = ..., client_version: _Optional[str] = ..., launch_mode: _Optional[_Union[_provider_pb2.LaunchMode, str]] = ..., capabilities: _Optional[_Union[_provider_pb2.DeviceCapabilities, _Mapping]] = ..., last_seen_unix: _Optional[int] = ..., identity: _Optional[str] = ..., revoked_unix: _Optional[int] = ..., quarantined_unix: _Optional[int] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
 
 class ListProvidersRequest(_message.Message):
     __slots__ = ()
