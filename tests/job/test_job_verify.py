@@ -52,7 +52,7 @@ def _forge(arts: list[dict], job_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("verify")
-    spec = _spec(build_world(root / "world"))
+    spec = {**_spec(build_world(root / "world")), "verify_fraction": 1}  # the coordinator's key: the worker lets it through
     prepare, _ = _graph_job(root / "prepare", spec, "prepare", 0, 1, [])
     capture, _ = _graph_job(root / "capture0", spec, "capture", 0, N_CAPTURE, [prepare])
     return root, spec, prepare, capture

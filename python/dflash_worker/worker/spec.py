@@ -406,9 +406,10 @@ class NoopOptions:
         )
 
 
-# `placement` (per-kind provider requirements of a job graph) and `trust_inputs` (which earlier attempts'
-# checkpoints and shards a lease names) are the coordinator's; the worker only lets them through.
-_JOB_KEYS = ("stages", "inputs", "prepare", "recipe", "export_formats", "evaluate", "noop", "placement", "trust_inputs")
+# `placement` (per-kind provider requirements of a job graph), `trust_inputs` (which earlier attempts'
+# checkpoints and shards a lease names) and `verify_fraction` (the share of capture jobs another provider
+# recomputes) are the coordinator's; the worker only lets them through.
+_JOB_KEYS = ("stages", "inputs", "prepare", "recipe", "export_formats", "evaluate", "noop", "placement", "trust_inputs", "verify_fraction")
 
 
 @dataclass(frozen=True, kw_only=True)
