@@ -1,0 +1,44 @@
+"""`bench/replay_check.py`: the figures' algebra, and a miniature run end to end (its timings mean
+nothing; what is checked is that every verify job recomputes its capture exactly and every figure is
+printed and written)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _load import bench_module
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_figures_follow_the_coordinator_s_choice_of_shards():
+    rc = bench_module("replay_check")
+    times = {"prepare": 1.0, "capture0": 2.0, "capture1": 4.0, "train": 10.0, "evaluate": 3.0, "verify0": 2.0, "verify1": 4.0}
+    sizes = {"capture0": 100, "capture1": 100, "verify0": 100, "verify1": 100}
+    none = rc.figures(times, sizes, 2, 0.0, "r")
+    assert none["checked"] == [] and none["extra_work"] == 0 and none["critical_path_overhead"] == 0
+    both = rc.figures(times, sizes, 2, 1.0, "r")
+    assert both["checked"] == [0, 1]
+    assert both["extra_work"] == pytest.approx(6 / 20)  # both recaptures over the run's 20 s of jobs
+    assert both["critical_path_s"] == pytest.approx(1 + 8 + 10 + 3) and both["critical_path_unchecked_s"] == pytest.approx(18)
+    assert both["extra_upload"] == pytest.approx(1.0)
+    half = rc.figures(times, sizes, 2, 0.5, "r")
+    assert len(half["checked"]) == 1
+
+
+@pytest.mark.slow
+def test_a_miniature_run_prints_every_fraction(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "replay_check.py"), "--shards", "2", "--fractions", "0,1", "--steps", "2", "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "every verify job recomputed its capture byte for byte" in out.stdout, out.stdout
+    assert re.search(r"^ +0\.00 +0 +0\.0 s +0\.0%", out.stdout, re.M) and re.search(r"^ +1\.00 +2 ", out.stdout, re.M), out.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert [r["fraction"] for r in doc["rows"]] == [0.0, 1.0] and doc["rows"][1]["extra_work"] > 0
