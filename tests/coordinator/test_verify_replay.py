@@ -112,6 +112,8 @@ def test_a_matching_verify_lets_train_start_and_is_never_leased_to_the_producer(
         assert jobs[("verify", 0)].waiting_for == [] and jobs[("train", 0)].waiting_for == [jobs[("verify", 0)].job_id]
         # Neither the producer nor a provider of another backend gets the verify job (nor train, which waits for it).
         assert _no_work(producer) and _no_work(mps)
+        why = _jobs(admin, run.run_id)[("verify", 0)].waiting_reason
+        assert "only to a provider other than the one that produced its capture, on the same backend" in why, why
         lease = _verify(verifier, expect="succeeded")
         assert lease.shard_index == 0 and lease.shard_count == 1
         train = producer.acquire().lease

@@ -254,6 +254,8 @@ class Runs(Part):
                 out[kind] = f"waiting for a provider: the live providers that fit this {what} are busy with other jobs: {names}"
             else:
                 out[kind] = f"waiting for a provider: {names} fit this {what}; it is leased when one asks for work (older runs' jobs first)"
+            if kind == "verify":
+                out[kind] += "; a verify job goes only to a provider other than the one that produced its capture, on the same backend"
         return out
 
     def approve_version(self, run_id: str, version: str) -> RunRow:
