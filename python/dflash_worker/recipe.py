@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from .errors import ConfigError
+from .families import FAMILIES as _REGISTRY
 from .manifest import fingerprint as _fingerprint
 
-# Family names a recipe may name. Kept here (not imported from `families`) so
-# parsing a recipe never needs torch; `families` validates the pair itself.
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+# Family names a recipe may name: the registry's (`families` imports no torch, so parsing a
+# recipe still never needs it; `families` validates the pair itself).
+FAMILIES = tuple(_REGISTRY)
 THINKING = ("on", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 SAMPLING = ("greedy", "sampled")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..families import FAMILIES as _REGISTRY
 from .tiny_draft import place_overrides
 
 # The dense geometry both tiny families share (a Qwen3-MoE layer keeps the dense attention).
@@ -58,7 +59,7 @@ _TINY_VISION: dict[str, Any] = dict(
     depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4, num_position_embeddings=16
 )
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = tuple(_REGISTRY)  # every registered family has a tiny builder here
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
