@@ -112,6 +112,24 @@ def test_replay_in_the_job_spec_prepares_what_the_cli_prepares(tmp_path, capsys)
     assert _digests(tmp_path / "job" / "data") == _digests(tmp_path / "cli")
 
 
+def test_replay_val_fraction_in_the_job_spec_prepares_what_the_cli_prepares(tmp_path, capsys):
+    """General rows held out into val (the general-domain guard's rows), from a job as from the CLI."""
+    src = _write_rows(tmp_path / "in.jsonl", 40)
+    gen = tmp_path / "general.jsonl"
+    gen.write_text("".join(json.dumps({"prompt": f"general prompt {i}"}) + "\n" for i in range(30)))
+    p = _run_job(tmp_path / "job", {"stages": ["prepare"], "inputs": [str(src)],
+                                     "prepare": {"replay": [str(gen)], "replay_fraction": 0.2, "replay_val_fraction": 0.1}})
+    assert p.returncode == 0, p.stderr
+    m = json.loads((tmp_path / "job" / "data" / "manifest.json").read_text())
+    assert m["replay"]["val_ids"], m["replay"]
+    val = [json.loads(line) for line in (tmp_path / "job" / "data" / "val.jsonl").read_text().splitlines()]
+    assert sum(1 for row in val if row.get("domain") == "general") == len(m["replay"]["val_ids"])
+    cli = _cli(capsys, "--input", str(src), "--output", str(tmp_path / "cli"), "--replay", str(gen), "--replay-fraction", "0.2",
+               "--replay-val-fraction", "0.1")
+    assert m["split_fingerprint"] == cli["split_fingerprint"]
+    assert _digests(tmp_path / "job" / "data") == _digests(tmp_path / "cli")
+
+
 @pytest.mark.parametrize(
     ("prepare", "needle"),
     [
@@ -120,6 +138,9 @@ def test_replay_in_the_job_spec_prepares_what_the_cli_prepares(tmp_path, capsys)
         ({"replay": "g.jsonl"}, "`replay` must be a list of strings"),
         ({"replay": ["a\0b"]}, "`spec.prepare.replay[0]` contains a NUL character"),
         ({"replay_fraction": 0.3}, "`spec.prepare.replay_fraction` is set but `spec.prepare.replay` names no file"),
+        ({"replay_val_fraction": 0.1}, "`spec.prepare.replay_val_fraction` is set but `spec.prepare.replay` names no file"),
+        ({"replay": ["g.jsonl"], "replay_val_fraction": "a tenth"}, "`replay_val_fraction` must be a number"),
+        ({"replay": ["g.jsonl"], "replay_val_fraction": 1.5}, "`--replay-val-fraction` must be in (0, 1)"),
         ({"replay": ["g.jsonl"], "replay_fraction": "half"}, "`replay_fraction` must be a number"),
         ({"replay": ["g.jsonl"], "replay_fraction": 1.5}, "`--replay-fraction` must be in (0, 1)"),
     ],

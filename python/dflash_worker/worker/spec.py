@@ -301,7 +301,9 @@ class PrepareOptions:
     ``holdout_file`` names groups that go to ``test`` whatever the hash says. Either
     one, as with `prepare-data --split` / `--holdout-file`; `split` excludes the rest.
     ``replay`` (JSONL paths) and ``replay_fraction`` mix general rows into train, as
-    `prepare-data --replay` / `--replay-fraction` (anti-forgetting, docs/effectiveness.md).
+    `prepare-data --replay` / `--replay-fraction` (anti-forgetting, docs/effectiveness.md);
+    ``replay_val_fraction`` holds general rows out into val for training's general-domain
+    guard, as `--replay-val-fraction`.
     """
 
     seed: int | None = None
@@ -312,6 +314,7 @@ class PrepareOptions:
     holdout_file: str | None = None
     replay: tuple[str, ...] | None = None
     replay_fraction: float | None = None
+    replay_val_fraction: float | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> PrepareOptions:
@@ -320,7 +323,8 @@ class PrepareOptions:
         where = "`spec.prepare`"
         obj = _object(obj, where)
         _refuse_unknown(
-            obj, ("seed", "val_fraction", "test_fraction", "skip_invalid", "split", "holdout_file", "replay", "replay_fraction"),
+            obj, ("seed", "val_fraction", "test_fraction", "skip_invalid", "split", "holdout_file", "replay", "replay_fraction",
+                  "replay_val_fraction"),
             where,
         )
         opts = cls(
@@ -332,15 +336,18 @@ class PrepareOptions:
             holdout_file=_get(obj, "holdout_file", where, (str,), "a path", None),
             replay=_str_list(obj, "replay", where, None) if obj.get("replay") is not None else None,
             replay_fraction=_get(obj, "replay_fraction", where, (int, float), "a number", None),
+            replay_val_fraction=_get(obj, "replay_val_fraction", where, (int, float), "a number", None),
         )
         if opts.replay is not None:
             if not opts.replay or not all(opts.replay):
                 raise ConfigError("`spec.prepare.replay` must be a non-empty list of JSONL paths")
             for i, path in enumerate(opts.replay):
                 _check_path(path, f"`spec.prepare.replay[{i}]`")
-        elif opts.replay_fraction is not None:
-            raise ConfigError("`spec.prepare.replay_fraction` is set but `spec.prepare.replay` names no file"
-                              "\nhint: add `replay` (general-domain JSONL files) or remove `replay_fraction`")
+        else:
+            for key in ("replay_fraction", "replay_val_fraction"):
+                if getattr(opts, key) is not None:
+                    raise ConfigError(f"`spec.prepare.{key}` is set but `spec.prepare.replay` names no file"
+                                      f"\nhint: add `replay` (general-domain JSONL files) or remove `{key}`")
         if opts.holdout_file is not None:
             if not opts.holdout_file:
                 raise ConfigError("`spec.prepare.holdout_file` is empty; give the path of a holdout list")
