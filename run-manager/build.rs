@@ -1,6 +1,6 @@
 //! Build script:
-//! - embeds the git commit the binary was built from (`DFLASH_GIT_COMMIT`), so
-//!   `run-manager --version` can name it (`unknown` outside a checkout);
+//! - embeds the git commit the binary was built from, so `run-manager --version`
+//!   can name it (`unknown` outside a checkout; `DFLASH_GIT_COMMIT` names it instead);
 //! - generates the gRPC client for `proto/dflash/v1` with the `protoc` that the
 //!   `protoc-bin-vendored` crate ships, so no system `protoc` is needed.
 //!
@@ -17,14 +17,19 @@ fn main() {
 }
 
 fn embed_git_commit() {
-    let commit = std::env::var("DFLASH_GIT_COMMIT").ok().or_else(|| {
-        Command::new("git")
-            .args(["rev-parse", "--short=12", "HEAD"])
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    });
+    println!("cargo:rerun-if-env-changed=DFLASH_GIT_COMMIT");
+    if let Ok(given) = std::env::var("DFLASH_GIT_COMMIT") {
+        // Named by the builder (the Docker build, the fuzz targets): git is not asked, and a
+        // moved HEAD does not rebuild the crate.
+        println!("cargo:rustc-env=DFLASH_GIT_COMMIT={given}");
+        return;
+    }
+    let commit = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
     let dirty = Command::new("git")
         .args(["status", "--porcelain", "--untracked-files=no"])
         .output()
@@ -37,7 +42,6 @@ fn embed_git_commit() {
         commit.push_str("-dirty");
     }
     println!("cargo:rustc-env=DFLASH_GIT_COMMIT={commit}");
-    println!("cargo:rerun-if-env-changed=DFLASH_GIT_COMMIT");
     // Rebuild when HEAD moves (best effort: paths relative to the crate).
     println!("cargo:rerun-if-changed=../.git/HEAD");
     println!("cargo:rerun-if-changed=../.git/index");
