@@ -15,12 +15,35 @@ from pathlib import Path
 import grpc
 
 from dflash_worker.coordinator.client import AdminClient
+from dflash_worker.coordinator.store import Registration, RunSpecData, Store
 from dflash_worker.coordinator.tls import ClientTls
 from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2, provider_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENT_VERSION = "0.1.0"
 SPEC = json.dumps({"stages": ["train"], "recipe": {"steps": 4}, "data": "file:///data/x.jsonl", "target": "tiny-qwen3"})
+
+
+def registration(name: str = "box", **kw) -> Registration:
+    """A cpu provider's registration as the run-manager sends it; `kw` overrides fields."""
+    fields = dict(client_version=CLIENT_VERSION, native_client_version="", launch_mode=1, native=False, backend="cpu",
+                  device_count=1, features=(), capabilities=b"", name=name)  # fmt: skip
+    return Registration(**(fields | kw))
+
+
+def register_provider(store: Store, name: str = "box", **kw) -> str:
+    """Create a provider in `store` and register it (`registration(name, **kw)`); returns its id."""
+    pid, _ = store.create_provider(name)
+    store.register(pid, registration(name, **kw))
+    return pid
+
+
+def store_lease(store: Store, *, num_jobs: int = 1):
+    """One provider, one run of `num_jobs` jobs, and the provider's lease on its first: `(pid, run, grant, live lease)`."""
+    pid = register_provider(store)
+    run = store.create_run(RunSpecData(name="r", spec_json="{}", required_client_version=CLIENT_VERSION, num_jobs=num_jobs))
+    g = store.acquire(pid)
+    return pid, run, g, store.live_lease(pid, g.lease_id)
 
 
 def subprocess_env() -> dict[str, str]:

@@ -13,11 +13,11 @@ import shutil
 
 import grpc
 import pytest
-from coordinator_helpers import Provider, code_of, run_spec
+from coordinator_helpers import Provider, code_of, run_spec, store_lease
 
 from dflash_worker.coordinator import artifacts as artifacts_mod
 from dflash_worker.coordinator.artifacts import Claim, Staging, check_name, escape_name
-from dflash_worker.coordinator.store import Quotas, Registration, RunSpecData, Store
+from dflash_worker.coordinator.store import Quotas, Store
 from dflash_worker.errors import InvalidRequestError, QuotaError, StorageError
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
@@ -106,32 +106,11 @@ def test_case_and_normalisation_twins_within_a_job_are_refused_naming_both(coord
     ]
 
 
-def _store_lease(store: Store, *, num_jobs: int = 1):
-    pid, _ = store.create_provider("box")
-    store.register(
-        pid,
-        Registration(
-            client_version="0.1.0",
-            native_client_version="",
-            launch_mode=1,
-            native=False,
-            backend="cpu",
-            device_count=1,
-            features=(),
-            capabilities=b"",
-            name="box",
-        ),
-    )
-    run = store.create_run(RunSpecData(name="r", spec_json="{}", required_client_version="0.1.0", num_jobs=num_jobs))
-    g = store.acquire(pid)
-    return pid, run, g, store.live_lease(pid, g.lease_id)
-
-
 def test_twins_admitted_together_are_refused_when_the_second_is_recorded(tmp_path):
     """Two uploads in flight at once both pass admission; the record that would make twins is refused."""
     store = Store(tmp_path / "c.db")
     try:
-        *_, lease = _store_lease(store)
+        *_, lease = store_lease(store)
         store.record(lease, Claim(name="Out.json", kind="report", sha256="a" * 64, size_bytes=2, step=0))
         with pytest.raises(InvalidRequestError, match="`out.json` differs from this job's artifact `Out.json`"):
             store.record(lease, Claim(name="out.json", kind="report", sha256="b" * 64, size_bytes=2, step=0))
@@ -239,7 +218,7 @@ def test_retryable_attempts_do_not_hold_the_run_quota_and_live_ones_do(start_coo
 def test_a_succeeded_attempt_holds_the_run_quota_for_the_other_jobs(tmp_path):
     store = Store(tmp_path / "c.db", quotas=Quotas(run_bytes=100))
     try:
-        pid, _, g, lease = _store_lease(store, num_jobs=3)
+        pid, _, g, lease = store_lease(store, num_jobs=3)
         store.record(lease, Claim(name="x.bin", kind="report", sha256="a" * 64, size_bytes=90, step=0))
         store.finish(pid, g.lease_id, "retryable", "")
         g = store.acquire(pid)

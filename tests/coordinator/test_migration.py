@@ -5,8 +5,9 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+from coordinator_helpers import register_provider, registration
 
-from dflash_worker.coordinator.store import SCHEMA_VERSION, Registration, Store, hash_token
+from dflash_worker.coordinator.store import SCHEMA_VERSION, Store, hash_token
 from dflash_worker.errors import AuthenticationError, ConfigError
 
 # The layout schema version 1 had (the coordinator before token rotation and revocation), verbatim.
@@ -151,7 +152,7 @@ def test_a_version_1_database_opens_and_is_migrated(tmp_path):
             store.authenticate(TOKEN)
         store.register(
             "prov-old",
-            Registration(client_version="0.1.0", native_client_version="", launch_mode=1, native=False, backend="cpu", device_count=1, features=(), capabilities=b"", name="x"),
+            registration("x"),
         )
     finally:
         store.close()
@@ -194,8 +195,7 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
 
     path = tmp_path / "coordinator.db"
     store = Store(path)
-    pid, _ = store.create_provider("box")
-    store.register(pid, Registration(client_version="0.1.0", native_client_version="", launch_mode=1, native=False, backend="cpu", device_count=1, features=(), capabilities=b"", name="box"))
+    pid = register_provider(store)
     run = store.create_run(RunSpecData(name="old", spec_json="{}", required_client_version="0.1.0", num_jobs=2))
     jobs = []
     for with_export in (True, False):

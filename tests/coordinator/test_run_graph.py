@@ -13,25 +13,15 @@ import sqlite3
 
 import grpc
 import pytest
-from coordinator_helpers import run_spec
+from coordinator_helpers import registration, run_spec
 
 from dflash_worker.coordinator.artifacts import Claim, check_kind
 from dflash_worker.coordinator.policy import JOB_GRAPH_FEATURE
-from dflash_worker.coordinator.store import MAX_SHARDS, SCHEMA_VERSION, Grant, Quotas, Registration, RunSpecData, Store
+from dflash_worker.coordinator.store import MAX_SHARDS, SCHEMA_VERSION, Grant, Quotas, RunSpecData, Store
 from dflash_worker.errors import InvalidRequestError, NotFoundError, QuotaError
 from dflash_worker.proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2
 
-REG = Registration(
-    client_version="0.1.0",
-    native_client_version="",
-    launch_mode=1,
-    native=False,
-    backend="cpu",
-    device_count=1,
-    features=(JOB_GRAPH_FEATURE,),
-    capabilities=b"",
-    name="box",
-)
+REG = registration(features=(JOB_GRAPH_FEATURE,))
 
 
 @pytest.fixture

@@ -12,21 +12,19 @@ import sys
 import time
 
 import pytest
-from coordinator_helpers import wait_until
+from coordinator_helpers import register_provider, wait_until
 
 from dflash_worker.coordinator import page
 from dflash_worker.coordinator import snapshot as snap_mod
 from dflash_worker.coordinator.snapshot_proc import SnapshotProcess, SnapshotUnavailable, render
-from dflash_worker.coordinator.store import Progress, Registration, RunSpecData, Store, StoreReader
+from dflash_worker.coordinator.store import Progress, RunSpecData, Store, StoreReader
 from dflash_worker.proto.dflash.v1 import provider_pb2 as pb
 
 
 @pytest.fixture
 def store(tmp_path):
     s = Store(tmp_path / "c.db", lease_ttl=1000)
-    pid, _ = s.create_provider("box")
-    s.register(pid, Registration(client_version="0.1.0", native_client_version="", launch_mode=1, native=False, backend="cpu",
-                                 device_count=1, features=(), capabilities=b"", name="box <b>"))  # fmt: skip
+    pid = register_provider(s, "box <b>")
     s.create_run(RunSpecData(name="snap & co", spec_json="{}", required_client_version="0.1.0", num_jobs=3))
     g = s.acquire(pid)
     s.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_TRAIN, step=3, total_steps=9, metrics={"loss": 1.5, "tokens_per_s": 99.0}))

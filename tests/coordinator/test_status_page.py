@@ -13,7 +13,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-from coordinator_helpers import Provider, run_spec, wait_until
+from coordinator_helpers import Provider, register_provider, run_spec, wait_until
 from test_publish import BETTER, WORSE, report, spec_json
 
 from dflash_worker.coordinator.publish import REPORT_NAME
@@ -207,14 +207,13 @@ def test_plain_http_off_loopback_is_refused(tmp_path):
 def test_eta_is_the_current_phases_and_the_snapshot_is_bounded(tmp_path):
     """ETA = steps left x seconds per step since the phase began; a phase change restarts the clock."""
     from dflash_worker.coordinator import snapshot as snap_mod
-    from dflash_worker.coordinator.store import Progress, Registration, RunSpecData, Store
+    from dflash_worker.coordinator.store import Progress, RunSpecData, Store
     from dflash_worker.proto.dflash.v1 import provider_pb2 as pb
 
     now = [1000.0]
     store = Store(tmp_path / "c.db", clock=lambda: now[0], lease_ttl=1000)
     try:
-        pid, _ = store.create_provider("box")
-        store.register(pid, Registration(client_version="0.1.0", native_client_version="", launch_mode=1, native=False, backend="cpu", device_count=1, features=(), capabilities=b"", name="box"))
+        pid = register_provider(store)
         store.create_run(RunSpecData(name="eta", spec_json="{}", required_client_version="0.1.0", num_jobs=snap_mod.MAX_JOBS + 5))
         g = store.acquire(pid)
         store.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_CAPTURE, step=0, total_steps=4))

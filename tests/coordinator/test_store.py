@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 
+from coordinator_helpers import register_provider
+
 from dflash_worker.coordinator import store as store_mod
-from dflash_worker.coordinator.store import Grant, Registration, RunSpecData, Store, Upgrade
+from dflash_worker.coordinator.store import Grant, RunSpecData, Store, Upgrade
 
 
 def _register(store: Store, name: str, version: str = "0.1.0") -> str:
-    pid, _ = store.create_provider(name)
-    store.register(
-        pid,
-        Registration(client_version=version, native_client_version="", launch_mode=1, native=False, backend="cpu", device_count=1, features=(), capabilities=b"", name=name),
-    )
-    return pid
+    return register_provider(store, name, client_version=version)
 
 
 def test_acquire_parses_no_queued_runs_spec_json(tmp_path, monkeypatch):

@@ -16,11 +16,11 @@ import json
 import sqlite3
 
 import pytest
-from coordinator_helpers import SPEC, Provider, run_spec
+from coordinator_helpers import SPEC, Provider, registration, run_spec
 
 from dflash_worker.coordinator.artifacts import Claim
 from dflash_worker.coordinator.policy import JOB_GRAPH_FEATURE
-from dflash_worker.coordinator.store import Registration, RunSpecData, Store
+from dflash_worker.coordinator.store import RunSpecData, Store
 from dflash_worker.errors import InvalidRequestError
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
@@ -163,10 +163,7 @@ def test_trust_inputs_must_be_one_of_the_policies(coordinator):
             assert admin.create_run(run_spec(f"good-{good}", spec_json=_spec(good))).run_id
 
 
-REG = Registration(
-    client_version="0.1.0", native_client_version="", launch_mode=1, native=False, backend="cpu", device_count=1,
-    features=(), capabilities=b"", name="box",
-)  # fmt: skip
+REG = registration()
 
 
 def test_a_version_6_database_gets_the_safe_default(tmp_path):

@@ -153,6 +153,8 @@ class Artifacts:
         self.idle_seconds = idle_seconds
         # Staged files being written now, by attempt: path -> declared size.
         self._inflight: dict[str, dict[Path, int]] = {}
+        # Set when the upload writing that staged file has ended (its bytes all written).
+        self._ended: dict[Path, asyncio.Event] = {}
         # Bytes received (staged) and sent (downloads) since start, for `metrics`.
         self.bytes_in = 0
         self.bytes_out = 0
@@ -173,7 +175,21 @@ class Artifacts:
         except TimeoutError:
             raise IdleError(f"{what}: nothing arrived for {self.idle_seconds:g} s; the upload was cut (what arrived is kept for a resume)") from None
 
-    def offset(self, lease: LiveLease, claim: Claim) -> tuple[int, bool]:
+    async def offset(self, lease: LiveLease, claim: Claim) -> tuple[int, bool]:
+        """How far the staged copy of `claim` has come; waits for an upload of it still in progress to end.
+
+        A cut stream's handler may still be writing the chunks it buffered when
+        the provider asks (`_Writer` is a few chunks behind the network): the
+        answer counts them all, or a resume from it would overlap what lands.
+        """
+        ended = self._ended.get(self.staging.path(lease.attempt_id, claim))
+        if ended is not None:
+            try:
+                await asyncio.wait_for(ended.wait(), timeout=self.idle_seconds + 5.0)
+            except TimeoutError:
+                raise PolicyError(
+                    f"artifact `{claim.name}`: another upload of it is still in progress\nhint: wait for it to end, then ask UploadOffset again"
+                ) from None
         if self.store.records.recorded(lease.attempt_id, claim) is not None:
             return claim.size_bytes, True
         return self.staging.offset(lease.attempt_id, claim), False
@@ -196,6 +212,7 @@ class Artifacts:
         self.staging.check_space(claim, offset)
         self.staging.reserve(lease.run_id, lease.attempt_id, claim)
         inflight[path] = claim.size_bytes
+        self._ended[path] = asyncio.Event()
         return path
 
     def release(self, lease: LiveLease, path: Path) -> None:
@@ -203,6 +220,9 @@ class Artifacts:
         inflight.pop(path, None)
         if not inflight:
             self._inflight.pop(lease.attempt_id, None)
+        ended = self._ended.pop(path, None)
+        if ended is not None:
+            ended.set()
 
     async def receive(self, lease: LiveLease, claim: Claim, offset: int, chunks: AsyncIterator[bytes]) -> None:
         """Stage `chunks` from `offset`; refuse a byte past the declared size; verify sha256 when complete."""
@@ -544,7 +564,7 @@ class ProviderService(provider_pb2_grpc.ProviderServiceServicer):
         pid = self._provider_id()
         lease = self.store.leases.live_lease(pid, request.lease_id)
         claim = Claim.of(request.artifact)
-        offset, committed = self.artifacts.offset(lease, claim)
+        offset, committed = await self.artifacts.offset(lease, claim)
         return provider_pb2.UploadOffsetResponse(offset=offset, committed=committed)
 
     async def DownloadArtifact(self, request, context):
