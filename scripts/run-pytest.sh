@@ -2,8 +2,8 @@
 # Run the Python suite with the checkout's .venv. pytest's exit code 5 means it
 # collected no tests: that is reported as its own failure, never as success.
 #
-# The suite runs on every core with pytest-xdist (`-n auto`; DFLASH_PYTEST_WORKERS=N sets
-# the count, 0 runs in one process), each test file on one worker (`--dist loadfile`), so a
+# The suite runs on every core with pytest-xdist (one worker more than `nproc`; DFLASH_PYTEST_WORKERS=N
+# sets the count, 0 runs in one process), each test file on one worker (`--dist loadfile`), so a
 # module's fixtures are built once; files are handed out in collection order, which
 # tests/conftest.py makes longest first from tests/durations.json (xdist's own reorder, by
 # number of tests per file, is off). Arguments that choose workers themselves (`-n`,
@@ -17,7 +17,14 @@ cd "$root" || exit 2
 # worker and coordinator process a test starts recompiles dflash_worker (~0.2 s CPU each).
 # `__pycache__/` is git-ignored.
 unset PYTHONDONTWRITEBYTECODE
-workers=${DFLASH_PYTEST_WORKERS:-auto}
+# One OpenMP/MKL thread per process unless the caller set a count: the suite runs a process per
+# core (and every test starts more: CLIs, workers, ranks), the tiny models gain nothing from a
+# second thread, and idle OpenMP threads spin while waiting for work (tests/e2e/test_e2e_graph.py:
+# 98.9 -> 89.5 s CPU). Tests that are about thread counts set their own.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+# One worker more than there are cores: tests that wait (a lease to expire, a container to
+# start, a process to die) leave their core to the third worker.
+workers=${DFLASH_PYTEST_WORKERS:-$(( $(nproc 2>/dev/null || echo 1) + 1 ))}
 dist=()
 case " $* " in
   *" -n "* | *" -n"[0-9]* | *" --numprocesses"* | *"no:xdist"*) ;;
