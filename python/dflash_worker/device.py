@@ -196,6 +196,19 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def seed_rng_state(seed: int) -> None:
+    """Seed every RNG `capture_rng_state` saves (python, numpy, torch CPU and accelerators) from `seed`.
+
+    A fresh training run does this before its first step, so the RNG state its checkpoints hold
+    depends on the recipe alone, not on what the process drew before: a replay from step 0 on
+    another machine commits the same ``rng.json`` (verification by replay)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # (also every CUDA and MPS device)
+
+
 def restore_rng_state(state: Mapping[str, Any]) -> None:
     """Inverse of `capture_rng_state`. Raises `ResumeError` on a malformed or mismatched state."""
     import numpy as np

@@ -47,7 +47,11 @@ def _providers(provider_factory, *names: str, backend: str = "cuda") -> list[Pro
 
 
 def _jobs(admin, run_id: str) -> dict[tuple[str, int], object]:
-    return {(j.kind, j.shard_index): j for j in admin.get_run(run_id).jobs}
+    """By (kind, shard): a capture's verify job, not the train replay's (created last; tests/coordinator/test_verify_train.py)."""
+    out = {}
+    for j in admin.get_run(run_id).jobs:
+        out.setdefault((j.kind, j.shard_index), j)
+    return out
 
 
 def _prepare(p: Provider) -> None:
@@ -96,9 +100,10 @@ def test_verify_fraction_is_checked_and_selects_a_deterministic_share():
     assert RunSpecData(**base, spec_json=SPEC, capture_shards=8).verified_shards("run-a") == []
     graph = RunSpecData(**base, spec_json=_spec(verify_fraction=1), capture_shards=2).graph("run-a")
     kinds = [k for k, *_ in graph]
-    assert kinds == ["prepare", "capture", "capture", "train", "evaluate", "verify", "verify"]
+    assert kinds == ["prepare", "capture", "capture", "train", "evaluate", "verify", "verify", "verify"]
     assert graph[5][1:] == (0, 2, (0, 1)) and graph[6][1:] == (1, 2, (0, 2))
     assert graph[3][3] == (0, 1, 2, 5, 6)  # train needs both verify jobs
+    assert graph[7][1:] == (0, 1, (0, 1, 2, 3)) and graph[4][3] == (0, 3, 7)  # the train replay: evaluate needs it
 
 
 def test_a_matching_verify_lets_train_start_and_is_never_leased_to_the_producer(coordinator, provider_factory):
@@ -113,7 +118,7 @@ def test_a_matching_verify_lets_train_start_and_is_never_leased_to_the_producer(
         # Neither the producer nor a provider of another backend gets the verify job (nor train, which waits for it).
         assert _no_work(producer) and _no_work(mps)
         why = _jobs(admin, run.run_id)[("verify", 0)].waiting_reason
-        assert "only to a provider other than the one that produced its capture, on the same backend" in why, why
+        assert "only to a provider other than the one that produced its capture (or its training), on the same backend" in why, why
         lease = _verify(verifier, expect="succeeded")
         assert lease.shard_index == 0 and lease.shard_count == 1
         train = producer.acquire().lease

@@ -148,10 +148,15 @@ def check_trust_inputs(value: Any, field: str = "spec.spec_json.trust_inputs") -
 
 
 # Verification by replay: the share of a graph run's capture jobs that a `verify` job recomputes on
-# another provider (spec JSON `verify_fraction`, 0 to 1; 0: none). A verify job uploads what it
+# another provider, and the share of the train job's steps up to its selected checkpoint that one
+# replays (spec JSON `verify_fraction`, 0 to 1; 0: none). A verify job uploads what it
 # recomputed under `VERIFY_PREFIX` + the producer's name, and the coordinator compares the digests.
 DEFAULT_VERIFY_FRACTION = 0.0
 VERIFY_PREFIX = "verify/"
+# What a graph's train job records (the worker's `RUN_DIR` and `train.export_run.SELECTION`, and its
+# checkpoints' directory): a train replay reads the selected step from its selection record's step.
+TRAIN_SELECTION = "run/selection.json"
+TRAIN_CHECKPOINTS = "run/checkpoints/"
 
 
 def check_verify_fraction(value: Any, field: str = "spec.spec_json.verify_fraction") -> float:
@@ -160,7 +165,8 @@ def check_verify_fraction(value: Any, field: str = "spec.spec_json.verify_fracti
         shown = str(value)[:40] if isinstance(value, (int, float)) else type(value).__name__
         raise InvalidRequestError(
             f"`{field}` must be a number from 0 to 1, got `{shown}`\n"
-            "hint: the share of capture jobs another provider recomputes (docs/run-admin.md, Trust model); leave it out for none"
+            "hint: the share of capture jobs (and of training steps) another provider recomputes (docs/run-admin.md, Trust model);"
+            " leave it out for none"
         )
     return float(value)
 

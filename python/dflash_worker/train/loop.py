@@ -18,7 +18,7 @@ Order of work inside step s: micro-batches (forward, backward) -> the L2-SP
 gradient (`[train].l2sp > 0`, `Trainer._l2sp`) -> clip ->
 AdamW step -> scheduler step -> validation (every `val_every` steps and at the
 last step) -> metrics line -> checkpoint (every `checkpoint_every` steps, at
-validation steps, at the last step, and on SIGUSR1/SIGINT/SIGTERM). The
+validation steps, at the last step, at a replay's `stop_at`, and on SIGUSR1/SIGINT/SIGTERM). The
 metrics line is written before the checkpoint commits, so a crash in between
 leaves a line past the newest checkpoint, which `--resume` truncates: every
 step appears in ``metrics.jsonl`` exactly once.
@@ -221,7 +221,7 @@ def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
 @dataclass
 class TrainResult:
     run_dir: Path
-    status: str  # "completed" | "stopped" | "verified"
+    status: str  # "completed" | "stopped" | "verified" | "replayed" (`stop_at`)
     step: int
     total_steps: int
     message: str
@@ -464,8 +464,14 @@ class Trainer:
         attention: str = "auto",
         ranks: dist.Ranks | None = None,
         skip_unusable: bool = False,
+        stop_at: int | None = None,
     ) -> None:
         self.recipe = recipe
+        # Replay (a coordinator's verify job): stop after step `stop_at` with its checkpoint committed, on the
+        # full run's schedule, without selecting or exporting (`replay`); None trains the whole run.
+        if stop_at is not None and not 1 <= stop_at <= recipe.require("train").steps:
+            raise ConfigError(f"replay to step `{stop_at}` is outside this run's 1..{recipe.require('train').steps}")
+        self.stop_at = stop_at
         # Resume: skip a checkpoint that fails to load or does not fit this run (warning) for the next
         # older one, else start fresh (`_restore_newest_usable`); without it such a checkpoint fails the run.
         self.skip_unusable = skip_unusable
@@ -912,17 +918,34 @@ class Trainer:
             self.restore(ckpt.load(existing))
             self.emit(Log(message=f"resumed from `{existing}` at step {self.step}"))
             resumed = True
+        if not resumed:  # the RNG state checkpoints hold depends on the recipe alone (`device.seed_rng_state`)
+            from ..device import seed_rng_state
+
+            seed_rng_state(self.cfg.seed)
         if not resumed and self.ranks.main:  # a fresh start (also `--resume` before the first commit): no metric line survives
             (self.run_dir / METRICS).unlink(missing_ok=True)
             if self.parts.val_general:
                 self._measure_baseline()
         metrics_file = self.run_dir / METRICS if self.ranks.main else Path(os.devnull)
+        end = self.cfg.steps if self.stop_at is None else self.stop_at
+        if self.step > end:
+            raise ResumeError(f"run directory `{self.run_dir}` resumed at step {self.step}, past the replay's last step {end}")
         with SignalGuard(self.flags), open(metrics_file, "a", encoding="utf-8") as mf:
-            while self.step < self.cfg.steps:
+            while self.step < end:
                 stopped = self._advance(mf)
                 if stopped is not None:
                     return stopped
+        if self.stop_at is not None:
+            return self.replayed()
         return self.finish()
+
+    def replayed(self) -> TrainResult:
+        """A replay reached `stop_at`: its checkpoint is committed (`_advance`, or the one it resumed from)."""
+        path = self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(self.step)
+        if self.ranks.main and self.committed_step != self.step:
+            path = self.save_checkpoint()
+        msg = f"replayed training to step {self.step}/{self.cfg.steps}; checkpoint `{path}`"
+        return TrainResult(self.run_dir, "replayed", self.step, self.cfg.steps, msg, checkpoint=path)
 
     def _measure_baseline(self) -> None:
         """Measure and report the released draft's general acceptance (`measure_released`)."""
@@ -953,7 +976,7 @@ class Trainer:
         # a signal on any rank stops (or checkpoints) every rank at this step
         stop, usr = dist.any_true(self.ranks, [self.flags.stop_signal is not None, self.flags.take_checkpoint_request()],
                                   self.parts.device)
-        if self.ranks.main and (validated or last or stop or usr or self.step % cfg.checkpoint_every == 0):
+        if self.ranks.main and (validated or last or stop or usr or self.step % cfg.checkpoint_every == 0 or self.step == self.stop_at):
             self.save_checkpoint()
         metrics = {k: line[k] for k in PROGRESS_KEYS}
         self.emit(Progress(phase="train", step=self.step, total_steps=cfg.steps, metrics=metrics, committed_step=self.committed_step))
@@ -1077,6 +1100,7 @@ def train(
     device: DeviceChoice | None = None,
     attention: str = "auto",
     skip_unusable: bool = False,
+    stop_at: int | None = None,
 ) -> TrainResult:
     """Run (or resume, or verify) the training run of `recipe` in `run_dir`.
 
@@ -1084,10 +1108,12 @@ def train(
     `attention` are the job runner's placement (see `Trainer`). `skip_unusable`: a checkpoint
     that cannot be resumed is skipped with a warning for an older one or a fresh start (the
     job runner's choice: its checkpoints may come from another attempt), instead of an error.
+    `stop_at`: replay up to that step (its checkpoint committed) on the full run's schedule, then
+    stop with status ``replayed`` (no selection, no export): a coordinator's verify job.
     """
     trainer = Trainer(
         recipe, resolve_run_dir(recipe, run_dir), resume=resume, on_event=on_event, flags=flags, hooks=hooks,
-        device=device, attention=attention, skip_unusable=skip_unusable,
+        device=device, attention=attention, skip_unusable=skip_unusable, stop_at=stop_at,
     )
     try:
         return trainer.run()

@@ -198,8 +198,9 @@ GRAPH_KIND_STAGES: dict[str, frozenset[str]] = {
     "capture": frozenset({"capture"}),
     "train": frozenset({"train", "export"}),
     "evaluate": frozenset({"evaluate"}),
-    # Verification by replay: capture shard i of N again, into `VERIFY_DIR` (never over its inputs).
-    "verify": frozenset({"capture"}),
+    # Verification by replay: capture shard i of N again, into `VERIFY_DIR` (never over its inputs), or
+    # replay the train job's training up to its selected checkpoint and export it there.
+    "verify": frozenset({"capture", "train"}),
 }
 MAX_SHARD_COUNT = 1024  # the coordinator's `store.MAX_SHARDS`
 # The step a graph's train job runs first when the spec captures: the capture jobs' shards (its
@@ -209,6 +210,10 @@ ASSEMBLE_STAGE = "assemble"
 # reported under the same names there (`verify/capture/...`; the coordinator compares the digests).
 VERIFY_STAGE = "verify"
 VERIFY_DIR = "verify"
+# What a graph's verify job of the train job runs (its inputs hold the train job's `SELECTION_INPUT`):
+# training replayed from the lease's resume checkpoint (or step 0) to the selected step, in `VERIFY_DIR`.
+VERIFY_TRAIN_STAGE = "verify-train"
+SELECTION_INPUT = "run/selection.json"  # `RUN_DIR` / `train.export_run.SELECTION`
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,12 +286,19 @@ class GraphInfo:
             "inputs": [a.to_json() for a in self.inputs],
         }
 
+    @property
+    def replays_training(self) -> bool:
+        """A verify job of the train job (handed its selection), not of a capture job."""
+        return self.kind == "verify" and any(a.name == SELECTION_INPUT for a in self.inputs)
+
     def stages(self, listed: tuple[str, ...]) -> list[str]:
         """The job spec's stages this job runs, in the spec's order (a train job assembles the capture first;
-        a verify job runs `VERIFY_STAGE` in place of capture)."""
+        a verify job runs `VERIFY_STAGE` in place of capture, or `VERIFY_TRAIN_STAGE` in place of train)."""
         names = [s for s in listed if s in GRAPH_KIND_STAGES[self.kind]]
+        if self.kind == "verify" and self.replays_training:
+            return [ASSEMBLE_STAGE, VERIFY_TRAIN_STAGE] if "train" in names else []
         if self.kind == "verify":
-            return [VERIFY_STAGE] if names else []
+            return [VERIFY_STAGE] if "capture" in names else []
         if self.kind == "train" and "capture" in listed:
             names.insert(0, ASSEMBLE_STAGE)
         return names

@@ -31,7 +31,10 @@ and reports what later jobs need:
   into the one report (`evaluate.report.EvalPart`);
 - ``verify`` shard i of N (a run's `verify_fraction`): capture shard i again into ``DIR/verify``
   and report the files as ``verify/capture/...`` (kind ``capture``), whose digests the
-  coordinator compares with the capture job's (`run_verify`).
+  coordinator compares with the capture job's (`run_verify`); of the train job (handed its
+  ``run/selection.json``): assemble the capture, replay training from the lease's resume
+  checkpoint (or step 0) to the selected step into ``DIR/verify/run``, export that checkpoint,
+  and report its files and the exports as ``verify/run/...`` (`run_verify_train`).
 
 Library calls report through typed events (`dflash_worker.worker.events`); a stage
 forwards ``Progress`` and ``Artifact`` (renamed relative to the job directory) to the
@@ -47,7 +50,7 @@ from collections.abc import Callable
 from .context import StageContext, Stopped
 from .events import Artifact, Event, Log, Progress
 from .noop import run_noop
-from .spec import ASSEMBLE_STAGE, CAPTURE_DIR, DATA_DIR, EVAL_DIR, RUN_DIR, VERIFY_DIR, VERIFY_STAGE
+from .spec import ASSEMBLE_STAGE, CAPTURE_DIR, DATA_DIR, EVAL_DIR, RUN_DIR, VERIFY_DIR, VERIFY_STAGE, VERIFY_TRAIN_STAGE
 
 log = logging.getLogger("dflash_worker.job")
 
@@ -170,6 +173,66 @@ def run_verify(ctx: StageContext) -> None:
     _progress(ctx, "capture", len(done["shards"]), len(done["shards"]), shards=float(len(done["shards"])), differ=float(differ))
 
 
+def run_verify_train(ctx: StageContext) -> None:
+    """A graph's verify job of the train job: replay its training in ``DIR/verify/run`` from the lease's resume
+    checkpoint (the producer's, seeded like train's; step 0 without one) up to the step its handed selection
+    names, on the full run's schedule (`train.train` with `stop_at`); export that checkpoint in every format
+    the job exports; report the checkpoint's files and the exports as ``verify/run/...`` (kind ``manifest``),
+    whose digests the coordinator compares with the train job's (`coordinator.store.verify`)."""
+    import json
+
+    from ..errors import CheckpointError, DataError
+    from ..train import checkpoint as ckpt
+    from ..train import train
+    from ..train.export_run import export_dir_name, export_run
+    from ..train.signals import StopFlags
+    from .spec import SELECTION_INPUT
+
+    recipe = ctx.spec.job.require_recipe()
+    recipe.require("train")
+    try:
+        step = json.loads((ctx.job_dir / SELECTION_INPUT).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"the train job's selection `{SELECTION_INPUT}` cannot be read: {exc}") from None
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise DataError(f"the train job's selection `{SELECTION_INPUT}` names no step (`{str(step)[:40]}`)")
+    out = ctx.job_dir / VERIFY_DIR / RUN_DIR
+    resume_from = ctx.spec.resume_checkpoint
+    if resume_from is not None and resume_from.is_file():
+        try:  # the producer's checkpoint: one that cannot be used makes the replay start at step 0
+            seeded = ckpt.seed(out, resume_from)
+        except CheckpointError as exc:
+            log.warning("skipped resume checkpoint `%s`: %s; the replay starts from its own directory or step 0", resume_from, exc)
+            seeded = None
+        if seeded is not None:
+            log.info("replay seeded from the producer's checkpoint `%s` (step %d)", resume_from, seeded)
+    flags = StopFlags()
+
+    def on_event(e: Event) -> None:
+        if isinstance(e, Artifact):  # its checkpoints stay here: only the replayed step's files are compared
+            return
+        _relay(ctx, e)
+        if ctx.stop_requested:
+            flags.request_stop("SIGTERM")
+
+    result = train(
+        recipe, run_dir=out, resume=ckpt.latest(out) is not None, on_event=on_event, flags=flags, device=ctx.devices["train"],
+        attention=ctx.placement.draft_attention, skip_unusable=True, stop_at=step,
+    )  # fmt: skip
+    if result.status == "stopped":
+        raise Stopped(result.step)
+    path = out / ckpt.CHECKPOINTS / ckpt.step_name(step)
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        ctx.report(f, kind="manifest", step=step)
+    formats = [recipe.export.format if recipe.export is not None else "bf16"]
+    if "export" in ctx.spec.job.stages:  # the train job's export stage: further formats
+        formats += [f for f in ctx.spec.job.export_formats if f not in formats]
+    for fmt in formats:
+        exported = export_run(out, fmt=fmt, recipe=recipe, selection={"checkpoint": path.name}, out_dir=out / export_dir_name(fmt))
+        ctx.report_all(exported.out_dir, kind="manifest", step=step)
+    log.info("replayed training to step %d and exported it (%s)", step, ", ".join(formats))
+
+
 def run_assemble(ctx: StageContext) -> None:
     """A graph's train job: the capture jobs' shards (downloaded inputs) become one capture."""
     from ..capture import assemble_capture
@@ -229,10 +292,13 @@ def run_train(ctx: StageContext) -> None:
     )
     if result.status == "stopped":
         raise Stopped(result.step)
+    # The selected step (the export's checkpoint) is the step of the export and selection records: a
+    # verify job replays training up to it (`coordinator.store.verify.selected_step`).
+    selected = int(result.selection["step"]) if result.selection is not None else result.step
     if result.status == "verified" and result.export_dir is not None:
-        ctx.report_all(result.export_dir, kind="export", step=result.step)
+        ctx.report_all(result.export_dir, kind="export", step=selected)
     if ctx.spec.graph is not None and ranks.main:  # the evaluate jobs read which step was selected
-        ctx.report(run_dir / SELECTION, kind="manifest", step=result.step)
+        ctx.report(run_dir / SELECTION, kind="manifest", step=selected)
 
 
 def run_export(ctx: StageContext) -> None:
@@ -293,6 +359,7 @@ def run_evaluate(ctx: StageContext) -> None:
 STAGES: dict[str, Callable[[StageContext], None]] = {
     ASSEMBLE_STAGE: run_assemble,
     VERIFY_STAGE: run_verify,
+    VERIFY_TRAIN_STAGE: run_verify_train,
     "prepare": run_prepare,
     "check": run_check,
     "capture": run_capture_stage,

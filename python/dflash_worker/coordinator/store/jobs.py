@@ -5,9 +5,9 @@ Job states: ``queued`` -> ``leased`` (-> ``cancelling``) -> ``succeeded`` | ``fa
 ``max_attempts`` attempts, then ``failed``).
 Attempt states: ``live``, ``succeeded``, ``failed``, ``cancelled``, ``retryable``, ``expired``,
 ``revoked`` (its provider was revoked; the job is requeued like an expired one), ``quarantined``
-(likewise, its provider was quarantined), ``discarded`` (a capture attempt that had succeeded, and
-its provider was quarantined: its job is queued again; or a verify attempt of such a capture),
-``mismatch`` (a verify attempt that recomputed other bytes than the capture's; `verify`).
+(likewise, its provider was quarantined), ``discarded`` (a capture or train attempt that had succeeded,
+and its provider was quarantined: its job is queued again; or a verify attempt of such an attempt),
+``mismatch`` (a verify attempt that recomputed other bytes than the capture's or train's; `verify`).
 
 When a job of a graph run ends ``failed`` or ``cancelled`` the run fails: ``runs.failure``
 names that job, and every queued job of the run (its dependents among them) is failed with
@@ -41,11 +41,11 @@ class Jobs(Part):
         cancel, attempts, kind = db.execute("SELECT cancel_requested, attempts, kind FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         verdict = judge(db, attempt_id, job_id) if attempt_state == "succeeded" and kind == "verify" else None
         if verdict is not None and not verdict.producer_attempt_id:
-            # The capture it recomputed was discarded meanwhile (its producer was quarantined): verified again once redone.
-            attempt_state, message, verdict = "discarded", "the capture attempt it verified was discarded meanwhile", None
+            # The attempt it recomputed was discarded meanwhile (its producer was quarantined): verified again once redone.
+            attempt_state, message, verdict = "discarded", "the attempt it verified was discarded meanwhile", None
             job_state = "queued"
         elif verdict is not None and verdict.mismatch:
-            attempt_state, job_state = "mismatch", "queued"  # verified again once the capture job is redone
+            attempt_state, job_state = "mismatch", "queued"  # verified again once the capture or train job is redone
         elif verdict is not None and verdict.missing:
             attempt_state, message = "retryable", f"the verify attempt uploaded no recomputation of `{printable(verdict.missing[0][:200])}`"
         if attempt_state in ("discarded", "mismatch"):
@@ -83,11 +83,11 @@ class Jobs(Part):
         return job_state
 
     def _quarantine(self, db, verdict, reason: str, now: float) -> None:
-        """A verify job's mismatch: the producer's capture attempt is discarded and its job redone, the producer quarantined."""
-        discard(db, verdict.producer_attempt_id, verdict.capture_job_id, reason, now)
+        """A verify job's mismatch: the producer's capture or train attempt is discarded and its job redone, the producer quarantined."""
+        discard(db, verdict.producer_attempt_id, verdict.target_job_id, reason, now)
         self.counts["verify_mismatches"] += 1
         live, others = quarantine(db, verdict.producer_id, reason, now)
-        for attempt_id, job_id in others:  # its other captures that no job has used yet are redone too
+        for attempt_id, job_id in others:  # its other captures and trainings that no job has used yet are redone too
             discard(db, attempt_id, job_id, f"its provider was quarantined: {reason}", now)
         for attempt_id, job_id in live:
             self.end_attempt(db, attempt_id, job_id, "quarantined", f"provider `{verdict.producer_id}` was quarantined: {reason}", now)

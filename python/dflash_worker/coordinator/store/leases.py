@@ -23,6 +23,7 @@ from .provenance import Handed, record_inputs, trust_filter
 from .providers import Providers
 from .records import REC_COLS, Records, record_from_row
 from .runs import Runs
+from .verify import replay_checkpoint
 
 # Input artifacts one lease names at most (a train job's: every capture shard's final records),
 # and their size in the Lease message, so a lease stays well inside the 16 MiB message limit
@@ -33,11 +34,13 @@ MAX_LEASE_INPUT_BYTES = 8 << 20
 # `pending_deps` counts those that have not (a succeeded job never changes state again), so
 # finding a leasable job is an index lookup (`jobs_ready`), however many jobs wait.
 _READY = "j.pending_deps=0"
-# A verify job goes to a provider other than the one whose attempt produced the capture it recomputes, on
-# the same backend (capture is byte-reproducible on one kind of device; `verify`). Parameters: the
-# provider asking, its backend.
+# A verify job goes to a provider other than the one whose attempt produced the capture it recomputes (or
+# the training it replays: the train job it needs, `verify.target`), on the same backend (capture and
+# training are byte-reproducible on one kind of device; `verify`). Parameters: the provider asking, its backend.
 _VERIFIER = (
-    "(j.kind!='verify' OR EXISTS (SELECT 1 FROM job_deps d JOIN jobs c ON c.job_id=d.needs_job_id AND c.kind='capture'"
+    "(j.kind!='verify' OR EXISTS (SELECT 1 FROM job_deps d JOIN jobs c ON c.job_id=d.needs_job_id"
+    " AND c.kind=(CASE WHEN EXISTS (SELECT 1 FROM job_deps t JOIN jobs tj ON tj.job_id=t.needs_job_id WHERE t.job_id=j.job_id AND tj.kind='train')"
+    " THEN 'train' ELSE 'capture' END)"
     " JOIN attempts a ON a.job_id=c.job_id AND a.state='succeeded' JOIN providers p ON p.provider_id=a.provider_id"
     " WHERE d.job_id=j.job_id AND a.provider_id!=? AND p.backend=?))"
 )
@@ -164,7 +167,10 @@ class Leases(Part):
                     "UPDATE jobs SET state='leased', attempts=?, current_attempt_id=?, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
                     (attempts + 1, attempt_id, now, job_id),
                 )
-                resume = self.resume_checkpoint(job_id, provider_id=provider_id, trust=trust)
+                if kind == "verify":  # a replay of training starts from the producer's checkpoint, or from step 0
+                    resume = self.replay_checkpoint(job_id, run_id)
+                else:
+                    resume = self.resume_checkpoint(job_id, provider_id=provider_id, trust=trust)
                 record_inputs(db, attempt_id, resume=resume, inputs=handed)
             self.counts["leases_granted"] += 1
             return Grant(
@@ -222,13 +228,16 @@ class Leases(Part):
         `provider_id` (`provenance.trust_filter`; never a discarded attempt's): the shards they committed, which the next attempt
         verifies and keeps instead of capturing them again (`capture.run.scan_shards`)."""
         cols = ", ".join("r." + c.strip() for c in REC_COLS.split(","))
+        (kind,) = self.db.execute("SELECT kind FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         rows = self.db.execute(
             f"SELECT {cols}, r.attempt_id FROM job_deps d JOIN jobs n ON n.job_id=d.needs_job_id"
             " JOIN attempts a ON a.job_id=n.job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
-            " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') AND n.kind!='verify' ORDER BY n.seq, r.seq LIMIT ?",
-            (job_id, MAX_LEASE_INPUTS + 1),
+            " WHERE d.job_id=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') AND n.kind!='verify'"
+            # a replay of training recomputes the export: it is not handed the producer's
+            " AND NOT (? AND n.kind='train' AND r.kind='export') ORDER BY n.seq, r.seq LIMIT ?",
+            (job_id, kind == "verify", MAX_LEASE_INPUTS + 1),
         ).fetchall()
-        if len(rows) <= MAX_LEASE_INPUTS and self.db.execute("SELECT kind FROM jobs WHERE job_id=?", (job_id,)).fetchone() == ("capture",):
+        if len(rows) <= MAX_LEASE_INPUTS and kind == "capture":
             trusted, params = trust_filter(trust, provider_id)
             rows += self.db.execute(
                 f"SELECT {cols}, r.attempt_id FROM records r WHERE r.seq IN (SELECT MAX(x.seq) FROM records x JOIN attempts a ON a.attempt_id=x.attempt_id"
@@ -249,15 +258,30 @@ class Leases(Part):
         ).fetchone()
         return None if r is None else Handed(record=record_from_row(r[:-1]), producer_attempt_id=r[-1])
 
+    def replay_checkpoint(self, job_id: str, run_id: str) -> Handed | None:
+        """A verify job's resume checkpoint: for a replay of training, the train producer's checkpoint it starts
+        from (`verify.replay_checkpoint`, by the run's `verify_fraction`); None for step 0 and for a capture's."""
+        # The fraction is read from the run's spec JSON (checked at creation) only when a verify job is leased.
+        fraction = float(json.loads(self.runs.spec_json(run_id)).get("verify_fraction", 0))
+        found = replay_checkpoint(self.db, job_id, fraction)
+        if found is None:
+            return None
+        seq, attempt_id = found
+        r = self.db.execute(f"SELECT {REC_COLS} FROM records WHERE seq=?", (seq,)).fetchone()
+        return Handed(record=record_from_row(r), producer_attempt_id=attempt_id)
+
     def find_input(self, job_id: str, name: str, sha256: str) -> ArtifactRecord:
-        """A record a lease of `job_id` may download: its own job's (`find_record`), or one of its `inputs`."""
+        """A record a lease of `job_id` may download: its own job's (`find_record`), or one of its `inputs`
+        (a verify job replaying training: also the train producer's checkpoints, which it starts from)."""
         try:
             return self.records.find_record(job_id, name, sha256)
         except NotFoundError:
             r = self.db.execute(
-                f"SELECT {', '.join('r.' + c.strip() for c in REC_COLS.split(','))} FROM job_deps d"
+                f"SELECT {', '.join('r.' + c.strip() for c in REC_COLS.split(','))} FROM job_deps d JOIN jobs v ON v.job_id=d.job_id"
+                " JOIN jobs n ON n.job_id=d.needs_job_id"
                 " JOIN attempts a ON a.job_id=d.needs_job_id AND a.state='succeeded' JOIN records r ON r.attempt_id=a.attempt_id"
-                " WHERE d.job_id=? AND r.name=? AND r.sha256=? AND r.kind NOT IN ('checkpoint', 'checkpoint_file') LIMIT 1",
+                " WHERE d.job_id=? AND r.name=? AND r.sha256=?"
+                " AND (r.kind NOT IN ('checkpoint', 'checkpoint_file') OR (v.kind='verify' AND n.kind='train')) LIMIT 1",
                 (job_id, name, sha256),
             ).fetchone()
             if r is None:

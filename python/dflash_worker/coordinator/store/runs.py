@@ -167,7 +167,9 @@ class Runs(Part):
             )
         }
         out = {kind: req.for_kind(stored.get(kind) or default_placement(kind, req.max_local_ranks)) for kind in GRAPH_KINDS}
-        out["verify"] = out["capture"]  # a verify job recomputes a capture shard: it needs what capture needs
+        # A verify job recomputes a capture shard, or replays training on one rank (exact on one device kind:
+        # docs/run-admin.md, Trust model): it needs what capture needs.
+        out["verify"] = out["capture"]
         return out
 
     def spec_json(self, run_id: str) -> str:
@@ -255,7 +257,7 @@ class Runs(Part):
             else:
                 out[kind] = f"waiting for a provider: {names} fit this {what}; it is leased when one asks for work (older runs' jobs first)"
             if kind == "verify":
-                out[kind] += "; a verify job goes only to a provider other than the one that produced its capture, on the same backend"
+                out[kind] += "; a verify job goes only to a provider other than the one that produced its capture (or its training), on the same backend"
         return out
 
     def approve_version(self, run_id: str, version: str) -> RunRow:

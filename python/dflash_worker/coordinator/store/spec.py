@@ -35,7 +35,8 @@ from ..policy import (
 )
 
 # Job kinds: `pipeline` (every stage in one job: runs without a graph) and the graph's stages.
-# `verify`: another provider recomputes a capture job's shards (the run's `verify_fraction`).
+# `verify`: another provider recomputes a capture job's shards, or replays the train job's training
+# up to the checkpoint its export derives from (the run's `verify_fraction`; `store.verify`).
 JOB_KINDS = ("pipeline", "prepare", "capture", "train", "evaluate", "verify")
 # Capture / evaluate shards per graph run (each one job).
 MAX_SHARDS = 1024
@@ -156,7 +157,10 @@ class RunSpecData:
 
         Every later job needs prepare (the worker reads the prepared data in each); train needs
         every capture shard; evaluate shard j needs train, and shard 0 also needs shards 1..M-1
-        (it merges their rows into the run's one report). Runs created before these edges keep
+        (it merges their rows into the run's one report). With a `verify_fraction`, the verified
+        capture shards' verify jobs come next (each needs prepare and its capture job; train needs
+        them), then the train replay's verify job (needs prepare, every capture job and train; every
+        evaluate job needs it). Runs created before these edges keep
         the edges they were created with (`job_deps` is not migrated): a job's inputs are always
         what its own rows say.
         """
@@ -173,6 +177,14 @@ class RunSpecData:
         jobs += [("verify", i, n, (0, 1 + i)) for _, i in verify]
         kind, index, count, needs = jobs[train]
         jobs[train] = (kind, index, count, (*needs, *(j for j, _ in verify)))
+        if self.verify_fraction:
+            # Training is replayed too (`verify`): one verify job needing what train needs and train itself,
+            # needed by every evaluate job, so nothing reads the train job's export before it is checked.
+            replay = len(jobs)
+            jobs.append(("verify", 0, 1, (0, *range(1, n + 1), train)))
+            for j in range(train + 1, train + 1 + m):
+                kind, index, count, needs = jobs[j]
+                jobs[j] = (kind, index, count, (*needs, replay))
         return jobs
 
     @classmethod

@@ -22,25 +22,47 @@ When the verify attempt ends SUCCEEDED:
 
 A lying verifier can get an honest producer quarantined; the producer's work is then redone by a
 third provider and verified again, and an admin sees both providers in the quarantine's reason.
+
+Training is replayed the same way (training is bit-reproducible on one kind of device and resumes
+exactly). A run with a ``verify_fraction`` also gets one verify job that needs prepare, every capture
+job and train, and that every evaluate job needs, so nothing reads the train job's export before it
+is checked. Its target is the train job (`target`); the producer's export derives from the checkpoint
+of step T, the step of its ``run/selection.json`` record. The lease hands it the producer's checkpoint
+of step S as its resume checkpoint (`replay_start`: the newest the coordinator still holds with
+S <= T - ceil(fraction x T); step 0, the released draft, when there is none, and always at fraction 1),
+so the replayed span always ends at the checkpoint the export derives from and covers at least that
+share of its steps. The verifier trains from S to T (the full run's schedule), exports checkpoint T in
+every format, and uploads the checkpoint's files and the exports under ``verify/``. The comparison
+leaves out the files that record the job directory's paths (``manifest.json``, ``state.json``): the
+weights, optimizer state and RNG state of checkpoint T and every export file else must be equal. A
+mismatch discards the train attempt, requeues train (the evaluate jobs and the verify job wait for the
+redo) and quarantines its provider, as for a capture.
 """
 
 from __future__ import annotations
 
+import math
+import posixpath
 import sqlite3
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..policy import VERIFY_PREFIX
+from ..policy import TRAIN_CHECKPOINTS, TRAIN_SELECTION, VERIFY_PREFIX
 from .db import printable
 
 # Names a mismatch's reason lists at most.
 MAX_NAMED = 3
+# Files of a checkpoint or an export that hold the job directory's paths (the resolved recipe, the
+# provenance), so a replay in another directory writes other bytes: not compared.
+PATH_BEARING = ("manifest.json", "state.json")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Judgement:
-    """What a verify attempt's uploads say about the capture attempt it recomputed."""
+    """What a verify attempt's uploads say about the capture or train attempt it recomputed."""
 
-    capture_job_id: str = ""
+    target_kind: str = ""  # `capture` or `train`
+    target_job_id: str = ""
     producer_attempt_id: str = ""
     producer_id: str = ""
     # Producer names with no recomputation (the verifier's failure), and names whose digests differ.
@@ -52,37 +74,103 @@ class Judgement:
         return bool(self.differ)
 
 
-def judge(db: sqlite3.Connection, attempt_id: str, job_id: str) -> Judgement:
-    """Compare verify attempt `attempt_id` (of verify job `job_id`) with the capture attempt it recomputed."""
-    r = db.execute(
-        "SELECT c.job_id, a.attempt_id, a.provider_id FROM job_deps d JOIN jobs c ON c.job_id=d.needs_job_id AND c.kind='capture'"
-        " JOIN attempts a ON a.job_id=c.job_id AND a.state='succeeded' WHERE d.job_id=? LIMIT 1",
+def target(db: sqlite3.Connection, job_id: str) -> tuple[str, str] | None:
+    """`(kind, job_id)` of the job verify job `job_id` checks: the train job it needs (a replay of training),
+    else its capture job."""
+    return db.execute(
+        "SELECT c.kind, c.job_id FROM job_deps d JOIN jobs c ON c.job_id=d.needs_job_id WHERE d.job_id=? AND c.kind IN ('capture', 'train')"
+        " ORDER BY c.kind='train' DESC LIMIT 1",
         (job_id,),
     ).fetchone()
-    if r is None:  # nothing to compare with (an edited database): nothing is judged
+
+
+def producer(db: sqlite3.Connection, job_id: str) -> tuple[str, str] | None:
+    """`(attempt_id, provider_id)` of job `job_id`'s succeeded attempt."""
+    return db.execute("SELECT attempt_id, provider_id FROM attempts WHERE job_id=? AND state='succeeded' LIMIT 1", (job_id,)).fetchone()
+
+
+def _compared(name: str) -> bool:
+    return posixpath.basename(name) not in PATH_BEARING
+
+
+def selected_step(db: sqlite3.Connection, attempt_id: str) -> int | None:
+    """The step whose checkpoint train attempt `attempt_id`'s export derives from: its `run/selection.json` record's step."""
+    r = db.execute("SELECT step FROM records WHERE attempt_id=? AND name=? LIMIT 1", (attempt_id, TRAIN_SELECTION)).fetchone()
+    return None if r is None else int(r[0])
+
+
+def checkpoint_prefix(step: int) -> str:
+    """Where a train job's checkpoint of `step` is recorded (`train.checkpoint.step_name` under the run directory)."""
+    return f"{TRAIN_CHECKPOINTS}step-{step:08d}/"
+
+
+def replay_start(target_step: int, checkpoints: Iterable[int], fraction: float) -> int:
+    """The step a train replay starts from: the newest of `checkpoints` (the producer's, still held) at or
+    before `target_step` - ceil(`fraction` x `target_step`) (at least one step back), else 0."""
+    need = max(1, math.ceil(fraction * target_step - 1e-9))
+    return max([0, *(c for c in checkpoints if c <= target_step - need)])
+
+
+def judge(db: sqlite3.Connection, attempt_id: str, job_id: str) -> Judgement:
+    """Compare verify attempt `attempt_id` (of verify job `job_id`) with the attempt it recomputed."""
+    t = target(db, job_id)
+    p = None if t is None else producer(db, t[1])
+    if t is None or p is None:  # nothing to compare with (discarded meanwhile, or an edited database): nothing is judged
         return Judgement()
-    capture_job_id, producer_attempt_id, producer_id = r
-    theirs = dict(db.execute("SELECT name, sha256 FROM records WHERE attempt_id=? AND kind='capture'", (producer_attempt_id,)).fetchall())
+    (kind, target_job_id), (producer_attempt_id, producer_id) = t, p
+    who = {"target_kind": kind, "target_job_id": target_job_id, "producer_attempt_id": producer_attempt_id, "producer_id": producer_id}
     ours = {
         name[len(VERIFY_PREFIX) :]: sha
         for name, sha in db.execute("SELECT name, sha256 FROM records WHERE attempt_id=? AND substr(name, 1, ?)=?", (attempt_id, len(VERIFY_PREFIX), VERIFY_PREFIX))
     }
-    missing = tuple(sorted(n for n in theirs if n not in ours))
-    differ = tuple(sorted(n for n in ours if theirs.get(n) != ours[n]))
-    return Judgement(capture_job_id=capture_job_id, producer_attempt_id=producer_attempt_id, producer_id=producer_id, missing=missing, differ=differ)
+    if kind == "capture":
+        theirs = dict(db.execute("SELECT name, sha256 FROM records WHERE attempt_id=? AND kind='capture'", (producer_attempt_id,)).fetchall())
+        missing = tuple(sorted(n for n in theirs if n not in ours))
+        differ = tuple(sorted(n for n in ours if theirs.get(n) != ours[n]))
+        return Judgement(**who, missing=missing, differ=differ)
+    step = selected_step(db, producer_attempt_id)
+    if step is None:  # a graph's train attempt always reports its selection: without one nothing can be replayed
+        return Judgement(**who, differ=(TRAIN_SELECTION,))
+    theirs = {
+        n: sha
+        for n, sha in db.execute("SELECT name, sha256 FROM records WHERE attempt_id=? AND kind IN ('checkpoint_file', 'export')", (producer_attempt_id,))
+        if _compared(n)
+    }
+    # Checkpoints the coordinator rotated away on either side are not compared; the target's and the exports' must be.
+    required = [n for n in theirs if n.startswith(checkpoint_prefix(step)) or not n.startswith(TRAIN_CHECKPOINTS)]
+    missing = tuple(sorted(n for n in required if n not in ours))
+    differ = tuple(sorted(n for n in ours if _compared(n) and n in theirs and theirs[n] != ours[n]))
+    return Judgement(**who, missing=missing, differ=differ)
 
 
+def replay_checkpoint(db: sqlite3.Connection, job_id: str, fraction: float) -> tuple[int, str] | None:
+    """For verify job `job_id` replaying training at `fraction`: `(records.seq, attempt_id)` of the producer's
+    checkpoint it starts from (`replay_start`); None for step 0, and for a verify job of a capture."""
+    t = target(db, job_id)
+    if t is None or t[0] != "train":
+        return None
+    p = producer(db, t[1])
+    step = None if p is None else selected_step(db, p[0])
+    if step is None:
+        return None
+    held = dict(
+        db.execute(
+            "SELECT step, MAX(seq) FROM records WHERE attempt_id=? AND kind='checkpoint' AND step < ? GROUP BY step", (p[0], step)
+        ).fetchall()
+    )
+    start = replay_start(step, held, fraction)
+    return None if start == 0 else (held[start], p[0])
 def describe(j: Judgement, *, verify_job_id: str, attempt_id: str) -> str:
     """The reason a mismatch gives (quarantine, discarded attempt, requeued job): no control characters."""
     named = ", ".join(f"`{printable(n[:200])}`" for n in j.differ[:MAX_NAMED]) + (f" and {len(j.differ) - MAX_NAMED} more" if len(j.differ) > MAX_NAMED else "")
     return (
-        f"verify job `{verify_job_id}` (attempt `{attempt_id}`) recomputed capture job `{j.capture_job_id}` and got other bytes for {named}"
+        f"verify job `{verify_job_id}` (attempt `{attempt_id}`) recomputed {j.target_kind} job `{j.target_job_id}` and got other bytes for {named}"
         f" than attempt `{j.producer_attempt_id}` of provider `{j.producer_id}` uploaded"
     )
 
 
 def discard(db: sqlite3.Connection, attempt_id: str, job_id: str, reason: str, now: float) -> None:
-    """Capture attempt `attempt_id` no longer counts: its job is queued again, and the jobs needing it wait for it again."""
+    """Capture or train attempt `attempt_id` no longer counts: its job is queued again, and the jobs needing it wait for it again."""
     db.execute("UPDATE attempts SET state='discarded', message=? WHERE attempt_id=?", (f"discarded: {reason}"[:4000], attempt_id))
     db.execute(
         "UPDATE jobs SET state='queued', current_attempt_id=NULL, reason=?, updated_unix=? WHERE job_id=? AND state='succeeded'",
@@ -97,7 +185,7 @@ def discard(db: sqlite3.Connection, attempt_id: str, job_id: str, reason: str, n
 
 def quarantine(db: sqlite3.Connection, provider_id: str, reason: str, now: float) -> tuple[list, list]:
     """Quarantine `provider_id` (the first reason is kept). Returns its live attempts `(attempt_id, job_id)`, to end,
-    and its other succeeded capture attempts that no job has used yet (every job needing them, verify jobs aside,
+    and its other succeeded capture and train attempts that no job has used yet (every job needing them, verify jobs aside,
     is still queued, and their runs have not failed), to discard."""
     db.execute(
         "UPDATE providers SET quarantined_unix=?, quarantine_reason=? WHERE provider_id=? AND quarantined_unix IS NULL", (now, reason[:4000], provider_id)
@@ -105,7 +193,7 @@ def quarantine(db: sqlite3.Connection, provider_id: str, reason: str, now: float
     live = db.execute("SELECT attempt_id, job_id FROM attempts WHERE provider_id=? AND state='live'", (provider_id,)).fetchall()
     others = db.execute(
         "SELECT a.attempt_id, a.job_id FROM attempts a JOIN jobs j ON j.job_id=a.job_id JOIN runs r ON r.run_id=j.run_id"
-        " WHERE a.provider_id=? AND a.state='succeeded' AND j.kind='capture' AND r.failure='' AND NOT EXISTS"
+        " WHERE a.provider_id=? AND a.state='succeeded' AND j.kind IN ('capture', 'train') AND r.failure='' AND NOT EXISTS"
         " (SELECT 1 FROM job_deps d JOIN jobs n ON n.job_id=d.job_id WHERE d.needs_job_id=a.job_id AND n.kind!='verify' AND n.state!='queued')",
         (provider_id,),
     ).fetchall()
