@@ -21,7 +21,9 @@ from coordinator_helpers import SPEC, Provider, run_spec
 from test_metrics import scrape, v
 
 from dflash_worker.coordinator.policy import JOB_GRAPH_FEATURE
+from dflash_worker.coordinator.store import RunSpecData
 from dflash_worker.coordinator.store.verify import replay_start
+from dflash_worker.errors import InvalidRequestError
 
 FEATURES = ("flash_attention_2", JOB_GRAPH_FEATURE)
 STEPS = (2, 4, 6, 8)  # the producer's checkpoints; the coordinator keeps the newest 2 (6 and 8)
@@ -118,6 +120,14 @@ def test_the_replay_starts_from_the_newest_held_checkpoint_at_least_the_fraction
     assert replay_start(8, [6, 4, 2], 0.3) == 4  # ceil(2.4) = 3 steps back at least
     assert replay_start(8, [6], 0.5) == 0  # 4 was rotated away: from step 0
     assert replay_start(8, [7], 0.01) == 7  # at least one step
+
+
+def test_a_run_that_trains_on_several_ranks_is_refused_a_replay():
+    base = dict(name="r", required_client_version="0.1.0", capture_shards=1, max_local_ranks=2)
+    with pytest.raises(InvalidRequestError, match="replays the train job on one rank; this run trains on 2"):
+        RunSpecData(**base, spec_json=_spec(verify_fraction=0.5))
+    RunSpecData(**base, spec_json=_spec(verify_fraction=0.5, placement={"train": {"local_ranks": 1}}))
+    RunSpecData(**base, spec_json=_spec())
 
 
 def test_the_replay_is_scheduled_after_train_never_on_its_producer_and_evaluate_waits_for_it(coordinator, provider_factory):

@@ -167,9 +167,9 @@ class Runs(Part):
             )
         }
         out = {kind: req.for_kind(stored.get(kind) or default_placement(kind, req.max_local_ranks)) for kind in GRAPH_KINDS}
-        # A verify job recomputes a capture shard, or replays training on one rank (exact on one device kind:
-        # docs/run-admin.md, Trust model): it needs what capture needs.
-        out["verify"] = out["capture"]
+        # A verify job recomputes a capture shard (one rank's capture equals several ranks' byte for byte), or
+        # replays training of a run whose train job has one rank (`spec.RunSpecData`): what capture needs, on one rank.
+        out["verify"] = dataclasses.replace(out["capture"], max_local_ranks=1)
         return out
 
     def spec_json(self, run_id: str) -> str:

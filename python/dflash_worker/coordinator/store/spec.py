@@ -144,6 +144,12 @@ class RunSpecData:
         if self.capture_shards:
             placements = check_placement(doc.get("placement", {}), max_local_ranks=self.max_local_ranks)
             object.__setattr__(self, "placements", tuple(placements.items()))
+            if fraction and placements["train"].local_ranks > 1:
+                raise InvalidRequestError(
+                    f"`spec.spec_json.verify_fraction` replays the train job on one rank; this run trains on {placements['train'].local_ranks}"
+                    " (several ranks equal one only within a tolerance, and the replay compares bytes)\n"
+                    'hint: give `"placement": {"train": {"local_ranks": 1}}`, or leave `verify_fraction` out'
+                )
 
     def verified_shards(self, run_id: str) -> list[int]:
         """The capture shards a verify job recomputes: ceil(`verify_fraction` x N) of the N, those whose
