@@ -12,7 +12,8 @@ one hostile. The hostile one is a scripted client on the real gRPC API that runs
 
 Either way the hostile provider is quarantined (leased nothing more, `providers list` says so, /metrics counts
 it), its work is redone by an honest provider and verified again, and the run's export is byte-identical to
-the clean one-job run's."""
+the clean one-job run's. A third run, all honest, at fraction 1/8: the train replay starts from the producer's
+checkpoint, which the verifier's real run-manager downloads as its resume checkpoint."""
 
 from __future__ import annotations
 
@@ -273,3 +274,24 @@ def test_a_tampered_training_is_caught_its_provider_quarantined_and_the_export_u
     metrics = urllib.request.urlopen(req, timeout=10).read().decode()
     assert 'dflash_providers{state="quarantined"} 1.0' in metrics
     assert "dflash_verify_mismatches_total 1.0" in metrics
+
+
+def test_a_partial_replay_starts_from_the_producer_s_checkpoint_on_a_real_run_manager(tmp_path, procs, spec, baseline):
+    """Fraction 1/8 of 16 steps (a checkpoint every 2; the coordinator holds the newest two): the train replay
+    starts from the producer's step-14 checkpoint, which the verifier's run-manager downloads from the train job
+    as its resume checkpoint, replays steps 15-16, and matches; the run succeeds with the clean run's export."""
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    run_id = coord.create_run("partial", {**spec, "verify_fraction": 0.125}, "--capture-shards", str(N_CAPTURE), client_version=client_version())
+    rms = [_provider(procs, coord, tmp_path, f"p{i}") for i in range(2)]
+    _finish(coord, run_id, rms)
+    (train_id,) = [j for j, (k, _) in _kinds(coord, run_id).items() if k == "train"]
+    ((replay,),) = coord._query("SELECT job_id FROM job_deps JOIN jobs USING (job_id) WHERE needs_job_id=? AND kind='verify'", train_id)
+    assert [s for _, s, _ in coord.attempt_messages(replay)] == ["succeeded"]
+    replay_dir = _job_dir(rms, replay)
+    assert (replay_dir / "resume" / "run" / "checkpoints" / "step-00000014" / "trainable.safetensors").is_file()
+    assert sorted(p.name for p in (replay_dir / "verify" / "run" / "checkpoints").iterdir()) == ["LATEST", "step-00000014", "step-00000016"]
+    assert not [p for p in coord.cli_json("providers", "list") if int(p["quarantined_unix"])]
+    out = tmp_path / "admin" / "export"
+    coord.cli("artifacts", "get", run_id, "--export", "-o", str(out))
+    (got,) = out.rglob("model.safetensors")
+    assert sha256_file(got) == baseline.export_sha256
