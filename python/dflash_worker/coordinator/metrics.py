@@ -60,7 +60,7 @@ class _StoreCollector(Collector):
             ended.add_metric([state], c[f"attempt_{state}"])
         yield ended
         yield CounterMetricFamily(
-            "dflash_verify_mismatches", "Verify jobs that recomputed other bytes than a capture attempt uploaded (its provider quarantined).", value=c["verify_mismatches"]
+            "dflash_verify_mismatches", "Verify jobs that recomputed other bytes than a capture or train attempt uploaded (its provider quarantined).", value=c["verify_mismatches"]
         )
         yield CounterMetricFamily("dflash_heartbeats", "Heartbeat messages handled.", value=c["heartbeats"])
         yield CounterMetricFamily("dflash_artifact_bytes_received", "Artifact bytes received from providers (staged uploads).", value=self.artifacts.bytes_in)
