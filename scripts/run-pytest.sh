@@ -24,7 +24,8 @@ unset PYTHONDONTWRITEBYTECODE
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 # One worker more than there are cores: tests that wait (a lease to expire, a container to
 # start, a process to die) leave their core to the third worker.
-workers=${DFLASH_PYTEST_WORKERS:-$(( $(nproc 2>/dev/null || echo 1) + 1 ))}
+# (`nproc` counts OMP_NUM_THREADS as the processor count: asked without it.)
+workers=${DFLASH_PYTEST_WORKERS:-$(( $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1) + 1 ))}
 dist=()
 case " $* " in
   *" -n "* | *" -n"[0-9]* | *" --numprocesses"* | *"no:xdist"*) ;;

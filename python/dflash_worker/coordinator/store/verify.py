@@ -160,6 +160,8 @@ def replay_checkpoint(db: sqlite3.Connection, job_id: str, fraction: float) -> t
     )
     start = replay_start(step, held, fraction)
     return None if start == 0 else (held[start], p[0])
+
+
 def describe(j: Judgement, *, verify_job_id: str, attempt_id: str) -> str:
     """The reason a mismatch gives (quarantine, discarded attempt, requeued job): no control characters."""
     named = ", ".join(f"`{printable(n[:200])}`" for n in j.differ[:MAX_NAMED]) + (f" and {len(j.differ) - MAX_NAMED} more" if len(j.differ) > MAX_NAMED else "")
