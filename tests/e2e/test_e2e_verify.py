@@ -83,6 +83,19 @@ def _tamper_training(job_dir: Path, spec: dict) -> None:
     (run / "selection.json").write_text(json.dumps(selection))
 
 
+def _assert_clean_export_and_one_quarantine(coord, run_id: str, tmp_path: Path, baseline) -> None:
+    """The run's export, as an admin fetches it, is the clean one-job run's; /metrics counts one quarantine."""
+    out = tmp_path / "admin" / "export"
+    coord.cli("artifacts", "get", run_id, "--export", "-o", str(out))
+    (got,) = out.rglob("model.safetensors")
+    assert sha256_file(got) == baseline.export_sha256
+
+    req = urllib.request.Request(coord.info["http_address"] + "/metrics", headers={"Authorization": f"Bearer {coord.admin_token}"})
+    metrics = urllib.request.urlopen(req, timeout=10).read().decode()
+    assert 'dflash_providers{state="quarantined"} 1.0' in metrics
+    assert "dflash_verify_mismatches_total 1.0" in metrics
+
+
 class Scripted:
     """A provider that runs the real worker for each lease it takes and uploads what it wrote, as a run-manager
     does; `tamper` (`capture`: forge its capture shards; `train`: tamper with its training) makes it hostile.
@@ -210,15 +223,7 @@ def test_a_forged_capture_is_caught_its_provider_quarantined_and_the_export_unch
     # The export equals the clean one-job run's.
     (train_id,) = [j for j, (k, _) in kinds.items() if k == "train"]
     assert sha256_file(_job_dir(rms, train_id) / "run" / "export" / "model.safetensors") == baseline.export_sha256
-    out = tmp_path / "admin" / "export"
-    coord.cli("artifacts", "get", run_id, "--export", "-o", str(out))
-    (got,) = out.rglob("model.safetensors")
-    assert sha256_file(got) == baseline.export_sha256
-
-    req = urllib.request.Request(coord.info["http_address"] + "/metrics", headers={"Authorization": f"Bearer {coord.admin_token}"})
-    metrics = urllib.request.urlopen(req, timeout=10).read().decode()
-    assert 'dflash_providers{state="quarantined"} 1.0' in metrics
-    assert "dflash_verify_mismatches_total 1.0" in metrics
+    _assert_clean_export_and_one_quarantine(coord, run_id, tmp_path, baseline)
 
 
 def test_a_tampered_training_is_caught_its_provider_quarantined_and_the_export_unchanged(tmp_path, procs, spec, baseline):
@@ -265,15 +270,7 @@ def test_a_tampered_training_is_caught_its_provider_quarantined_and_the_export_u
     assert all(j["state"] == "succeeded" for j in shown["jobs"]), shown["jobs"]
 
     # The export equals the clean one-job run's.
-    out = tmp_path / "admin" / "export"
-    coord.cli("artifacts", "get", run_id, "--export", "-o", str(out))
-    (got,) = out.rglob("model.safetensors")
-    assert sha256_file(got) == baseline.export_sha256
-
-    req = urllib.request.Request(coord.info["http_address"] + "/metrics", headers={"Authorization": f"Bearer {coord.admin_token}"})
-    metrics = urllib.request.urlopen(req, timeout=10).read().decode()
-    assert 'dflash_providers{state="quarantined"} 1.0' in metrics
-    assert "dflash_verify_mismatches_total 1.0" in metrics
+    _assert_clean_export_and_one_quarantine(coord, run_id, tmp_path, baseline)
 
 
 def test_a_partial_replay_starts_from_the_producer_s_checkpoint_on_a_real_run_manager(tmp_path, procs, spec, baseline):
