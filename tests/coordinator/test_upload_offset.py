@@ -95,8 +95,9 @@ def test_upload_offset_waits_for_a_cut_upload_to_write_what_it_buffered(tmp_path
         store.close()
 
 
-def test_upload_offset_refuses_while_an_upload_stays_in_progress(tmp_path, monkeypatch):
-    """An upload still receiving (not cut) holds its staged file: UploadOffset waits a bounded time, then says so."""
+def test_upload_offset_answers_after_a_bounded_wait_while_an_upload_stays_live(tmp_path, monkeypatch):
+    """An upload still receiving (not cut) holds its staged file: UploadOffset waits a bounded time, then answers
+    what is staged, and a second stream of the file is refused while the first lasts."""
     store, held, art, gate = _artifacts(tmp_path, monkeypatch, idle_seconds=0.1)
     gate.set()
     data = os.urandom(2 * 256 * KiB)
@@ -104,11 +105,17 @@ def test_upload_offset_refuses_while_an_upload_stays_in_progress(tmp_path, monke
     lease = held[2]
     monkeypatch.setattr(art, "idle_seconds", -4.9)  # the wait is idle_seconds + 5 s: 0.1 s here
 
+    async def second_stream():
+        yield data
+
     async def scenario():
         upload = await _cut_upload(art, held, claim, [data[: 256 * KiB]])
         try:
-            with pytest.raises(PolicyError, match="another upload of it is still in progress"):
-                await art.offset(lease, claim)
+            offset, committed = await art.offset(lease, claim)
+            assert not upload.done(), "the live upload must still be running"
+            assert not committed and offset == art.staging.offset(lease.attempt_id, claim)
+            with pytest.raises(PolicyError, match="another upload of it is in progress"):
+                await art.upload(held[0], held[1], claim, offset, second_stream())
         finally:
             upload.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -9,6 +9,7 @@ for `AcquireLease`. Authentication happened in `auth.AuthInterceptor`;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -181,15 +182,14 @@ class Artifacts:
         A cut stream's handler may still be writing the chunks it buffered when
         the provider asks (`_Writer` is a few chunks behind the network): the
         answer counts them all, or a resume from it would overlap what lands.
+        An upload still receiving after the idle limit (+5 s) is a live stream
+        (a cut one would have ended): the answer is what is staged now, and the
+        upload's admission refuses a second stream of the file while it lasts.
         """
         ended = self._ended.get(self.staging.path(lease.attempt_id, claim))
         if ended is not None:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ended.wait(), timeout=self.idle_seconds + 5.0)
-            except TimeoutError:
-                raise PolicyError(
-                    f"artifact `{claim.name}`: another upload of it is still in progress\nhint: wait for it to end, then ask UploadOffset again"
-                ) from None
         if self.store.records.recorded(lease.attempt_id, claim) is not None:
             return claim.size_bytes, True
         return self.staging.offset(lease.attempt_id, claim), False
