@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import worker_cli
 
 from dflash_worker.capture import open_capture
 from dflash_worker.data import PreparedData, render_example, render_prompt
@@ -46,8 +46,7 @@ def long_data(tmp_path_factory, cap_tokenizer) -> tuple[Path, dict[str, int], st
 
 
 def _cli(recipe: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_worker.cli", "capture", "--recipe", str(recipe), *flags],
-                          capture_output=True, text=True, timeout=300, env=one_thread_env())
+    return worker_cli("capture", "--recipe", recipe, *flags, timeout=300, env=one_thread_env())
 
 
 def _recipe(tmp_path, targets, draft_dir, data, name="r", **capture) -> Path:

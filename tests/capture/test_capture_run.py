@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prewarmed import worker_cli
 
 from dflash_worker.capture import open_capture, read_target_layer_ids, run_capture
 from dflash_worker.data import PreparedData, render_example
@@ -27,8 +28,7 @@ from .conftest import LAYER_IDS, one_thread_env, payload, write_recipe
 
 def _cli_capture(recipe: Path) -> dict:
     """`dflash-worker capture --json` in a fresh process (one intra-op thread): the manifest."""
-    res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "capture", "--recipe", str(recipe), "--json"],
-                         capture_output=True, text=True, timeout=300, env=one_thread_env())
+    res = worker_cli("capture", "--recipe", recipe, "--json", timeout=300, env=one_thread_env())
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from coordinator_helpers import REPO, subprocess_env
+from prewarmed import coordinator_cli
 
 
 def run_cli(*argv, env_extra=None, input=None):
     env = subprocess_env()
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "dflash_worker.coordinator", *argv], capture_output=True, text=True, env=env, cwd=REPO, input=input, timeout=60)
+    return coordinator_cli(*argv, env=env, cwd=REPO, input=input, timeout=60)
 
 
 def test_admin_commands_end_to_end(coordinator, tmp_path):

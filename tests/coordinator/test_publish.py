@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 
 import pytest
 from coordinator_helpers import Provider, run_spec, subprocess_env
+from prewarmed import coordinator_cli
 
 from dflash_worker.coordinator.publish import REPORT_NAME, decide, held_out
 from dflash_worker.evaluate.report import VERDICTS, step_stats, summarize, verdict
@@ -57,10 +57,7 @@ def spec_json(tolerance: float | None = None, split: str = "test") -> str:
 
 
 def cli(coord, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(
-        [sys.executable, "-m", "dflash_worker.coordinator", *args, "--server", coord.address, f"--admin-token={coord.admin_token}"],
-        capture_output=True, text=True, timeout=60, env=subprocess_env(),
-    )  # fmt: skip
+    p = coordinator_cli(*args, "--server", coord.address, f"--admin-token={coord.admin_token}", timeout=60, env=subprocess_env())
     if check:
         assert p.returncode == 0, p.stderr
     return p

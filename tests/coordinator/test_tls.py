@@ -4,12 +4,11 @@ plaintext refused off loopback, unusable certificate files named at startup."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import grpc
 import pytest
 from coordinator_helpers import REPO, Provider, code_of, run_spec, subprocess_env
+from prewarmed import coordinator_cli
 from tls_certs import tls_world
 
 from dflash_worker.coordinator.server import ServeConfig
@@ -48,7 +47,7 @@ def _provider(coord, name: str, creds) -> Provider:
 def run_cli(*argv, env_extra=None):
     env = subprocess_env()
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "dflash_worker.coordinator", *argv], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    return coordinator_cli(*argv, env=env, cwd=REPO, timeout=60)
 
 
 def test_a_job_round_trips_over_tls(start_coordinator, certs):

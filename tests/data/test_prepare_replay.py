@@ -5,11 +5,10 @@ refused with the file and line named."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import worker_cli
 
 from dflash_worker.data import prepare_data
 from dflash_worker.errors import ConfigError, DataError
@@ -103,11 +102,9 @@ def test_a_hostile_replay_file_names_its_line_and_writes_nothing(tmp_path, files
 def test_cli_flags(tmp_path, files):
     own, gen = files
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "prepare-data", "--input", str(own), "--replay", str(gen),
-                          "--replay-fraction", "0.2", "--output", str(out)], capture_output=True, text=True, timeout=120)
+    res = worker_cli("prepare-data", "--input", own, "--replay", gen, "--replay-fraction", "0.2", "--output", out, timeout=120)
     assert res.returncode == 0, res.stderr
     m = json.loads((out / "manifest.json").read_text())
     assert f"mixed {m['replay']['rows']} replay rows into train" in res.stdout and m["replay"]["fraction"] == 0.2
-    res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "prepare-data", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    res = worker_cli("prepare-data", "--help", timeout=120)
     assert "--replay" in res.stdout and "--replay-fraction" in res.stdout

@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from prewarmed import coordinator_cli
+
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv"
 BIN = VENV / "bin"
@@ -172,14 +174,9 @@ class Coordinator:
                 self.proc.wait(10)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        """One admin CLI call, as a run admin would type it."""
-        p = subprocess.run(
-            [str(COORDINATOR), *args, "--server", self.address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=clean_env(DFLASH_ADMIN_TOKEN=self.admin_token),
-        )
+        """One admin CLI call, as a run admin would type it (`dflash-coordinator ARGS` in a process forked from
+        a pre-warmed interpreter, tests/prewarmed.py; `serve` above runs the console script itself)."""
+        p = coordinator_cli(*args, "--server", self.address, timeout=120, env=clean_env(DFLASH_ADMIN_TOKEN=self.admin_token))
         if check and p.returncode != 0:
             raise AssertionError(f"`dflash-coordinator {' '.join(args)}` exited {p.returncode}:\n{p.stderr}")
         return p

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from prewarmed import worker_cli
 
 from dflash_worker.evaluate.report import render_markdown, step_stats, summarize, verdict
 from dflash_worker.recipe import load_recipe
@@ -19,8 +18,7 @@ from dflash_worker.train import train
 def evaluated(pipeline):
     res = train(load_recipe(pipeline.recipe("eval-run", steps=4, val_every=2, checkpoint_every=2, lr=1e-2)))
     out = pipeline.root / "eval-report"
-    proc = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "evaluate", "--run", str(res.run_dir), "--split", "val",
-                           "--max-prompts", "3", "--output", str(out), "--json"], capture_output=True, text=True, timeout=300)
+    proc = worker_cli("evaluate", "--run", res.run_dir, "--split", "val", "--max-prompts", "3", "--output", out, "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr
     return res, out, json.loads(proc.stdout)
 
@@ -63,8 +61,7 @@ def test_verdict_rule():
 
 
 def test_evaluate_refuses_unfinished_run(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "evaluate", "--run", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = worker_cli("evaluate", "--run", tmp_path, timeout=120)
     assert proc.returncode == 1 and "selection.json" in proc.stderr
 
 
@@ -161,9 +158,8 @@ def test_evaluate_on_another_prepared_dir(pipeline, evaluated, tmp_path):
     want = [ex.id for ex in PreparedData(data).iter_split("test")][:2]
     assert want
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "evaluate", "--run", str(res.run_dir), "--data", str(data),
-                           "--split", "test", "--max-prompts", "2", "--output", str(out), "--json"],
-                          capture_output=True, text=True, timeout=300)
+    proc = worker_cli("evaluate", "--run", res.run_dir, "--data", data, "--split", "test", "--max-prompts", "2", "--output", out, "--json",
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["data"] == str(data) and report["data_source"] == "--data" and report["split"] == "test"

@@ -4,11 +4,10 @@ non-finite tensors naming them; writes atomically; the CLI exports AF4G64 too.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from prewarmed import worker_cli
 
 from dflash_worker.errors import ExportError
 from dflash_worker.export.bf16 import verify_bf16, write_bf16
@@ -76,8 +75,7 @@ def test_planted_nan_is_refused_naming_the_tensor(pipeline, tmp_path):
 
 def test_export_cli_formats_and_manifest(pipeline, trained_run):
     run = trained_run.run_dir
-    res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "export", "--run", str(run), "--format", "af4g64", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    res = worker_cli("export", "--run", run, "--format", "af4g64", "--json", timeout=300)
     assert res.returncode == 0, res.stderr
     manifest = json.loads(res.stdout)  # stdout holds only the manifest; the summary is a log line
     assert f"export: wrote `{run / 'export-af4g64'}` (af4g64, step {trained_run.selection['step']})" in res.stderr, res.stderr
@@ -86,8 +84,7 @@ def test_export_cli_formats_and_manifest(pipeline, trained_run):
     assert set(chain) == set(chain["chain"]) | {"chain"}
     assert chain["checkpoint"]["step"] == trained_run.selection["step"]
     # an existing export is not replaced without --overwrite
-    again = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "export", "--run", str(run)],
-                           capture_output=True, text=True, timeout=300)
+    again = worker_cli("export", "--run", run, timeout=300)
     assert again.returncode == 1 and "--overwrite" in again.stderr
     m = verify_bf16(run / "export")
     assert m["provenance"]["recipe"]["fingerprint"]

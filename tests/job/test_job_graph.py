@@ -9,11 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_main
 
 from dflash_worker.testing.world import build_world, job_spec
 
@@ -33,10 +32,7 @@ def _spec(world) -> dict:
 def _run(job_dir: Path, doc: dict) -> tuple[int, list[dict], str]:
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "spec.json").write_text(json.dumps({"schema_version": 1, **doc}))
-    out = subprocess.run(
-        [sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job_dir)],
-        capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-    )
+    out = run_main("dflash_worker.job", ["--job-dir", job_dir], timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     return out.returncode, [json.loads(line) for line in out.stdout.splitlines()], out.stderr
 
 

@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from pipeline import Pipeline  # noqa: E402
+from prewarmed import worker_cli  # noqa: E402
 from test_resume import _assert_identical, _final, _recipe, _run_to_end, _start_and_signal  # noqa: E402
 from test_train_scopes import LR, _released_sha  # noqa: E402
 
@@ -60,9 +61,8 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`dflash-worker ARGS` as a user runs it (a fresh interpreter at one thread)."""
-    return subprocess.run([sys.executable, "-m", "dflash_worker.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, env=_env(), cwd=cwd)
+    """`dflash-worker ARGS` in a fresh process at one thread (forked from a pre-warmed interpreter: tests/prewarmed.py)."""
+    return worker_cli(*args, timeout=600, env=_env(), cwd=cwd)
 
 
 def _ok(*args) -> subprocess.CompletedProcess:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from prewarmed import worker_cli
 
 from dflash_worker.families import validate_pair
 from dflash_worker.model import DraftConfig, default_target_layer_ids, load_draft
@@ -17,10 +16,7 @@ from dflash_worker.testing.world import build_world
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_worker.cli", "init-draft", *map(str, args)],
-        capture_output=True, text=True, timeout=300, cwd=cwd, env=dict(os.environ, PYTHONWARNINGS="ignore"),
-    )
+    return worker_cli("init-draft", *args, timeout=300, cwd=cwd, env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
 def _in_process(capsys, *args):

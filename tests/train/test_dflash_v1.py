@@ -8,12 +8,11 @@ import copy
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from pipeline import _toml
+from prewarmed import worker_cli
 from safetensors.torch import load_file
 
 from dflash_worker.recipe import load_recipe
@@ -22,8 +21,7 @@ from dflash_worker.weights import resolve_checkpoint
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "dflash_worker.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    return worker_cli(*args, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
 def _recipe(pipeline, draft, run, **train_over):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from dflash_worker.train import checkpoint as ckpt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline import _toml  # noqa: E402
+from prewarmed import worker_cli
 
 # the tiny world measures acceptance on 16 general rows x 4 blocks: one block moves it by ~1.5%,
 # so the guard run tolerates 10% (the recipe default, 3%, is for real validation sets)
@@ -211,9 +211,8 @@ def test_prepare_holds_general_rows_out_of_train_and_tags_them(world, tmp_path):
     assert m["split_fingerprint"] != plain["split_fingerprint"] and m["params"]["replay"]["val_fraction"] == 0.1
     assert "val_ids" not in plain["replay"] and "val_fraction" not in plain["params"]["replay"]
     # the CLI flag, and its summary line
-    res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "prepare-data", "--input", str(own), "--replay", str(general),
-                          "--replay-fraction", "0.3", "--replay-val-fraction", "0.1", "--seed", "3", "--output", str(tmp_path / "cli")],
-                         capture_output=True, text=True, timeout=120)
+    res = worker_cli("prepare-data", "--input", own, "--replay", general, "--replay-fraction", "0.3", "--replay-val-fraction", "0.1",
+                     "--seed", "3", "--output", tmp_path / "cli", timeout=120)
     assert res.returncode == 0, res.stderr
     assert "held out 6 replay rows in val as general-domain validation rows" in res.stdout
     assert (tmp_path / "cli" / "manifest.json").read_bytes() == (tmp_path / "out" / "manifest.json").read_bytes()

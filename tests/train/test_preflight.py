@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from pipeline import Pipeline
+from prewarmed import worker_cli
 
 from dflash_worker.recipe import load_recipe
 
@@ -53,13 +52,11 @@ def test_preflight_plans_recommend_by_free_disk_then_memory(pipeline, monkeypatc
 
 
 def test_preflight_cli_json(pipeline):
-    res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "preflight", "--recipe", str(pipeline.recipe("preflight-cli")),
-                          "--length", "64", "--json"], capture_output=True, text=True, timeout=300)
+    res = worker_cli("preflight", "--recipe", pipeline.recipe("preflight-cli"), "--length", "64", "--json", timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["verdict"] == "go"
     assert "capture peak" in res.stderr and "optimization peak" in res.stderr  # a log line beside the JSON
-    plain = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "preflight", "--recipe", str(pipeline.recipe("preflight-cli")),
-                            "--length", "64"], capture_output=True, text=True, timeout=300)
+    plain = worker_cli("preflight", "--recipe", pipeline.recipe("preflight-cli"), "--length", "64", timeout=300)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith("preflight: 64 tokens") and "optimization peak" in plain.stdout and "go:" in plain.stdout, plain.stdout
     assert "online peak" in plain.stdout and "    cache:  " in plain.stdout and "recommended: cache" in plain.stdout, plain.stdout
@@ -84,8 +81,7 @@ def test_preflight_measures_a_qwen3_5_moe_wrapper_as_its_text_tower(tmp_path):
         "capture": {"output": str(tmp_path / "capture"), "dtype": "float32", "device": "cpu"},
     }
     recipe = Pipeline(tmp_path, world.target, world.draft, tmp_path / "data", tmp_path / "capture", base).recipe("preflight")
-    res = subprocess.run([sys.executable, "-m", "dflash_worker.cli", "preflight", "--recipe", str(recipe), "--json"],
-                         capture_output=True, text=True, timeout=300)
+    res = worker_cli("preflight", "--recipe", recipe, "--json", timeout=300)
     assert res.returncode == 0, res.stderr
     teacher = json.loads(res.stdout)["teacher"]
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from prewarmed import worker_cli
 from safetensors.torch import save_file
 
 from dflash_worker.cli import main
@@ -21,9 +22,7 @@ from .conftest import write_raw
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_worker.cli", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    return worker_cli(*args, env=env, timeout=120)
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *words: str) -> None:

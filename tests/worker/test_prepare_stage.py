@@ -6,10 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_main
 
 from dflash_worker.cli import main
 
@@ -27,7 +27,7 @@ def _run_job(job: Path, spec: dict) -> subprocess.CompletedProcess:
     spec = {**spec, "recipe": RECIPE}
     job.mkdir()
     (job / "spec.json").write_text(json.dumps({"schema_version": 1, "spec": spec}))
-    return subprocess.run([sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job)], capture_output=True, text=True, timeout=300)
+    return run_main("dflash_worker.job", ["--job-dir", job], timeout=300)
 
 
 def _digests(d: Path) -> dict[str, str]:
