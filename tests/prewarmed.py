@@ -13,16 +13,20 @@ What differs from a fresh interpreter, and where tests keep the real thing:
   come from the fork server's (started with this process's environment plus `HF_HUB_OFFLINE=1`);
   `OMP_NUM_THREADS` and `PYTHONWARNINGS=ignore` are applied in the child explicitly;
 - `atexit` handlers do not run (the child leaves with `os._exit` after flushing stdout and stderr).
-Console scripts and the interpreter start are run for real by `tests/test_packaging.py`,
-`tests/docs/test_training_quickstart.py`, and every run-manager-started worker in `tests/e2e`;
-tests about signals, ranks or byte-reproducibility across interpreters keep `subprocess`.
+The console script and the interpreter start are run for real by `tests/test_packaging.py` and
+every run-manager-started worker in `tests/e2e`; `torchrun` ranks and the tests that signal a
+process keep `subprocess`. `CommandServer` puts a stand-in `dflash-worker` on `PATH` for the shell
+blocks of `tests/docs/test_training_quickstart.py`.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import multiprocessing
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -143,3 +147,66 @@ def worker_cli(*argv, **kw) -> subprocess.CompletedProcess:
 def coordinator_cli(*argv, **kw) -> subprocess.CompletedProcess:
     """`dflash-coordinator ARGV` (`python -m dflash_worker.coordinator`) in a pre-warmed fork."""
     return run_main("dflash_worker.coordinator.cli", argv, **kw)
+
+
+class CommandServer:
+    """`dflash-worker` for the shell scripts a test runs: a stand-in script in `bindir` (put it first on
+    `PATH`) that sends its argv, cwd and environment over a Unix socket to this server, which runs the
+    command with `worker_cli` and sends back the exit code, stdout and stderr (written once the command
+    ends; the stand-in does not forward stdin or signals). Use as a context manager."""
+
+    def __init__(self, bindir: Path, timeout: float = 600):
+        self.bindir, self.timeout = Path(bindir), timeout
+        self._dir = tempfile.mkdtemp(prefix="pw-")  # a short path: Unix socket names are limited to ~100 bytes
+        self.socket_path = os.path.join(self._dir, "s")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.socket_path)
+        self._listener.listen(8)
+        self.calls: list[list[str]] = []
+        self.bindir.mkdir(parents=True, exist_ok=True)
+        shim = self.bindir / "dflash-worker"
+        shim.write_text(_SHIM.format(python=sys.executable, socket=self.socket_path), encoding="utf-8")
+        shim.chmod(0o755)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            raw = b"".join(iter(lambda: conn.recv(1 << 16), b""))
+            try:
+                req = json.loads(raw)
+                self.calls.append(req["argv"])
+                res = worker_cli(*req["argv"], cwd=req["cwd"], env=req["env"], timeout=self.timeout)
+                code = res.returncode if res.returncode >= 0 else 128 - res.returncode
+                reply = {"code": code, "stdout": res.stdout, "stderr": res.stderr}
+            except Exception as exc:  # noqa: BLE001 (the stand-in reports it as the command's failure)
+                reply = {"code": 125, "stdout": "", "stderr": f"prewarmed: {type(exc).__name__}: {exc}\n"}
+            conn.sendall(json.dumps(reply).encode("utf-8"))
+
+    def __enter__(self) -> CommandServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._listener.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_SHIM = '''#!{python} -I
+"""dflash-worker, run by the test's pre-warmed command server (tests/prewarmed.py)."""
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect({socket!r})
+s.sendall(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}).encode("utf-8"))
+s.shutdown(socket.SHUT_WR)
+reply = json.loads(b"".join(iter(lambda: s.recv(1 << 16), b"")))
+sys.stdout.write(reply["stdout"])
+sys.stderr.write(reply["stderr"])
+sys.exit(reply["code"])
+'''

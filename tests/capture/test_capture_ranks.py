@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from prewarmed import worker_cli
+
 from dflash_worker.testing.procs import children, rank_pid
 from dflash_worker.train.loop import capture_fingerprint
 
@@ -35,8 +37,7 @@ def _payload_key(manifest):
 
 def _one_rank(recipe) -> dict:
     """The reference: the same capture as one plain process (no torchrun), its manifest."""
-    proc = subprocess.run([sys.executable, *CAPTURE, "--recipe", str(recipe), "--json"], capture_output=True, text=True,
-                          timeout=600, env=_env())
+    proc = worker_cli("capture", "--recipe", recipe, "--json", timeout=600, env=_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
 

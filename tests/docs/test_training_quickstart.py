@@ -4,7 +4,10 @@ Fenced blocks in the guide, by info string:
 
 - ``sh test``: run with ``bash -euo pipefail`` in one temporary directory,
   in document order, with this environment's ``bin`` first on ``PATH``;
-  must exit 0.
+  must exit 0. ``dflash-worker`` there is the stand-in of
+  ``tests/prewarmed.py`` (the same ``main`` in a fresh process forked from an
+  interpreter that imported torch once; the console script itself is run by
+  ``tests/test_packaging.py``).
 - ``sh test fails``: same, but must exit non-zero (a documented refusal).
 - ``<lang> file=NAME``: written to ``NAME`` in that directory when reached,
   so later ``sh test`` blocks use the file exactly as the guide shows it.
@@ -28,6 +31,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
+from prewarmed import CommandServer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "training-quickstart.md"
 FENCE = re.compile(r"^```(?P<info>[^`\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
@@ -59,17 +63,17 @@ def blocks(text: str) -> list[Block]:
     ]
 
 
-def _env() -> dict[str, str]:
+def _env(first: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = os.pathsep.join([*([str(first)] if first else []), str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("NO_COLOR", "1")
     env["HF_HUB_OFFLINE"] = "1"
     return env
 
 
-def _run(block: Block, cwd: Path) -> subprocess.CompletedProcess:
+def _run(block: Block, cwd: Path, first: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", block.body], cwd=cwd, env=_env(), capture_output=True, text=True,
+        ["bash", "-euo", "pipefail", "-c", block.body], cwd=cwd, env=_env(first), capture_output=True, text=True,
         timeout=BLOCK_TIMEOUT_S,
     )
 
@@ -129,6 +133,11 @@ def test_documented_flags_exist():
 
 
 def test_quickstart_blocks_run_in_order(tmp_path):
+    with CommandServer(tmp_path.parent / f"{tmp_path.name}-bin", timeout=BLOCK_TIMEOUT_S) as server:
+        _run_blocks(tmp_path, server)
+
+
+def _run_blocks(tmp_path: Path, server: CommandServer) -> None:
     from dflash_worker.recipe import load_recipe
 
     ran = 0
@@ -140,7 +149,7 @@ def test_quickstart_blocks_run_in_order(tmp_path):
             continue
         if b.info[:2] != ("sh", "test"):
             continue
-        res = _run(b, tmp_path)
+        res = _run(b, tmp_path, server.bindir)
         if "fails" in b.info[2:]:
             assert res.returncode != 0, _describe(b, res)
             assert "error:" in res.stderr and "hint:" in res.stderr, _describe(b, res)
@@ -148,6 +157,7 @@ def test_quickstart_blocks_run_in_order(tmp_path):
             assert res.returncode == 0, _describe(b, res)
         ran += 1
     assert ran >= 10
+    assert len(server.calls) >= 30 and ["train", "--recipe", "recipe.toml", "--resume"] in server.calls  # the stand-in ran them
 
     # What the guide says the stages leave behind.
     run = tmp_path / "runs" / "my-draft"

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from pipeline import _toml
+from prewarmed import worker_cli
 from safetensors.torch import load_file
 
 from dflash_worker.testing.procs import alive, children, rank_pid
@@ -47,7 +48,10 @@ def _argv(cmd, recipe, *extra):
 
 
 def _run(cmd, recipe, *extra, env=None):
-    proc = subprocess.run(_argv(cmd, recipe, *extra), capture_output=True, text=True, timeout=600, env=env or _env())
+    if cmd is ONE_RANK:  # one plain process: forked from the pre-warmed interpreter (tests/prewarmed.py)
+        proc = worker_cli("train", "--recipe", recipe, *extra, timeout=600, env=env or _env())
+    else:
+        proc = subprocess.run(_argv(cmd, recipe, *extra), capture_output=True, text=True, timeout=600, env=env or _env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -160,13 +164,15 @@ def test_evaluate_split_over_two_ranks_writes_the_one_rank_report(pipeline, undi
     # 5 prompts (of the train split: the held-out ones are 4): rank 0 generates prompts 0, 2, 4 and rank 1
     # prompts 1, 3; the rows go back in prompt order
     def evaluate(cmd, out):
-        argv = [*cmd, "-m", "dflash_worker.cli", "evaluate", "--run-dir", str(undisturbed), "--split", "train",
-                "--max-prompts", "5", "--output", str(out)]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=_env())
+        argv = ["evaluate", "--run-dir", str(undisturbed), "--split", "train", "--max-prompts", "5", "--output", str(out)]
+        if cmd is None:
+            proc = worker_cli(*argv, timeout=600, env=_env())
+        else:
+            proc = subprocess.run([*cmd, "-m", "dflash_worker.cli", *argv], capture_output=True, text=True, timeout=600, env=_env())
         assert proc.returncode == 0, proc.stderr[-4000:]
         return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
 
-    one = evaluate([sys.executable], pipeline.root / "dist-eval-1")
+    one = evaluate(None, pipeline.root / "dist-eval-1")
     two = evaluate(TORCHRUN, pipeline.root / "dist-eval-2")
     assert sorted(one) == ["acceptance.png", "report.json", "report.md"]
     report = json.loads(one["report.json"])
