@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prewarmed import worker_cli
 
 from dflash_worker.errors import ResumeError
 from dflash_worker.manifest import sha256_file
@@ -50,7 +51,7 @@ def _steps(run: Path) -> list[int]:
 
 
 def _run_to_end(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
-    res = subprocess.run(_cli("train", "--recipe", str(recipe), *extra), env=_env(), capture_output=True, text=True, timeout=300)
+    res = worker_cli("train", "--recipe", recipe, *extra, env=_env(), timeout=300)  # (no signal: a pre-warmed fork)
     assert res.returncode == 0, res.stderr
     return res
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_main
 
 from dflash_worker.worker.spec import JobSpec
 
@@ -62,7 +62,7 @@ def test_the_worker_applies_device_and_downgrades_and_records_them(rust_spec, tm
     del doc["graph"]  # the whole pipeline's capture, with its manifest
     doc["downgrades"] = [{"feature": "torch_compile", "replacement": "eager", "reason": "`torch_compile` needs CUDA; this provider runs `cpu`"}]
     (job / "spec.json").write_text(json.dumps(doc))
-    p = subprocess.run([sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job)], capture_output=True, text=True, timeout=600)
+    p = run_main("dflash_worker.job", ["--job-dir", job], timeout=600)
     assert p.returncode == 0, p.stderr
     events = [json.loads(line) for line in p.stdout.splitlines()]
     assert events[-1] == {"event": "done"}
@@ -78,7 +78,7 @@ def test_the_worker_applies_device_and_downgrades_and_records_them(rust_spec, tm
     job2.mkdir()
     spec["recipe"]["capture"]["device"] = "cuda"
     (job2 / "spec.json").write_text(json.dumps({**doc, "spec": spec, "job_dir": str(job2.resolve())}))
-    p = subprocess.run([sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job2)], capture_output=True, text=True, timeout=600)
+    p = run_main("dflash_worker.job", ["--job-dir", job2], timeout=600)
     last = json.loads(p.stdout.splitlines()[-1])
     assert p.returncode == 1 and last["event"] == "error" and "`[capture].device` is `cuda` but this provider runs" in last["message"]
     assert not (job2 / "capture").exists()
