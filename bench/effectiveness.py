@@ -1,14 +1,20 @@
 """Effectiveness benchmark: does adapting a released DFlash2 draft raise acceptance on a held-out domain?
 
-Everything is built on this machine from text every Python install ships (no downloads):
+Everything is built on this machine from files it already holds (no downloads), in one of two
+worlds built differently (`--world`):
 
 1. corpora (deterministic: sorted paths, fixed caps, sha256 of every file recorded)
-   - general prose: `/usr/share/common-licenses/*`, `/usr/share/doc/*/copyright`, Python's `LICENSE.txt`;
-   - general code: a fixed list of stdlib modules (`GENERAL_CODE`);
-   - own domain: Perl modules (Debian's perl-modules; `perl_pool` sends each file to the teacher's pool
-     or to the own domain), one row per top-level sub: prompt = `# <module path>` + comments + `sub NAME {`,
-     response = the body. The teacher also learns Perl from its own pool; the released draft never sees Perl.
-2. a byte-level BPE tokenizer trained on the general corpus, with the project's Qwen3-style chat template;
+   - world `perl` (the default):
+     - general prose: `/usr/share/common-licenses/*`, `/usr/share/doc/*/copyright`, Python's `LICENSE.txt`;
+     - general code: a fixed list of stdlib modules (`GENERAL_CODE`);
+     - own domain: Perl modules (Debian's perl-modules; `own_pool` sends each file to the teacher's pool
+       or to the own domain), one row per top-level sub: prompt = `# <module path>` + comments + `sub NAME {`,
+       response = the body. The teacher also learns Perl from its own pool; the released draft never sees Perl.
+   - world `rust`: general prose = Debian changelogs (`/usr/share/doc/*/changelog.Debian.gz`), general code =
+     C headers (`/usr/include/*.h`), own domain = Rust functions of the crates cargo fetched for the
+     run-manager (`$CARGO_HOME/registry/src`), prompt = `// <file>` + doc comments + the `fn` line,
+     response = the body; a tokenizer twice the size.
+2. a byte-level BPE tokenizer trained on the teacher's text, with the project's Qwen3-style chat template;
 3. a small dense Qwen3 teacher pretrained for a fixed number of steps (`--teacher-steps`) with plain next-token CE
    on chat-rendered general rows plus general-code function rows (so the teacher knows the
    signature -> body task; the released draft never sees that format), cached by a key of
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
+import gzip
 import hashlib
 import json
 import math
@@ -71,11 +78,26 @@ GENERAL_CODE = (
 # to the teacher's pool or to the own domain by a hash of its path, so the teacher knows Perl from
 # files the own domain never contains, and the own domain is split by module per seed.
 PERL_GLOB = "/usr/share/perl/5*/**/*.pm"
+# The second world (`--world rust`) takes every source elsewhere: general prose from Debian's changelogs
+# (not the licenses), general code from C headers (not Python), and an own domain of Rust functions
+# from the crates cargo fetched to build the run-manager (pinned by Cargo.lock), split into the
+# teacher's pool and the own domain by the same path hash.
+CHANGELOG_GLOB = "/usr/share/doc/*/changelog.Debian.gz"
+C_HEADER_GLOB = "/usr/include/*.h"
+WORLDS = ("perl", "rust")
 
 
-def perl_pool(rel: str) -> str:
-    """`teacher` or `own`: which pool a Perl module (path relative to the Perl root) belongs to."""
+def cargo_sources() -> Path:
+    """Where cargo unpacks the crates it fetched (`$CARGO_HOME/registry/src/<index>/<crate>-<version>/`)."""
+    return Path(os.environ.get("CARGO_HOME") or Path.home() / ".cargo") / "registry" / "src"
+
+
+def own_pool(rel: str) -> str:
+    """`teacher` or `own`: which pool an own-language file (path relative to its root) belongs to."""
     return "own" if hashlib.sha256(rel.encode()).digest()[0] % 3 == 0 else "teacher"
+
+
+perl_pool = own_pool  # the name the Perl world's first reports used
 
 
 @dataclass(frozen=True)
@@ -83,12 +105,13 @@ class Settings:
     """Sizes of one benchmark run. `full` is the default; `quick` and `smoke` shrink everything."""
 
     name: str = "full"
+    world: str = "perl"  # `perl` or `rust` (`WORLDS`): where the corpora come from
     family: str = "qwen3"  # the teacher's family: `qwen3`, or `qwen3_5` (a hybrid Gated DeltaNet teacher)
     vocab: int = 2048
     prose_bytes: int = 600_000
     code_files: int = 0  # use only the first N modules of the general code list (0: all)
     own_files: int = 120  # Perl modules of the own domain (sorted, the first N with subs)
-    teacher_perl_bytes: int = 400_000  # Perl source the teacher pretrains on (its pool only)
+    teacher_perl_bytes: int = 400_000  # own-language (Perl, Rust) source the teacher pretrains on (its pool only)
     hidden: int = 256
     layers: int = 4
     heads: int = 4
@@ -105,32 +128,35 @@ class Settings:
     max_length: int = 512
     released_steps: int = 6000  # to the validation plateau (the report shows the curve and the control)
     released_lr: float = 2e-3
-    recipe_steps: int = 2000  # where forgetting shows (issue 16: -45% general at 2,000 steps)
+    recipe_steps: tuple[int, ...] = (2000,)  # every recipe at each count (issue 16: forgetting shows at 2,000)
     recipe_lr: float = 5e-4
     blocks_per_sequence: int = 8
     eval_prompts: int = 16
     eval_new_tokens: int = 64
     replay_fraction: float = 0.25  # recipes `*_replay*`: share of the train split made of general rows
     l2sp: float = 0.1  # recipes `*_l2sp*`: `[train].l2sp` (0.5 already cost a third of the own gain, 1 seed)
+    guard_val_fraction: float = 0.1  # recipes `*_guard*`: share of the replay pool held out as general val rows
+    general_tolerance: float = 0.03  # recipes `*_guard*`: `[train].general_tolerance` unless `_guard@T`
     recipes: tuple[str, ...] = ("selector", "recall", "full", "full_replay", "full_l2sp", "full_replay_l2sp")
 
 
 PRESETS = {
     "full": Settings(),
     "quick": Settings(name="quick", prose_bytes=250_000, hidden=128, layers=4, teacher_seq=128, teacher_steps=150,
-                      general_rows=160, own_train_rows=120, capture_new_tokens=48, released_steps=120, recipe_steps=60,
+                      general_rows=160, own_train_rows=120, capture_new_tokens=48, released_steps=120, recipe_steps=(60,),
                       own_files=60, teacher_perl_bytes=150_000,
                       eval_prompts=8, eval_new_tokens=48),
     # machinery check only (tests): every phase, miniature sizes; the numbers mean nothing
     "smoke": Settings(name="smoke", vocab=400, prose_bytes=20_000, code_files=4, hidden=64, layers=2, teacher_seq=64,
                       teacher_batch=4, teacher_steps=3, general_rows=40, own_train_rows=16, block_size=4,
-                      capture_new_tokens=8, max_length=1024, released_steps=3, recipe_steps=2, blocks_per_sequence=2,
+                      capture_new_tokens=8, max_length=1024, released_steps=3, recipe_steps=(2,), blocks_per_sequence=2,
                       own_files=6, teacher_perl_bytes=20_000,
-                      eval_prompts=2, eval_new_tokens=8, recipes=("selector", "full_replay_l2sp", "full_qat_af4g64")),
+                      eval_prompts=2, eval_new_tokens=8,
+                      recipes=("selector", "full_replay_l2sp", "full_qat_af4g64", "recall_guard")),
 }
 
 # recipe name -> [train] overrides (on top of the common keys in `_train_table`) and export format;
-# `recipe_spec` adds the anti-forgetting variants `<base>_replay`, `<base>_l2sp`, `<base>_replay_l2sp`
+# `recipe_spec` adds the anti-forgetting switches `_replay`, `_l2sp` and `_guard`
 RECIPES: dict[str, tuple[dict[str, Any], str]] = {
     "selector": ({"scope": "selector"}, "bf16"),
     "recall": ({"scope": "recall"}, "bf16"),
@@ -144,7 +170,8 @@ RECIPES: dict[str, tuple[dict[str, Any], str]] = {
 CONTROL = "control_full_general"
 # Issue 16's goal for the adopted default recipe, on pooled tau (tokens / verify steps over every prompt and seed).
 # The adopted default is chosen by a rule fixed before the run (`adopted`): of the recipes that keep the
-# general domain within GOAL_REGRESSION, the one with the largest own-domain gain.
+# general domain within GOAL_REGRESSION at every step count (and on every world, `combined_verdict`), the
+# one whose smallest own-domain gain over those runs is the largest.
 GOAL_GAIN = 0.25  # own-domain pooled tau >= +25% over the released draft
 GOAL_REGRESSION = 0.03  # general-domain pooled tau within -3% of the released draft
 
@@ -155,31 +182,50 @@ class RecipeSpec:
     train: dict[str, Any]  # [train] overrides
     fmt: str  # export format
     replay: float | None  # share of replay rows in the train split (None: the own data alone)
+    guard: float | None = None  # `[train].general_tolerance` of the general-domain guard (None: no guard)
+
+    @property
+    def data_key(self) -> tuple[float, bool] | None:
+        """Which prepared data the recipe trains on: None (the own rows alone) or (replay share, guarded)."""
+        return None if self.replay is None and self.guard is None else (self.replay or 0.0, self.guard is not None)
 
 
 def recipe_spec(name: str, s: Settings) -> RecipeSpec:
-    """A recipe name: a `RECIPES` base, optionally followed by `_replay` and/or `_l2sp`, each with an
-    optional `@value` (`full_l2sp@3`, `full_replay@0.5_l2sp`); without a value, the `Settings` default."""
+    """A recipe name: a `RECIPES` base, optionally followed by `_replay`, `_l2sp` and/or `_guard`, each
+    with an optional `@value` (`full_l2sp@3`, `full_replay@0.5_l2sp`, `recall_guard@0.05`); without a
+    value, the `Settings` default. `_guard[@T]` holds general rows out into val (`prepare-data
+    --replay-val-fraction`, with `--replay-fraction 0` unless `_replay` is given too) and selects with
+    the general-domain guard at tolerance T (`[train].general_tolerance`)."""
     parts = name.split("_")
     base_parts: list[str] = []
-    replay = l2sp = None
+    switches: dict[str, float] = {}
+    defaults = {"replay": s.replay_fraction, "l2sp": s.l2sp, "guard": s.general_tolerance}
     for part in parts:
         key, at, val = part.partition("@")
         if at and not val:
             raise ValueError(f"recipe `{name}`: `{part}` has no value after `@`")
-        if key == "replay":
-            replay = float(val) if val else s.replay_fraction
-        elif key == "l2sp":
-            l2sp = float(val) if val else s.l2sp
-        elif replay is None and l2sp is None and not val:
+        if key in defaults and key not in switches:
+            try:
+                switches[key] = float(val) if val else defaults[key]
+            except ValueError:
+                raise ValueError(f"recipe `{name}`: `{part}` needs a number after `@`") from None
+        elif not switches and not val:
             base_parts.append(part)
         else:
-            raise ValueError(f"recipe `{name}`: `{part}` is not `replay[@F]` or `l2sp[@L]`")
+            raise ValueError(f"recipe `{name}`: `{part}` is not `replay[@F]`, `l2sp[@L]` or `guard[@T]`")
     base = "_".join(base_parts)
     if base not in RECIPES:
         raise ValueError(f"recipe `{name}`: unknown base `{base}` (one of {', '.join(RECIPES)})")
+    replay, guard = switches.get("replay"), switches.get("guard")
+    if replay is not None and not 0.0 < replay < 1.0:
+        raise ValueError(f"recipe `{name}`: the replay share must be in (0, 1), found {replay}")
+    if guard is not None and not 0.0 <= guard <= 1.0:
+        raise ValueError(f"recipe `{name}`: the guard's tolerance must be in [0, 1], found {guard}")
     over, fmt = RECIPES[base]
-    return RecipeSpec(name, {**over, **({"l2sp": l2sp} if l2sp else {})}, fmt, replay)
+    train = {**over, **({"l2sp": switches["l2sp"]} if switches.get("l2sp") else {})}
+    if guard is not None:
+        train["general_tolerance"] = guard
+    return RecipeSpec(name, train, fmt, replay, guard)
 
 
 def log(msg: str) -> None:
@@ -219,8 +265,8 @@ def key_of(obj: Any) -> str:
 class Corpus:
     prose: list[str]
     general_code: list[tuple[str, str]]  # (relpath, source)
-    own_code: list[tuple[str, str]]  # Perl modules of the own domain
-    teacher_perl: list[tuple[str, str]] = field(default_factory=list)  # Perl modules the teacher learns from
+    own_code: list[tuple[str, str]]  # own-domain files (Perl modules, Rust sources)
+    teacher_perl: list[tuple[str, str]] = field(default_factory=list)  # own-language files the teacher learns from
     files: list[dict[str, str]] = field(default_factory=list)  # {"path", "sha256", "role"}
 
     def key(self) -> str:
@@ -230,7 +276,9 @@ class Corpus:
 def _read(path: Path) -> str | None:
     try:
         data = path.read_bytes()
-    except OSError:
+        if path.suffix == ".gz":
+            data = gzip.decompress(data)
+    except (OSError, EOFError, gzip.BadGzipFile):
         return None
     try:
         return data.decode("utf-8")
@@ -238,15 +286,25 @@ def _read(path: Path) -> str | None:
         return data.decode("latin-1")
 
 
+def own_rows(s: Settings, rel: str, source: str) -> list[dict[str, str]]:
+    """The rows of one own-language file in `s.world`: Perl subs or Rust functions."""
+    return rust_rows(rel, source) if s.world == "rust" else perl_rows(rel, source)
+
+
 def collect_corpus(s: Settings) -> Corpus:
     """The three corpora from files on this machine, in sorted order, deduplicated by content."""
+    if s.world not in WORLDS:
+        raise ValueError(f"unknown world `{s.world}` (one of {', '.join(WORLDS)})")
     files: list[dict[str, str]] = []
     seen: set[str] = set()
     prose: list[str] = []
     total = 0
-    candidates = [Path(p) for p in sorted(glob.glob("/usr/share/common-licenses/*"))]
-    candidates += [Path(p) for p in sorted(glob.glob("/usr/share/doc/*/copyright"))]
-    candidates.append(STDLIB / "LICENSE.txt")
+    if s.world == "rust":
+        candidates = [Path(p) for p in sorted(glob.glob(CHANGELOG_GLOB))]
+    else:
+        candidates = [Path(p) for p in sorted(glob.glob("/usr/share/common-licenses/*"))]
+        candidates += [Path(p) for p in sorted(glob.glob("/usr/share/doc/*/copyright"))]
+        candidates.append(STDLIB / "LICENSE.txt")
     for p in candidates:
         if total >= s.prose_bytes or not p.is_file():
             continue
@@ -262,10 +320,9 @@ def collect_corpus(s: Settings) -> Corpus:
         prose.append(text)
         files.append({"path": str(p), "sha256": h, "role": "prose"})
 
-    def code(names: tuple[str, ...], role: str) -> list[tuple[str, str]]:
+    def code(paths: list[tuple[str, Path]], role: str) -> list[tuple[str, str]]:
         out = []
-        for rel in names[: s.code_files or None]:
-            p = STDLIB / rel
+        for rel, p in paths[: s.code_files or None]:
             text = _read(p)
             if text is None:
                 continue  # a module this Python lacks; the sha256 list records what was used
@@ -273,29 +330,41 @@ def collect_corpus(s: Settings) -> Corpus:
             files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": role})
         return out
 
+    if s.world == "rust":
+        code_paths = [(Path(p).name, Path(p)) for p in sorted(glob.glob(C_HEADER_GLOB))][: len(GENERAL_CODE)]
+        root = cargo_sources()
+        # below `<index>/`: `<crate>-<version>/src/...`, in sorted order; the index directory's name varies
+        own_paths = sorted(("/".join(p.relative_to(root).parts[1:]), p) for p in root.glob("*/*/**/*.rs"))
+        where, hint = f"{root}/*/*/**/*.rs", "run `cargo fetch` in the repository (the crates of Cargo.lock hold the own domain)"
+    else:
+        code_paths = [(rel, STDLIB / rel) for rel in GENERAL_CODE]
+        # below /usr/share/perl/<version>/
+        own_paths = [("/".join(Path(p).parts[5:]), Path(p)) for p in sorted(glob.glob(PERL_GLOB, recursive=True))]
+        where, hint = PERL_GLOB, "install Debian's `perl` (its perl-modules hold the own domain)"
     own: list[tuple[str, str]] = []
-    teacher_perl: list[tuple[str, str]] = []
-    perl_bytes = 0
-    for path in sorted(glob.glob(PERL_GLOB, recursive=True)):
-        p = Path(path)
-        rel = "/".join(p.parts[5:])  # below /usr/share/perl/<version>/
-        text = _read(p)
-        if not text or not perl_rows(rel, text):
+    teacher_own: list[tuple[str, str]] = []
+    own_bytes = 0
+    for rel, p in own_paths:
+        if len(own) >= s.own_files and own_bytes >= s.teacher_perl_bytes:
+            break  # both pools are full (the order is sorted, so where it stops is too)
+        if (own_pool(rel) == "own" and len(own) >= s.own_files) or (own_pool(rel) == "teacher" and own_bytes >= s.teacher_perl_bytes):
             continue
-        if perl_pool(rel) == "own":
-            if len(own) < s.own_files:
-                own.append((rel, text))
-                files.append({"path": path, "sha256": sha256_bytes(text.encode()), "role": "own_code"})
-        elif perl_bytes < s.teacher_perl_bytes:
-            teacher_perl.append((rel, text))
-            perl_bytes += len(text)
-            files.append({"path": path, "sha256": sha256_bytes(text.encode()), "role": "teacher_perl"})
-    if len(own) < 5 or not teacher_perl:
+        text = _read(p)
+        if not text or not own_rows(s, rel, text):
+            continue
+        if own_pool(rel) == "own":
+            own.append((rel, text))
+            files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": "own_code"})
+        else:
+            teacher_own.append((rel, text))
+            own_bytes += len(text)
+            files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": f"teacher_{s.world}"})
+    if len(own) < 5 or not teacher_own:
         from dflash_worker.errors import DataError
 
-        raise DataError(f"found {len(own)} own-domain and {len(teacher_perl)} teacher Perl modules under `{PERL_GLOB}`"
-                        "\nhint: install Debian's `perl` (its perl-modules hold the own domain)")
-    return Corpus(prose, code(GENERAL_CODE, "general_code"), own, teacher_perl=teacher_perl, files=files)
+        raise DataError(f"found {len(own)} own-domain and {len(teacher_own)} teacher {s.world} files under `{where}`"
+                        f"\nhint: {hint}")
+    return Corpus(prose, code(code_paths, "general_code"), own, teacher_perl=teacher_own, files=files)
 
 
 def function_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[dict[str, str]]:
@@ -342,6 +411,34 @@ def perl_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[dict[s
         while k > 0 and lines[k - 1].lstrip().startswith("#") and i - k < 12:
             k -= 1
         prompt = f"# {rel}\n" + "\n".join(lines[k : i + 1])
+        rows.append({"prompt": prompt, "response": body, "source": rel.replace("/", "::")})
+    return rows
+
+
+RUST_FN = re.compile(r"^(\s*)(?:pub(?:\([\w: ]+\))?\s+)?(?:(?:const|async|unsafe|extern\s+\"\w+\")\s+)*fn\s+\w+.*\{\s*$")
+
+
+def rust_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[dict[str, str]]:
+    """Rows of one Rust file: prompt = `// rel` + the doc comments and attributes right above a `fn`
+    line that opens its body (free function or method) + that line, response = the body up to the
+    `}` at the `fn`'s indentation (capped)."""
+    lines = source.splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        m = RUST_FN.match(line)
+        if not m or len(line) > 160:
+            continue
+        close = m.group(1) + "}"
+        end = next((j for j in range(i + 1, min(len(lines), i + 400)) if lines[j].rstrip() == close), None)
+        if end is None:
+            continue
+        body = textwrap.dedent("\n".join(lines[i + 1 : end][:max_body_lines])).strip("\n")
+        if len(body.strip()) < 20:
+            continue
+        k = i
+        while k > 0 and lines[k - 1].lstrip().startswith(("///", "#[")) and i - k < 12:
+            k -= 1
+        prompt = f"// {rel}\n" + textwrap.dedent("\n".join(lines[k : i + 1]))
         rows.append({"prompt": prompt, "response": body, "source": rel.replace("/", "::")})
     return rows
 
@@ -415,11 +512,12 @@ def build_tokenizer(texts: list[str], vocab: int):
 def teacher_texts(c: Corpus, s: Settings) -> list[str]:
     """Chat-rendered general rows + general-code function rows (never the own domain)."""
     texts = [chat_text(r["prompt"], r["response"]) for r in general_rows(c, s)]
-    for rel, src in c.general_code:
-        texts += [chat_text(r["prompt"], r["response"]) for r in function_rows(rel, src)]
-    # the teacher speaks Perl (its own pool of modules, never the own domain's)
+    if s.world == "perl":  # Python function rows; the rust world's general code (C headers) has continuations only
+        for rel, src in c.general_code:
+            texts += [chat_text(r["prompt"], r["response"]) for r in function_rows(rel, src)]
+    # the teacher speaks the own domain's language (its own pool of files, never the own domain's)
     for rel, src in c.teacher_perl:
-        texts += [chat_text(r["prompt"], r["response"]) for r in perl_rows(rel, src)]
+        texts += [chat_text(r["prompt"], r["response"]) for r in own_rows(s, rel, src)]
     random.Random(0).shuffle(texts)
     return texts
 
@@ -436,6 +534,8 @@ def build_teacher(c: Corpus, s: Settings, cache: Path) -> tuple[Path, dict[str, 
                                                  s.teacher_batch, s.teacher_lr], "steps": s.teacher_steps, "v": 2}
     if s.family != "qwen3":  # the qwen3 world keeps its key (and its cached, hashed weights)
         cfg_key["family"] = s.family
+    if s.world != "perl":  # so does the perl world
+        cfg_key["world"] = s.world
     out = cache / f"teacher-{key_of(cfg_key)}"
     if (out / "teacher.json").is_file():
         return out, json.loads((out / "teacher.json").read_text())
@@ -532,7 +632,8 @@ def _recipe(target: Path, draft: Path, data: Path, capture: Path, s: Settings, *
 
 
 def _train_table(s: Settings, *, steps: int, lr: float, seed: int, out: Path, **over: Any) -> dict:
-    every = max(1, steps // 4)
+    # validated 4 times; a guarded run 8 times, so the guard has earlier checkpoints to fall back on
+    every = max(1, steps // (8 if "general_tolerance" in over else 4))
     t = {"steps": steps, "lr": lr, "blocks_per_sequence": s.blocks_per_sequence, "val_every": every,
          "checkpoint_every": every, "keep_checkpoints": 2, "val_examples": 32, "device": "cpu",
          "warmup_steps": max(1, steps // 20), "seed": seed, "output": str(out)}
@@ -542,15 +643,19 @@ def _train_table(s: Settings, *, steps: int, lr: float, seed: int, out: Path, **
 
 def prepare_check_capture(rows_file: Path, work: Path, target: Path, draft: Path, s: Settings, *, seed: int,
                           val_fraction: float, test_fraction: float, replay: Path | None = None,
-                          replay_fraction: float | None = None) -> tuple[dict, dict]:
-    """prepare-data (with `replay` rows mixed into train when given) -> check-data -> capture (teacher
-    greedy responses). Returns (recipe dict, info): split counts, replay rows, capture seconds and bytes/token."""
+                          replay_fraction: float | None = None,
+                          replay_val_fraction: float | None = None) -> tuple[dict, dict]:
+    """prepare-data (with `replay` rows mixed into train when given, and held out into val as general
+    validation rows with `replay_val_fraction`) -> check-data -> capture (teacher greedy responses).
+    Returns (recipe dict, info): split counts, replay rows (train, val), capture seconds and bytes/token."""
     from dflash_worker.capture import run_capture
     from dflash_worker.data import check_data, prepare_data
     from dflash_worker.recipe import recipe_from_dict
 
     data, capture = work / "data", work / "capture"
-    mix = {} if replay is None else {"replay": [replay], "replay_fraction": replay_fraction or s.replay_fraction}
+    mix: dict[str, Any] = {} if replay is None else {
+        "replay": [replay], "replay_fraction": s.replay_fraction if replay_fraction is None else replay_fraction,
+        "replay_val_fraction": replay_val_fraction}
     man = prepare_data([rows_file], data, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction, **mix)
     rep = check_data(data, target, thinking="off", max_length=s.max_length, regenerate=True, splits=("train", "val"))
     rep.raise_if_failed()
@@ -560,7 +665,8 @@ def prepare_check_capture(rows_file: Path, work: Path, target: Path, draft: Path
     seconds = time.perf_counter() - t0
     totals = json.loads((capture / "manifest.json").read_text())["totals"]
     return raw, {"splits": man["counts"]["split"], "checked": rep.examples,
-                 "replay_rows": man["replay"]["rows"] if "replay" in man else 0, "capture_seconds": seconds,
+                 "replay_rows": man["replay"]["rows"] if "replay" in man else 0,
+                 "general_val_rows": man["replay"].get("val_rows", 0) if "replay" in man else 0, "capture_seconds": seconds,
                  "capture_tokens": totals["tokens"], "capture_bytes_per_token": totals["payload_bytes"] / max(1, totals["tokens"])}
 
 
@@ -579,8 +685,10 @@ def train_and_export(raw: dict, run: Path, train_table: dict, fmt: str) -> dict:
     sel = json.loads((run / "selection.json").read_text()) if (run / "selection.json").is_file() else {}
     val = [{"step": v.get("step"), "matching_proposals": v.get("matching_proposals"), "ce": v.get("ce")}
            for v in sel.get("history") or []]
+    guard = sel.get("guard")
     return {"selection_step": sel.get("step"), "result": getattr(res, "status", None), "train_seconds": seconds,
-            "val_history": val}
+            "val_history": val,
+            "guard": None if guard is None else {k: guard.get(k) for k in ("passed", "rejected_steps", "tolerance", "floor")}}
 
 
 def build_released(target: Path, c: Corpus, s: Settings, cache: Path, teacher_key: str) -> tuple[Path, dict]:
@@ -771,7 +879,7 @@ def run_benchmark(s: Settings, *, seeds: int, out: Path, threads: int = 1) -> di
     replay_file = write_jsonl(out / "replay.jsonl", [
         {"prompt": ex.prompt_messages[-1]["content"], "source": "general-replay"}
         for ex in PreparedData(rel_root / "data").iter_split("train")])
-    own_rows_by_mod = {rel: perl_rows(rel, src) for rel, src in corpus.own_code}
+    own_rows_by_mod = {rel: own_rows(s, rel, src) for rel, src in corpus.own_code}
 
     per_seed = []
     for seed in range(seeds):
@@ -789,33 +897,40 @@ def run_benchmark(s: Settings, *, seeds: int, out: Path, threads: int = 1) -> di
         raw, info = prepare_check_capture(rows_file, sd, target, released, s, seed=seed, val_fraction=0.12,
                                           test_fraction=0.0)
         phase("own_prepare_check_capture", t0)
-        datasets: dict[float | None, tuple[dict, dict]] = {None: (raw, info)}
-        for frac in sorted({sp.replay for sp in specs if sp.replay is not None}):
+        datasets: dict[tuple[float, bool] | None, tuple[dict, dict]] = {None: (raw, info)}
+        for key in sorted({sp.data_key for sp in specs if sp.data_key is not None}):
+            frac, guarded = key
             t0 = time.perf_counter()
-            datasets[frac] = prepare_check_capture(rows_file, sd / f"replay{frac:g}", target, released, s, seed=seed,
-                                                   val_fraction=0.12, test_fraction=0.0, replay=replay_file,
-                                                   replay_fraction=frac)
+            name = "_".join([*([f"replay{frac:g}"] if frac else []), *(["guard"] if guarded else [])])
+            datasets[key] = prepare_check_capture(rows_file, sd / name, target, released, s, seed=seed,
+                                                  val_fraction=0.12, test_fraction=0.0, replay=replay_file,
+                                                  replay_fraction=frac,
+                                                  replay_val_fraction=s.guard_val_fraction if guarded else None)
             phase("own_replay_prepare_check_capture", t0)
         test_rows = [r for m in split["test"] for r in own_rows_by_mod[m]]
         own_prompts = held_out_prompts(tokenizer, test_rows, s.eval_prompts, seed)
         gen_prompts = held_out_prompts(tokenizer, gen_rows, s.eval_prompts, 0)
         drafts = {"released": base_draft}
         train_info = {}
-        for sp in specs:
-            t0 = time.perf_counter()
-            run = sd / "runs" / sp.name
-            sp_raw, sp_info = datasets[sp.replay]
-            table = _train_table(s, steps=s.recipe_steps, lr=s.recipe_lr, seed=seed, out=run, **sp.train)
-            train_info[sp.name] = {**train_and_export(sp_raw, run, table, sp.fmt), "data": sp_info}
-            drafts[sp.name] = load_trained(run, sp.fmt)
-            phase(f"train_{sp.name}", t0)
+        for steps in s.recipe_steps:
+            for sp in specs:
+                t0 = time.perf_counter()
+                key = cell_key(sp.name, steps, s)
+                run = sd / "runs" / key.replace("/", "-")
+                sp_raw, sp_info = datasets[sp.data_key]
+                table = _train_table(s, steps=steps, lr=s.recipe_lr, seed=seed, out=run, **sp.train)
+                train_info[key] = {**train_and_export(sp_raw, run, table, sp.fmt), "data": sp_info}
+                drafts[key] = load_trained(run, sp.fmt)
+                phase(f"train_{sp.name}", t0)
+        # the control once, at the largest step count: whether the released draft is converged
         t0 = time.perf_counter()
-        run = sd / "runs" / CONTROL
+        key = cell_key(CONTROL, max(s.recipe_steps), s)
+        run = sd / "runs" / key.replace("/", "-")
         ctrl_raw = _recipe(target, released, rel_root / "data", rel_root / "capture", s)
-        table = _train_table(s, steps=s.recipe_steps, lr=s.recipe_lr, seed=seed, out=run, scope="full")
+        table = _train_table(s, steps=max(s.recipe_steps), lr=s.recipe_lr, seed=seed, out=run, scope="full")
         ctrl_data = {k: rel_info[k] for k in ("capture_seconds", "capture_bytes_per_token", "capture_tokens")}
-        train_info[CONTROL] = {**train_and_export(ctrl_raw, run, table, "bf16"), "data": ctrl_data}
-        drafts[CONTROL] = load_trained(run, "bf16")
+        train_info[key] = {**train_and_export(ctrl_raw, run, table, "bf16"), "data": ctrl_data}
+        drafts[key] = load_trained(run, "bf16")
         phase(f"train_{CONTROL}", t0)
         t0 = time.perf_counter()
         own_m = measure(drafts, teacher, own_prompts, s, stop)
@@ -835,8 +950,10 @@ def run_benchmark(s: Settings, *, seeds: int, out: Path, threads: int = 1) -> di
 
     # ------------------------------------------------------------------ aggregate
     rows = []
-    for name in (*(sp.name for sp in specs), CONTROL):
-        r: dict[str, Any] = {"recipe": name}
+    cells = [(sp.name, steps) for steps in s.recipe_steps for sp in specs] + [(CONTROL, max(s.recipe_steps))]
+    for recipe, steps in cells:
+        name = cell_key(recipe, steps, s)
+        r: dict[str, Any] = {"recipe": recipe, "steps": steps, "key": name}
         for dom in ("own", "general"):
             before = [statistics.fmean(ps[dom]["drafts"]["released"]["tau"]) for ps in per_seed]
             after = [statistics.fmean(ps[dom]["drafts"][name]["tau"]) for ps in per_seed]
@@ -859,10 +976,13 @@ def run_benchmark(s: Settings, *, seeds: int, out: Path, threads: int = 1) -> di
                       "cost": cost}
         tr = [ps["train"][name] for ps in per_seed]
         r["train_seconds"] = statistics.fmean(t["train_seconds"] for t in tr)
+        r["selected_steps"] = [t["selection_step"] for t in tr]
+        r["guard"] = [t.get("guard") for t in tr] if any(t.get("guard") for t in tr) else None
         data = [t["data"] for t in tr if t["data"]]
         r["capture_seconds"] = statistics.fmean(d["capture_seconds"] for d in data) if data else None
         r["capture_bytes_per_token"] = statistics.fmean(d["capture_bytes_per_token"] for d in data) if data else None
         r["replay_rows"] = statistics.fmean(d.get("replay_rows", 0) for d in data) if data else 0
+        r["general_val_rows"] = statistics.fmean(d.get("general_val_rows", 0) for d in data) if data else 0
         rows.append(r)
     total = time.perf_counter() - t_all
     phases["total"] = total
@@ -877,46 +997,85 @@ def run_benchmark(s: Settings, *, seeds: int, out: Path, threads: int = 1) -> di
     return report
 
 
+def cell_key(recipe: str, steps: int, s: Settings) -> str:
+    """A trained draft's name in a run: the recipe, and its step count when the run has several."""
+    return recipe if len(s.recipe_steps) == 1 else f"{recipe}/{steps}"
+
+
 def pooled(*recs: dict[str, Any]) -> float:
     """Pooled tau of `measure` draft records: all tokens over all verify steps."""
     return sum(r["tokens"] for r in recs) / max(1, sum(r["steps"] for r in recs))
 
 
 def adopted(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The adopted default: of the adaptation recipes whose general-domain pooled tau stays within
-    -GOAL_REGRESSION of the released draft, the one with the largest own-domain pooled gain."""
-    ok = [r for r in rows if r["recipe"] != CONTROL and r["general"]["pooled_change"] >= -GOAL_REGRESSION]
-    return max(ok, key=lambda r: r["own"]["pooled_change"], default=None)
+    """The adopted default, by a rule fixed before the run: of the adaptation recipes whose general-domain
+    pooled tau stays within -GOAL_REGRESSION of the released draft in every run of them (every step
+    count, and every world when `rows` pools several), the one whose smallest own-domain pooled gain
+    over those runs is the largest. Returns {"recipe", "cells", "own_min", "general_min"}."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["recipe"] != CONTROL:
+            by.setdefault(r["recipe"], []).append(r)
+    ok = {name: cells for name, cells in by.items()
+          if all(c["general"]["pooled_change"] >= -GOAL_REGRESSION for c in cells)}
+    if not ok:
+        return None
+    name = max(ok, key=lambda n: min(c["own"]["pooled_change"] for c in ok[n]))
+    cells = ok[name]
+    return {"recipe": name, "cells": cells, "own_min": min(c["own"]["pooled_change"] for c in cells),
+            "general_min": min(c["general"]["pooled_change"] for c in cells)}
+
+
+def _cell_name(c: dict[str, Any]) -> str:
+    where = [f"world {c['world']}"] if c.get("world") else []
+    return ", ".join([*where, *([f"{c['steps']} steps"] if c.get("steps") else [])])
+
+
+def _cell_change(c: dict[str, Any]) -> str:
+    sel = c.get("selected_steps")
+    return (f"own {c['own']['pooled_change'] * 100:+.1f}%, general {c['general']['pooled_change'] * 100:+.1f}%"
+            + (f", selected step {'/'.join(str(x) for x in sel)}" if sel else ""))
 
 
 def goal_line(rows: list[dict[str, Any]]) -> str:
-    """Issue 16's goal for the adopted default (`adopted`) and what the control says about convergence."""
-    by = {r["recipe"]: r for r in rows}
+    """Issue 16's goal for the adopted default (`adopted`), held in every run of it (issue 35), and what
+    the control says about convergence."""
     parts = []
     a = adopted(rows)
     if a is None:
-        parts.append(f"goal NOT MET: no recipe kept general-domain pooled tau within -{GOAL_REGRESSION * 100:.0f}%")
+        parts.append(f"goal NOT MET: no recipe kept general-domain pooled tau within -{GOAL_REGRESSION * 100:.0f}% "
+                     "in every run")
     else:
-        o, g = a["own"]["pooled_change"], a["general"]["pooled_change"]
-        ok = o >= GOAL_GAIN and g >= -GOAL_REGRESSION
-        parts.append(f"goal {'MET' if ok else 'NOT MET'}: the adopted default `{a['recipe']}` (the largest own gain "
-                     f"within -{GOAL_REGRESSION * 100:.0f}% general) changed held-out pooled tau by "
-                     f"{o * 100:+.1f}% on the own domain (goal >= +{GOAL_GAIN * 100:.0f}%) and {g * 100:+.1f}% on the "
-                     f"general domain (goal >= -{GOAL_REGRESSION * 100:.0f}%)")
-        c = a["own"]["cost"]
-        parts.append(f"its own-domain speedup {c['speedup']:.2f}x vs goal {c['bound']:.2f}x "
-                     f"({'met' if c['speedup'] >= c['bound'] else 'NOT met'})")
-    if "full" in by:
-        f = by["full"]
-        parts.append(f"today's `full` recipe: own {f['own']['pooled_change'] * 100:+.1f}%, general "
-                     f"{f['general']['pooled_change'] * 100:+.1f}%")
-    ctrl = by.get(CONTROL)
-    if ctrl is not None:
-        ch = ctrl["general"]["pooled_change"]
-        parts.append(f"further general training (`{CONTROL}`) changed general pooled tau by {ch * 100:+.1f}% "
-                     + ("(within 2%: the released draft is converged)" if abs(ch) <= 0.02 else
-                        "(more than 2%: the released draft is NOT converged)"))
+        ok = a["own_min"] >= GOAL_GAIN and a["general_min"] >= -GOAL_REGRESSION
+        cells = "; ".join(f"{_cell_name(c) or 'the run'}: {_cell_change(c)}" for c in a["cells"])
+        parts.append(f"goal {'MET' if ok else 'NOT MET'}: the adopted default `{a['recipe']}` (of the recipes within "
+                     f"-{GOAL_REGRESSION * 100:.0f}% general in every run, the largest smallest own gain) changed "
+                     f"held-out pooled tau by at least {a['own_min'] * 100:+.1f}% on the own domain (goal >= "
+                     f"+{GOAL_GAIN * 100:.0f}%) and at least {a['general_min'] * 100:+.1f}% on the general domain "
+                     f"(goal >= -{GOAL_REGRESSION * 100:.0f}%) ({cells})")
+        for c in a["cells"]:
+            cost = c["own"].get("cost")
+            if cost:
+                parts.append(f"its own-domain speedup ({_cell_name(c) or 'the run'}) {cost['speedup']:.2f}x vs goal "
+                             f"{cost['bound']:.2f}x ({'met' if cost['speedup'] >= cost['bound'] else 'NOT met'})")
+    for c in rows:
+        if c["recipe"] == "full":
+            parts.append(f"today's `full` recipe ({_cell_name(c) or 'the run'}): {_cell_change(c)}")
+    for c in rows:
+        if c["recipe"] == CONTROL:
+            ch = c["general"]["pooled_change"]
+            parts.append(f"further general training (`{CONTROL}`{', ' + _cell_name(c) if _cell_name(c) else ''}) "
+                         f"changed general pooled tau by {ch * 100:+.1f}% "
+                         + ("(within 2%: the released draft is converged)" if abs(ch) <= 0.02 else
+                            "(more than 2%: the released draft is NOT converged)"))
     return "; ".join(parts)
+
+
+def combined_verdict(reports: list[dict[str, Any]]) -> str:
+    """The adoption rule over every world's runs at once (issue 35: the default must hold on every world)."""
+    rows = [dict(r, world=rep["settings"].get("world", "perl")) for rep in reports for r in rep["rows"]]
+    worlds = ", ".join(rep["settings"].get("world", "perl") for rep in reports)
+    return f"Over the worlds {worlds}: {goal_line(rows)}"
 
 
 # `speculative_generate(profile=True)`'s phases; `rollback` only on hybrid (linear-attention) targets
@@ -976,12 +1135,17 @@ def cost_lines(rows: list[dict[str, Any]]) -> list[str]:
         for dom in ("own", "general"):
             c = row[dom]["cost"]
             rest = c["accept_ms"] + c["crop_ms"]
-            lines.append(f"| {row['recipe']} | {dom} | {c['draft_ms']:.2f} | {c['verify_ms']:.2f} | "
+            lines.append(f"| {row.get('key', row['recipe'])} | {dom} | {c['draft_ms']:.2f} | {c['verify_ms']:.2f} | "
                          f"{rest:.2f} | {c.get('rollback_ms', 0.0):.2f} | {c['target_ms']:.2f} | "
                          f"{c['verify_ms'] / c['target_ms']:.2f} | {c['ceiling']:.2f} | "
                          f"{c['tau_pooled']:.2f} | {c['bound']:.2f}x | {c['speedup']:.2f}x "
                          f"{'(met)' if c['speedup'] >= c['bound'] else '(NOT met)'} | {c['speedup'] / c['bound']:.2f} |")
     return [*lines, ""]
+
+
+def _steps(v: Any) -> list[int]:
+    """`recipe_steps` of a report: a list, or one int in reports from before several counts were run."""
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def fmt_ms(ms: tuple[float, float]) -> str:
@@ -996,12 +1160,14 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         "# DFlash2 adaptation effectiveness",
         "",
-        f"Preset `{s['name']}`, {r['seeds']} seed(s). World (steps and seeds only): teacher {w['teacher_steps']} steps "
+        f"Preset `{s['name']}`, world `{s.get('world', 'perl')}`, {r['seeds']} seed(s). World (steps and seeds only): "
+        f"teacher {w['teacher_steps']} steps "
         f"(loss {r['teacher']['first_loss']:.2f} -> {r['teacher']['final_loss']:.2f}, {r['teacher']['params'] / 1e6:.2f}M "
         f"params, vocab {r['teacher']['vocab']}), weights sha256 `{w['teacher_sha256']}`; released draft (block "
         f"{s['block_size']}, {s['draft_layers']} layers) {w['released_steps']} steps on general rows, selected step "
         f"{w['released_selected_step']}, weights sha256 `{w['released_sha256']}`; validation matching proposals by "
-        f"step: {hist}. Each recipe {s['recipe_steps']} steps (the same number of training sequences); "
+        f"step: {hist}. Each recipe {' and '.join(str(n) for n in _steps(s['recipe_steps']))} steps (the same number "
+        "of training sequences at each count); "
         f"{s['eval_prompts']} held-out prompts per domain and seed, {s['eval_new_tokens']} new tokens, greedy.",
         f"Load average at the end (1/5/15 min): {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f} "
         f"(wall times and speedups are noisy); torch threads {r['torch_threads']}.",
@@ -1010,35 +1176,41 @@ def render(r: dict[str, Any]) -> str:
         "pooled = all tokens / all verify steps over every prompt and seed; mean = per-prompt mean, ± std over seeds; "
         "counts are per prompt (tie = within 2%); replay = general rows mixed into train (mean per seed); capture = "
         "the recipe's data capture (bytes per token, seconds); train = seconds; speedup = teacher greedy wall time / "
-        "speculative wall time on the same prompts. "
+        "speculative wall time on the same prompts; selected = the checkpoint step each seed's run selected; guard = "
+        "how many validated checkpoints per seed the general-domain guard rejected (`_guard` recipes; `!` where it "
+        "kept none and fell back to the one that forgot least). "
         f"`{CONTROL}` is not an adaptation: the same `full` training on the released draft's own general data.",
         "",
-        "| recipe | own pooled before -> after | own mean after | own impr/tied/regr | general pooled before -> after | "
-        "general mean after | general impr/tied/regr | replay rows | capture B/token | capture s | train s | "
-        "speedup own / general |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | steps | own pooled before -> after | own mean after | own impr/tied/regr | general pooled before -> "
+        "after | general mean after | general impr/tied/regr | replay rows | capture B/token | capture s | train s | "
+        "selected | guard | speedup own / general |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         o, g = row["own"], row["general"]
         c1, c2 = o["counts"], g["counts"]
         cap = (f"{row['capture_bytes_per_token']:.0f} | {row['capture_seconds']:.0f}"
                if row.get("capture_bytes_per_token") is not None else "- | -")
+        sel = "/".join(str(x) for x in row.get("selected_steps") or []) or "-"
+        guard = "/".join(f"{len(g['rejected_steps'])}{'' if g['passed'] else '!'}" if g else "-"
+                         for g in row["guard"]) if row.get("guard") else "-"
         lines.append(
-            f"| {row['recipe']} | {o['pooled_before']:.3f} -> {o['pooled_after']:.3f} ({o['pooled_change'] * 100:+.1f}%) | "
+            f"| {row['recipe']} | {row.get('steps', _steps(s['recipe_steps'])[0])} | "
+            f"{o['pooled_before']:.3f} -> {o['pooled_after']:.3f} ({o['pooled_change'] * 100:+.1f}%) | "
             f"{fmt_ms(o['after'])} ({o['change'] * 100:+.1f}%) | {c1['improved']}/{c1['tied']}/{c1['regressed']} | "
             f"{g['pooled_before']:.3f} -> {g['pooled_after']:.3f} ({g['pooled_change'] * 100:+.1f}%) | "
             f"{fmt_ms(g['after'])} ({g['change'] * 100:+.1f}%) | {c2['improved']}/{c2['tied']}/{c2['regressed']} | "
-            f"{row.get('replay_rows', 0):.0f} | {cap} | {row['train_seconds']:.0f} | "
+            f"{row.get('replay_rows', 0):.0f} | {cap} | {row['train_seconds']:.0f} | {sel} | {guard} | "
             f"{o['speedup']:.2f}x / {g['speedup']:.2f}x |")
     lines += ["", f"**Verdict**: {r['goal']}.", "", *cost_lines(r["rows"])]
     for row in r["rows"]:
         if row["recipe"] == CONTROL:
             continue
         if row["own"]["pooled_change"] <= 0.02:
-            lines.append(f"- recipe `{row['recipe']}` does not improve own-domain acceptance "
+            lines.append(f"- recipe `{row.get('key', row['recipe'])}` does not improve own-domain acceptance "
                          f"({row['own']['pooled_change'] * 100:+.1f}%).")
         if not (row["own"]["lossless"] and row["general"]["lossless"]):
-            lines.append(f"- recipe `{row['recipe']}`: speculative output differed from greedy on some prompt (not lossless!).")
+            lines.append(f"- recipe `{row.get('key', row['recipe'])}`: speculative output differed from greedy on some prompt (not lossless!).")
     if not all(ps[dom].get("greedy_threads_agree", True) for ps in r["per_seed"] for dom in ("own", "general")):
         lines.append("- the teacher's greedy output differed between thread counts on some prompt.")
     ps0 = r["per_seed"][0]
@@ -1058,7 +1230,7 @@ def write_report(r: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(r, indent=1, default=str))
     (out / "report.md").write_text(render(r))
-    names = [row["recipe"] for row in r["rows"]]
+    names = [row.get("key", row["recipe"]) for row in r["rows"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, dom in zip(axes, ("own", "general")):
         xs = range(len(names))
@@ -1076,19 +1248,40 @@ def write_report(r: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """`--recipe-steps 200,2000`: distinct positive step counts, in the order given."""
+    out: list[int] = []
+    for part in text.split(","):
+        n = int(part)
+        if n < 1:
+            raise ValueError(f"step counts must be >= 1, found {n}")
+        if n not in out:
+            out.append(n)
+    if not out:
+        raise ValueError("no step count given")
+    return tuple(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default="perl", metavar="W[,W]",
+                   help="the world(s) to build and adapt in: `perl` (default), `rust` (other corpora, a tokenizer twice "
+                   "the size), or `perl,rust`: each into `OUT/<world>/`, then the adoption rule over every world's runs "
+                   "(`OUT/verdict.md`)")
     p.add_argument("--seeds", type=int, default=None, help="number of adaptation seeds (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="smaller teacher, data and steps: a fast end-to-end run")
     p.add_argument("--smoke", action="store_true", help="miniature sizes for the smoke test (numbers are meaningless)")
     p.add_argument("--recipes", default=None, metavar="A,B",
                    help="comma-separated recipes instead of the preset's: a base (" + ", ".join(RECIPES) + ") with "
-                   "optional `_replay[@F]` (general rows as share F of train) and `_l2sp[@L]` ([train].l2sp = L), "
-                   f"e.g. `full_l2sp@3`; the control `{CONTROL}` always runs")
+                   "optional `_replay[@F]` (general rows as share F of train), `_l2sp[@L]` ([train].l2sp = L) and "
+                   "`_guard[@T]` (general rows held out into val, selection by the general-domain guard at tolerance "
+                   f"T), e.g. `full_l2sp@3`, `recall_guard`; the control `{CONTROL}` always runs")
     p.add_argument("--teacher-steps", type=int, default=None, metavar="N",
                    help="teacher pretraining steps instead of the preset's (part of the cache key)")
-    p.add_argument("--recipe-steps", type=int, default=None, metavar="N",
-                   help="training steps of every recipe and the control instead of the preset's")
+    p.add_argument("--recipe-steps", default=None, metavar="N[,N]",
+                   help="training steps of every recipe instead of the preset's; several (`200,2000`) train every "
+                   "recipe at each count, and the adopted default must hold at all of them (the control runs at the "
+                   "largest)")
     p.add_argument("--released-steps", type=int, default=None, metavar="N",
                    help="released draft training steps instead of the preset's (part of the cache key)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
@@ -1102,16 +1295,24 @@ def main(argv: list[str] | None = None) -> int:
     seeds = a.seeds if a.seeds is not None else (1 if (a.quick or a.smoke) else 3)
     if seeds < 1 or a.threads < 1:
         p.error("--seeds and --threads must be >= 1")
+    worlds = [w.strip() for w in a.world.split(",") if w.strip()]
+    bad = [w for w in worlds if w not in WORLDS]
+    if bad or not worlds or len(set(worlds)) != len(worlds):
+        p.error(f"--world: give distinct worlds among {', '.join(WORLDS)}, found `{a.world}`")
     over: dict[str, Any] = {}
     if a.recipes:
         over["recipes"] = tuple(x.strip() for x in a.recipes.split(",") if x.strip())
-    for flag, key in (("teacher_steps", "teacher_steps"), ("released_steps", "released_steps"),
-                      ("recipe_steps", "recipe_steps")):
+    for flag in ("teacher_steps", "released_steps"):
         v = getattr(a, flag)
         if v is not None:
             if v < 1:
                 p.error(f"--{flag.replace('_', '-')} must be >= 1")
-            over[key] = v
+            over[flag] = v
+    if a.recipe_steps is not None:
+        try:
+            over["recipe_steps"] = _counts(a.recipe_steps)
+        except ValueError as exc:
+            p.error(f"--recipe-steps `{a.recipe_steps}`: {exc}")
     over["family"] = a.family
     s = replace(s, **over)
     try:
@@ -1119,9 +1320,24 @@ def main(argv: list[str] | None = None) -> int:
             recipe_spec(name, s)
     except ValueError as exc:
         p.error(str(exc))
-    r = run_benchmark(s, seeds=seeds, out=a.out, threads=a.threads)
-    print(render(r))
+    reports = []
+    for w in worlds:
+        ws = world_settings(s, w)
+        out = a.out if len(worlds) == 1 else a.out / w
+        r = run_benchmark(ws, seeds=seeds, out=out, threads=a.threads)
+        print(render(r))
+        reports.append(r)
+    if len(reports) > 1:
+        verdict = combined_verdict(reports)
+        (a.out / "verdict.md").write_text(verdict + "\n")
+        print(f"**Verdict over every world**: {verdict}.")
     return 0
+
+
+def world_settings(s: Settings, world: str) -> Settings:
+    """A preset in `world`: the rust world's tokenizer is twice the size (another vocabulary, as a real
+    second target family would have)."""
+    return replace(s, world=world, vocab=s.vocab * (2 if world == "rust" else 1))
 
 
 if __name__ == "__main__":

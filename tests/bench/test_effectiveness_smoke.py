@@ -51,6 +51,32 @@ def test_corpus_is_deterministic_and_split_by_module():
     assert rows == [{"prompt": '# x.py\ndef f(a):\n    """Doc."""', "response": "b = a + 1\nreturn b * 2 + a", "source": "x.py"}]
 
 
+def test_rust_rows_cut_functions_and_methods_at_their_closing_brace():
+    eff = _module()
+    src = ("/// Add one.\n#[inline]\npub fn add_one(x: u32) -> u32 {\n    let y = x + 1;\n    y * 1 + 0\n}\n"
+           "impl Foo {\n    /// The name.\n    pub(crate) fn name(&self) -> &str {\n        if self.long { &self.name } else { \"\" }\n    }\n"
+           "    fn tiny() {\n        1\n    }\n}\n")
+    assert eff.rust_rows("c-1.0/src/lib.rs", src) == [
+        {"prompt": "// c-1.0/src/lib.rs\n/// Add one.\n#[inline]\npub fn add_one(x: u32) -> u32 {",
+         "response": "let y = x + 1;\ny * 1 + 0", "source": "c-1.0::src::lib.rs"},
+        {"prompt": "// c-1.0/src/lib.rs\n/// The name.\npub(crate) fn name(&self) -> &str {",
+         "response": 'if self.long { &self.name } else { "" }', "source": "c-1.0::src::lib.rs"}]
+
+
+def test_the_rust_world_takes_every_source_elsewhere():
+    """The second world shares no file with the first, and its own pool is split like Perl's."""
+    from dataclasses import replace
+
+    eff = _module()
+    s = eff.PRESETS["smoke"]
+    perl, rust = eff.collect_corpus(s), eff.collect_corpus(replace(s, world="rust"))
+    assert rust.files == eff.collect_corpus(replace(s, world="rust")).files
+    assert not {f["path"] for f in perl.files} & {f["path"] for f in rust.files}
+    assert all(eff.own_pool(rel) == "own" for rel, _ in rust.own_code)
+    assert rust.teacher_perl and all(eff.own_pool(rel) == "teacher" for rel, _ in rust.teacher_perl)
+    assert eff.world_settings(s, "rust").vocab == 2 * s.vocab and eff.world_settings(s, "perl") == replace(s, world="perl")
+
+
 def _smoke(out: Path, *extra: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *extra], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
@@ -68,7 +94,15 @@ def test_recipe_names_parse_into_their_switches():
     sp = eff.recipe_spec("recall_replay@0.5", s)
     assert sp.replay == 0.5 and "l2sp" not in sp.train and sp.train["scope"] == "recall"
     assert eff.recipe_spec("full_qat_af4g64", s).fmt == "af4g64"
-    for bad in ("fulll", "full_l2sp@x", "full_replay@", "selector@2", "full_bogus"):
+    # the guard: general rows held out into val (no replay into train unless `_replay` says so)
+    sp = eff.recipe_spec("recall_guard", s)
+    assert sp.guard == s.general_tolerance == sp.train["general_tolerance"] and sp.replay is None
+    assert sp.data_key == (0.0, True) and eff.recipe_spec("recall", s).data_key is None
+    sp = eff.recipe_spec("full_replay@0.1_guard@0.05", s)
+    assert sp.data_key == (0.1, True) and sp.train["general_tolerance"] == 0.05
+    assert eff.recipe_spec("full_replay", s).data_key == (s.replay_fraction, False)
+    for bad in ("fulll", "full_l2sp@x", "full_replay@", "selector@2", "full_bogus", "full_guard_guard",
+                "full_guard@2", "full_replay@1", "guard", "full_guard_x"):
         with pytest.raises(ValueError):
             eff.recipe_spec(bad, s)
 
@@ -117,7 +151,16 @@ def test_smoke_run_end_to_end(tmp_path):
     # the QAT recipe's export is a real AF4G64 export
     manifest = out / "seeds" / "seed0" / "runs" / "full_qat_af4g64" / "export-af4g64" / "manifest.json"
     assert "af4g64" in json.loads(manifest.read_text())["format"]
-    assert "further general training (`control_full_general`)" in report["goal"]
+    assert "further general training (`control_full_general`" in report["goal"]
+    # the guarded recipe: general rows held out into val, none mixed into train, the guard's verdict recorded
+    guard_row = next(r for r in report["rows"] if r["recipe"] == "recall_guard")
+    assert guard_row["replay_rows"] == 0 and guard_row["general_val_rows"] > 0
+    g = guard_row["guard"][0]
+    assert set(g) == {"passed", "rejected_steps", "tolerance", "floor"} and g["tolerance"] == 0.03
+    sel = json.loads((out / "seeds" / "seed0" / "runs" / "recall_guard" / "selection.json").read_text())
+    assert sel["guard"]["rejected_steps"] == g["rejected_steps"] and guard_row["selected_steps"] == [sel["step"]]
+    man = json.loads((out / "seeds" / "seed0" / "guard" / "data" / "manifest.json").read_text())
+    assert man["replay"]["rows"] == 0 and man["replay"]["val_rows"] == guard_row["general_val_rows"]
     assert seed0["own"]["sample_text"] is not None
     teacher_dirs = list((out / "cache").glob("teacher-*"))
     assert len(teacher_dirs) == 1 and (teacher_dirs[0] / "teacher.json").is_file()
@@ -187,6 +230,32 @@ def test_the_adopted_default_is_the_largest_own_gain_that_keeps_the_general_doma
     assert eff.adopted([row("full", 3.0, -0.03)])["recipe"] == "full"
 
 
+def test_the_adopted_default_must_hold_at_every_step_count_and_on_every_world():
+    """Issue 35: a recipe that forgets in any run (one step count, one world) is not adopted, and of the
+    others the one whose smallest own gain is the largest wins."""
+    eff = _module()
+
+    def row(name, steps, own, gen):
+        return {"recipe": name, "steps": steps, "own": {"pooled_change": own}, "general": {"pooled_change": gen},
+                "selected_steps": [steps]}
+
+    rows = [row("full", 200, 0.5, -0.01), row("full", 2000, 3.0, -0.20),  # forgets at 2,000 steps
+            row("recall_guard", 200, 0.4, -0.01), row("recall_guard", 2000, 1.2, -0.02),
+            row("full_guard", 200, 0.9, 0.0), row("full_guard", 2000, 0.3, -0.025)]
+    a = eff.adopted(rows)
+    assert a["recipe"] == "recall_guard" and a["own_min"] == 0.4 and a["general_min"] == -0.02
+    line = eff.goal_line(rows)
+    assert line.startswith("goal MET: the adopted default `recall_guard`") and "200 steps: own +40.0%" in line
+    # over two worlds: the second world's forgetting rules recall_guard out
+    other = [dict(r, general={"pooled_change": -0.05}) if r["recipe"] == "recall_guard" else r for r in rows]
+    verdict = eff.combined_verdict([{"settings": {"world": "perl"}, "rows": rows},
+                                    {"settings": {"world": "rust"}, "rows": other}])
+    assert verdict.startswith("Over the worlds perl, rust: goal MET: the adopted default `full_guard`")
+    assert "world rust, 2000 steps: own +30.0%" in verdict
+    low = [dict(r, own={"pooled_change": 0.1}) for r in rows]
+    assert eff.goal_line(low).startswith("goal NOT MET: the adopted default")  # within -3% but own below +25%
+
+
 def test_the_greedy_baseline_is_the_faster_thread_count_over_every_result():
     eff = _module()
     m = [{"greedy_seconds": 3.0, "greedy_seconds_by_threads": {"1": 2.0, "2": 3.0}},
@@ -218,13 +287,23 @@ def test_loop_cost_counts_the_rollback_phase_and_reads_reports_without_it():
 
 
 @pytest.mark.slow
-def test_smoke_run_on_a_hybrid_qwen3_5_teacher_reports_the_rollback(tmp_path):
+def test_smoke_run_on_a_hybrid_qwen3_5_teacher_in_the_rust_world_at_two_step_counts(tmp_path):
     """`--family qwen3_5`: the teacher is a Gated DeltaNet text tower (saved text-only, `qwen3_5_text`);
-    the speculative loop stays lossless and the cost table's rollback column is measured, not 0."""
+    the speculative loop stays lossless and the cost table's rollback column is measured, not 0.
+    `--world rust`: the second world's corpora and tokenizer size; `--recipe-steps 2,3`: each recipe
+    at both counts, the control at the larger."""
     out = tmp_path / "eff"
-    proc = _smoke(out, "--family", "qwen3_5", "--recipes", "selector")
+    proc = _smoke(out, "--family", "qwen3_5", "--recipes", "selector", "--world", "rust", "--recipe-steps", "2,3")
     report = json.loads((out / "report.json").read_text())
-    assert report["settings"]["family"] == "qwen3_5"
+    assert report["settings"]["family"] == "qwen3_5" and report["settings"]["world"] == "rust"
+    assert report["teacher"]["vocab"] > 2 * 400 - 50  # the smoke vocabulary doubled (BPE may stop short)
+    assert [(r["recipe"], r["steps"]) for r in report["rows"]] == [("selector", 2), ("selector", 3),
+                                                                  ("control_full_general", 3)]
+    roles = {f["role"] for f in report["corpus_files"]}
+    assert roles == {"prose", "general_code", "own_code", "teacher_rust"}
+    assert all(f["path"].endswith(".rs") for f in report["corpus_files"] if f["role"] in ("own_code", "teacher_rust"))
+    assert all("changelog.Debian" in f["path"] for f in report["corpus_files"] if f["role"] == "prose")
+    assert (out / "seeds" / "seed0" / "runs" / "selector-3" / "export" / "manifest.json").is_file()
     teacher = next((out / "cache").glob("teacher-*"))
     tcfg = json.loads((teacher / "config.json").read_text())
     assert tcfg["model_type"] == "qwen3_5_text" and "linear_attention" in tcfg["layer_types"]

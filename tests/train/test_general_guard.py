@@ -218,6 +218,30 @@ def test_prepare_holds_general_rows_out_of_train_and_tags_them(world, tmp_path):
     assert (tmp_path / "cli" / "manifest.json").read_bytes() == (tmp_path / "out" / "manifest.json").read_bytes()
     with pytest.raises(ConfigError, match="--replay-val-fraction"):
         prepare_data([own], tmp_path / "x", replay=[general], replay_val_fraction=1.0)
+
+
+def test_replay_fraction_zero_holds_general_rows_for_the_guard_alone(world, tmp_path):
+    """`--replay-fraction 0 --replay-val-fraction F`: the general rows go to val for the guard, none to train."""
+    from dflash_worker.data import prepare_data
+
+    own, general = world.own, world.general
+    none = prepare_data([own], tmp_path / "none", seed=3)
+    m = prepare_data([own], tmp_path / "out", seed=3, replay=[general], replay_fraction=0.0, replay_val_fraction=0.1)
+    assert m["replay"]["rows"] == 0 and m["replay"]["wanted_rows"] == 0 and not m["replay"]["short"]
+    assert m["replay"]["val_rows"] == 6 and len(m["replay"]["val_ids"]) == 6
+    # train is byte for byte the train of the same inputs prepared without replay
+    assert (tmp_path / "out" / "train.jsonl").read_bytes() == (tmp_path / "none" / "train.jsonl").read_bytes()
+    assert m["counts"]["split"]["train"] == none["counts"]["split"]["train"]
+    assert m["counts"]["split"]["val"] == none["counts"]["split"]["val"] + 6
+    val = [json.loads(x) for x in (tmp_path / "out" / "val.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in val if r.get("domain") == "general") == sorted(m["replay"]["val_ids"])
+    res = worker_cli("prepare-data", "--input", own, "--replay", general, "--replay-fraction", "0", "--replay-val-fraction",
+                     "0.1", "--seed", "3", "--output", tmp_path / "cli", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "cli" / "manifest.json").read_bytes() == (tmp_path / "out" / "manifest.json").read_bytes()
+    # without a held-out set, 0 would be a replay that replays nothing: refused, naming the flag that makes it useful
+    with pytest.raises(ConfigError, match="--replay-val-fraction"):
+        prepare_data([own], tmp_path / "x", replay=[general], replay_fraction=0.0)
     with pytest.raises(ConfigError, match="no `--replay` file"):
         prepare_data([own], tmp_path / "x", replay_val_fraction=0.1)
 

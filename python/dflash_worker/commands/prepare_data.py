@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "them during capture. Rows whose prompt is also in an input are left out")
     parser.add_argument("--replay-fraction", type=float, default=DEFAULT_REPLAY_FRACTION, metavar="F",
                         help=f"share of the train split made of replay rows, in (0, 1) (default {DEFAULT_REPLAY_FRACTION}; "
-                        "fewer when the replay files hold fewer rows, recorded as `replay.short`)")
+                        "fewer when the replay files hold fewer rows, recorded as `replay.short`); 0 with "
+                        "`--replay-val-fraction` uses the replay rows for the general-domain guard only")
     parser.add_argument("--replay-val-fraction", type=float, default=None, metavar="F",
                         help="also hold this share of the replay rows, in (0, 1), at least one row, out into val as "
                         "general-domain validation rows (`\"domain\": \"general\"`): training then keeps the selected "

@@ -241,9 +241,15 @@ def _check_replay(plan: SplitPlan, fraction: float, val_fraction: float | None) 
             f"`--replay` mixes rows into `train`, but `--split {plan.mode[4:]}` sends every row to one split"
             "\nhint: prepare replay only with the fractions (a held-out set takes no replay)"
         )
-    _check_fraction("--replay-fraction", fraction)
     if val_fraction is not None:
         _check_fraction("--replay-val-fraction", val_fraction)
+    if fraction == 0 and val_fraction is not None and not isinstance(fraction, bool):
+        return  # general validation rows for the guard only, none mixed into train
+    if fraction == 0:
+        raise ConfigError("`--replay-fraction` 0 mixes no replay row into train, which only makes sense with "
+                          "`--replay-val-fraction`\nhint: give `--replay-val-fraction F` to hold general rows out "
+                          "for the general-domain guard alone, or a fraction in (0, 1)")
+    _check_fraction("--replay-fraction", fraction)
 
 
 def _replay(
