@@ -56,8 +56,10 @@ from typing import Any
 # Bitwise reproducible BLAS whatever the thread count (Intel MKL's conditional numerical reproducibility,
 # strict mode, AVX2 code path on any AVX2 or AVX-512 x86 CPU): without it the same step gives other
 # GEMM bits with 1 and 2 threads, and the world's hashes follow. Read by MKL when torch loads it, so
-# it is set before any torch import; a value in the environment wins.
-os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
+# `main` sets it before any torch import (torch is imported inside functions); a value in the
+# environment wins. Not at import: a test process importing this module would hand it to every
+# process it starts afterwards, whose GEMMs then differ from its own (and its other children's).
+MKL_CBWR = "AVX2,STRICT"
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "out" / "effectiveness"
@@ -1291,6 +1293,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(speculative decoding then rolls back its recurrent state: the `rollback` column)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output and cache directory (default {DEFAULT_OUT})")
     a = p.parse_args(argv)
+    os.environ.setdefault("MKL_CBWR", MKL_CBWR)
     s = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
     seeds = a.seeds if a.seeds is not None else (1 if (a.quick or a.smoke) else 3)
     if seeds < 1 or a.threads < 1:
