@@ -61,7 +61,7 @@ test-rust:
 	PYO3_PYTHON=$(abspath $(PY)) cargo test --workspace --locked
 
 # Every fuzz target for FUZZ_SECONDS each (docs/fuzzing.md); longer: `scripts/fuzz.sh --seconds 600`.
-FUZZ_SECONDS ?= 20
+FUZZ_SECONDS ?= 10
 fuzz:
 	@scripts/fuzz.sh --seconds $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
