@@ -231,6 +231,8 @@ class TrainConfig:
     # the general-domain guard (`train.loop`): a checkpoint whose general validation acceptance is
     # below (1 - general_tolerance) x the released draft's is never selected; 1 turns it off
     general_tolerance: float = 0.03
+    # with the guard: stop after this many validations in a row that it rejected (0: run every step)
+    guard_patience: int = 0
     device: str = "auto"
     qat: str | None = None
     qat_scope: str = "selector_context"
@@ -280,7 +282,7 @@ class TrainConfig:
                 )
         for name in ("steps", "grad_accum", "blocks_per_sequence", "checkpoint_every", "keep_checkpoints", "val_examples"):
             _check_positive_int(s, name, getattr(self, name))
-        for name in ("warmup_steps", "val_every"):
+        for name in ("warmup_steps", "val_every", "guard_patience"):
             _check_type(s, name, getattr(self, name), (int,))
             if getattr(self, name) < 0:
                 raise ConfigError(f"`[train].{name}` must be >= 0, found `{getattr(self, name)}`")

@@ -100,6 +100,32 @@ def world(tmp_path_factory) -> GuardWorld:
     return GuardWorld(root, base, general, own)
 
 
+@pytest.fixture(scope="module")
+def shuffled(world) -> GuardWorld:
+    """Own rows that are the general rows with their labels shuffled: each response's words in a
+    random order, so fitting them unlearns the word order the released draft knows."""
+    from dflash_worker.capture import run_capture
+    from dflash_worker.data import prepare_data
+    from dflash_worker.recipe import recipe_from_dict
+
+    rng = random.Random(3)
+    rows = []
+    for line in world.general.read_text().splitlines():
+        row = json.loads(line)
+        words = row["response"].split()
+        rng.shuffle(words)
+        rows.append({"prompt": "s" + row["prompt"], "response": " ".join(words)})
+    own = world.root / "shuffled.jsonl"
+    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data, capture = world.root / "shuffled-data", world.root / "shuffled-capture"
+    prepare_data([own], data, seed=0, val_fraction=0.25, test_fraction=0.0, replay=[world.general],
+                 replay_fraction=0.0, replay_val_fraction=0.25)
+    base = {**world.base, "data": {**world.base["data"], "dir": str(data)},
+            "capture": {**world.base["capture"], "output": str(capture)}}
+    run_capture(recipe_from_dict(base, base=world.root))
+    return GuardWorld(world.root, base, world.general, own)
+
+
 def _selection(run: Path) -> dict:
     return json.loads((run / "selection.json").read_text())
 
@@ -153,19 +179,85 @@ def test_the_guard_rejects_checkpoints_that_forgot_and_selects_an_earlier_one(wo
     assert state["released_general"]["matching_proposals"] == released and state["released_general"]["examples"] == 15
 
 
-def test_no_checkpoint_passing_selects_the_most_general_one_and_says_so(world):
+def test_no_checkpoint_passing_selects_the_released_draft_itself_and_says_so(world):
+    import torch
+    from safetensors.torch import load_file
+
     events = []
     res = train(load_recipe(world.recipe("strict", general_tolerance=0.0, steps=8, lr=3e-2, warmup_steps=0)),
                 on_event=events.append)
-    sel = _selection(world.root / "strict")
+    run = world.root / "strict"
+    sel = _selection(run)
     guard = sel["guard"]
     # lr 3e-2 from the first step: every checkpoint forgot, none keeps the released value exactly
     assert not guard["passed"] and guard["tolerance"] == 0.0
-    assert guard["rejected_steps"] == [c["step"] for c in guard["checkpoints"]]
-    top = max(guard["checkpoints"], key=lambda c: (_general(c), -c["step"]))
-    assert sel["step"] == top["step"]
-    assert any(getattr(e, "level", "") == "warning" and "general-domain" in e.message for e in events)
+    assert guard["rejected_steps"] == [c["step"] for c in guard["checkpoints"]] == [2, 4, 6, 8]
+    # so the run selects step 0, the released draft as loaded, committed before the first update and never pruned
+    assert sel["step"] == 0 and sel["checkpoint"] == ckpt.step_name(0)
+    assert [s for s, _ in ckpt.committed(run)] == [0, 6, 8]  # keep_checkpoints 2, plus step 0
+    released = ckpt.load(run / ckpt.CHECKPOINTS / ckpt.step_name(0)).state["released_general"]
+    assert sel["validation"]["general"]["matching_proposals"] == guard["released_general_matching_proposals"]
+    # measured on the own rows too (backwards words: the released draft matches none of them)
+    assert sel["validation"]["matching_proposals"] == released["own"]["matching_proposals"] == 0.0
+    assert sel["validation"]["blocks"] == released["own"]["blocks"] > 0
+    # the export holds the released draft's values, tensor for tensor
+    ours = load_file(str(res.export_dir / "model.safetensors"))
+    theirs = load_file(str(world.root / "release" / "export" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    assert any(getattr(e, "level", "") == "warning" and "selected the released draft itself" in e.message for e in events)
     assert "no checkpoint passed the general-domain guard" in res.message
+
+
+def test_on_shuffled_general_labels_the_guard_selects_before_the_forgetting_and_patience_stops_the_run(shuffled):
+    kw = dict(general_tolerance=TOLERANCE)
+    events = []
+    res = train(load_recipe(shuffled.recipe("shuf-stop", guard_patience=2, **kw)), on_event=events.append)
+    # the same run without the guard (tolerance 1) and without patience: it trains every step
+    assert train(load_recipe(shuffled.recipe("shuf-free", general_tolerance=1.0))).status == "completed"
+    g, f = _selection(shuffled.root / "shuf-stop"), _selection(shuffled.root / "shuf-free")
+    guard = g["guard"]
+
+    # trained on shuffled labels the run forgets: it ends below the floor, and without the guard it
+    # selects a checkpoint that forgot
+    assert f["guard"]["stopped_at"] is None and f["guard"]["patience"] == 0
+    assert _general(f["guard"]["checkpoints"][-1]) < 0.5 * guard["released_general_matching_proposals"]
+    free_pick = next(c for c in f["guard"]["checkpoints"] if c["step"] == f["step"])
+    assert _general(free_pick) < guard["floor"] and f["step"] > g["step"]
+    # patience 2 stopped the run at the second rejection in a row, which the full run also shows
+    stopped = guard["stopped_at"]
+    assert guard["patience"] == 2 and stopped is not None and stopped < 24
+    marks = [c["rejected"] for c in guard["checkpoints"]]
+    assert marks[-2:] == [True, True] and [c["step"] for c in guard["checkpoints"]][-1] == stopped
+    assert not any(a and b for a, b in zip(marks[:-2], marks[1:-1])), "it should have stopped earlier"
+    # the same training up to the stop: the stopped run's history is the full run's prefix
+    assert g["history"] == f["history"][: len(g["history"])]
+    assert [json.loads(x)["step"] for x in (shuffled.root / "shuf-stop" / "metrics.jsonl").read_text().splitlines()] \
+        == list(range(1, stopped + 1))
+    # it selected an earlier checkpoint the guard kept, and said that the guard stopped it
+    assert guard["passed"] and not next(c for c in guard["checkpoints"] if c["step"] == g["step"])["rejected"]
+    assert g["step"] < stopped and g["validation"]["general"]["matching_proposals"] >= guard["floor"]
+    assert res.status == "completed" and res.step == stopped and "stopped by the general-domain guard" in res.message
+    assert any(getattr(e, "message", "").startswith(f"the general-domain guard stopped the run at step {stopped}/24")
+               for e in events)
+    assert json.loads((res.export_dir / "manifest.json").read_text())["provenance"]["checkpoint"]["step"] == g["step"]
+
+    # a crash after the stop's checkpoint but before selection: the resumed run stays stopped
+    run = shuffled.root / "shuf-stop"
+    before = ckpt.load(run / ckpt.CHECKPOINTS / ckpt.step_name(stopped)).state["val_history"]
+    (run / "selection.json").unlink()
+    again = train(load_recipe(shuffled.recipe("shuf-stop", guard_patience=2, **kw)), resume=True)
+    assert again.status == "completed" and again.step == stopped
+    assert _selection(run)["step"] == g["step"] and _selection(run)["guard"] == guard
+    assert ckpt.load(run / ckpt.CHECKPOINTS / ckpt.step_name(stopped)).state["val_history"] == before
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2"])
+def test_guard_patience_is_a_count(world, bad):
+    raw = dict(world.base, train={"scope": "full", "guard_patience": bad})
+    with pytest.raises(ConfigError, match="guard_patience"):
+        recipe_from_dict(raw, base=world.root)
 
 
 def test_a_guarded_run_resumes_bit_identical(world):
@@ -259,5 +351,8 @@ def test_checkpoints_from_before_the_key_resume_with_the_default_tolerance():
 
     saved = {"recipe_view": {"train.lr": 1.0}, "data_fingerprint": "d", "draft_fingerprint": {}}
     compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.general_tolerance": 0.03}})
+    compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.guard_patience": 0}})
     with pytest.raises(ResumeError, match="`train.general_tolerance`"):
         compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.general_tolerance": 0.1}})
+    with pytest.raises(ResumeError, match="`train.guard_patience`"):
+        compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.guard_patience": 3}})

@@ -37,12 +37,20 @@ released draft on the general rows once, before the first update, through the
 same export-values path (``released_general``, kept in every checkpoint). The
 rule then becomes: among validated checkpoints whose general matching
 proposals are at least ``(1 - [train].general_tolerance) x`` the released
-draft's, the highest own matching proposals (ties: the earliest step). When no
-checkpoint passes, the one with the highest general matching proposals is
-selected, ``selection.json``'s ``guard.passed`` is false and a warning says so.
-``guard`` lists every validated step and whether the guard rejected it. Without
-general rows nothing of this exists: validation, metrics and ``selection.json``
-are what they were.
+draft's, the highest own matching proposals (ties: the earliest step). A
+fresh guarded run commits a checkpoint at step 0 (the released draft as
+loaded, never pruned) after measuring it, own rows too
+(``released_general.own``); when no trained checkpoint passes, that one is
+selected: the export is the released draft, ``selection.json``'s
+``guard.passed`` is false and a warning says so. (A run resumed from
+checkpoints written before step 0 was committed falls back to the checkpoint
+with the highest general matching proposals.)
+``guard`` lists every validated step and whether the guard rejected it. With
+``[train].guard_patience = P > 0`` the run stops once the guard rejected P
+validations in a row (training further only forgets more), selects and
+exports as above, and ``selection.json``'s ``guard.stopped_at`` names the step
+(None when the run trained every step). Without general rows nothing of this
+exists: validation, metrics and ``selection.json`` are what they were.
 
 Features (`[train].features`): `cache` reads each sequence's target features from the capture;
 `online` (the capture holds token ids only) loads the frozen target in `TrainSetup.load` and
@@ -198,7 +206,7 @@ def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     diffs = []
     s_rec, c_rec = saved.get("recipe_view") or {}, current["recipe_view"]
     if s_rec:  # a key added after a checkpoint was written (or absent from a view) counts as its default
-        added = {"train.features": "cache", "train.general_tolerance": 0.03}
+        added = {"train.features": "cache", "train.general_tolerance": 0.03, "train.guard_patience": 0}
         s_rec, c_rec = {**added, **s_rec}, {**added, **c_rec}
     for key in sorted(set(s_rec) | set(c_rec)):
         if s_rec.get(key, "<absent>") != c_rec.get(key, "<absent>"):
@@ -503,6 +511,8 @@ class Trainer:
         self.val_history: list[dict[str, Any]] = []
         # the released draft on the general val rows (the guard's baseline), measured before the first update
         self.released_general: dict[str, Any] | None = None
+        # the step at which `guard_patience` stopped the run (None: it has not)
+        self.guard_stopped_at: int | None = None
         self.committed_step: int | None = None
         self._setup: TrainSetup | None = None
 
@@ -605,7 +615,10 @@ class Trainer:
         )
         self.committed_step = self.step
         best = self.best()
-        ckpt.prune(self.run_dir, keep=self.cfg.keep_checkpoints, protect={best["step"]} if best else set())
+        protect = {best["step"]} if best else set()
+        if self.released_general is not None:  # step 0, the released draft: what the guard falls back to
+            protect.add(0)
+        ckpt.prune(self.run_dir, keep=self.cfg.keep_checkpoints, protect=protect)
         manifest = path / "manifest.json"
         name = f"{ckpt.CHECKPOINTS}/{path.name}/{manifest.name}"
         self.emit(Artifact.for_file(manifest.absolute(), artifact=name, kind="checkpoint", step=self.step))
@@ -853,11 +866,14 @@ class Trainer:
 
     def measure_released(self) -> dict[str, Any]:
         """The guard's baseline: the general val rows scored with the export values of the draft as
-        loaded (call before the first update), through the path `validate` takes."""
+        loaded (call before the first update), through the path `validate` takes; ``own``: the own
+        rows, what selecting the released draft (step 0) records."""
         assert self.step == 0, "the released draft is measured before the first update"
         with self._export_weights():
             general = self._measure(self.parts.val_general)
-        return {"step": 0, "examples": len(self.parts.val_general[: self.cfg.val_examples]), **{k: general[k] for k in VAL_KEYS}}
+            own = self._measure(self.parts.val_own)
+        return {"step": 0, "examples": len(self.parts.val_general[: self.cfg.val_examples]), **{k: general[k] for k in VAL_KEYS},
+                "own": {k: own[k] for k in VAL_KEYS}}
 
     def guard(self) -> dict[str, Any] | None:
         """The general-domain guard over the validation history (module docstring), as ``selection.json``
@@ -882,8 +898,18 @@ class Trainer:
             "floor": floor,
             "passed": any(not c["rejected"] for c in steps),
             "rejected_steps": [c["step"] for c in steps if c["rejected"]],
+            "patience": self.cfg.guard_patience,
+            "stopped_at": self.guard_stopped_at,
             "checkpoints": steps,
         }
+
+    def guard_exhausted(self) -> bool:
+        """Whether `[train].guard_patience` stops the run here: its last P validations were all rejected."""
+        p = self.cfg.guard_patience
+        guard = self.guard() if p > 0 else None
+        if guard is None or len(guard["checkpoints"]) < p:
+            return False
+        return all(c["rejected"] for c in guard["checkpoints"][-p:])
 
     def best(self) -> dict[str, Any] | None:
         """The selected validation entry: highest matching proposals, earliest step on ties; with the
@@ -897,6 +923,9 @@ class Trainer:
         kept = {c["step"] for c in guard["checkpoints"] if not c["rejected"]}
         if kept:
             return max((v for v in scored if v["step"] in kept), key=lambda v: (v["matching_proposals"], -v["step"]))
+        rel = self.released_general or {}
+        if (self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(0)).is_dir():  # the released draft itself
+            return {"step": 0, **(rel.get("own") or {}), "general": {k: rel.get(k) for k in VAL_KEYS}}
         return max(scored, key=lambda v: ((v.get("general") or {}).get("matching_proposals", -1.0), -v["step"]))
 
     # ----------------------------------------------------------------- run
@@ -926,12 +955,16 @@ class Trainer:
             (self.run_dir / METRICS).unlink(missing_ok=True)
             if self.parts.val_general:
                 self._measure_baseline()
+                self.save_checkpoint()  # step 0: the released draft, selected when no trained checkpoint passes
         metrics_file = self.run_dir / METRICS if self.ranks.main else Path(os.devnull)
         end = self.cfg.steps if self.stop_at is None else self.stop_at
         if self.step > end:
             raise ResumeError(f"run directory `{self.run_dir}` resumed at step {self.step}, past the replay's last step {end}")
+        # a run the guard stopped, resumed before it selected, stays stopped (every rank restored the history)
+        if resumed and self.step < end and self.guard_exhausted():
+            self._guard_stop()
         with SignalGuard(self.flags), open(metrics_file, "a", encoding="utf-8") as mf:
-            while self.step < end:
+            while self.step < end and self.guard_stopped_at is None:
                 stopped = self._advance(mf)
                 if stopped is not None:
                     return stopped
@@ -957,6 +990,13 @@ class Trainer:
             f"{(1.0 - tol) * rel['matching_proposals']:.4f} (`general_tolerance` {tol})"
         )))
 
+    def _guard_stop(self) -> None:
+        """`guard_patience` stops the run at this step (every rank learns it through `dist.any_true`)."""
+        self.guard_stopped_at = self.step
+        p = self.cfg.guard_patience
+        self.emit(Log(message=f"the general-domain guard stopped the run at step {self.step}/{self.cfg.steps}: "
+                              f"it rejected the last {p} validation{'s' if p > 1 else ''}"))
+
     def _advance(self, mf: IO[str]) -> TrainResult | None:
         """One step in the order of the module docstring; the result when a signal stops the run."""
         cfg = self.cfg
@@ -974,8 +1014,12 @@ class Trainer:
         mf.write(json.dumps(line, sort_keys=True, allow_nan=False) + "\n")
         mf.flush()
         # a signal on any rank stops (or checkpoints) every rank at this step
-        stop, usr = dist.any_true(self.ranks, [self.flags.stop_signal is not None, self.flags.take_checkpoint_request()],
-                                  self.parts.device)
+        # and `guard_patience` looks at validations, which only rank 0 makes
+        exhausted = validated and self.guard_exhausted()
+        stop, usr, exhausted = dist.any_true(
+            self.ranks, [self.flags.stop_signal is not None, self.flags.take_checkpoint_request(), exhausted], self.parts.device)
+        if exhausted:
+            self._guard_stop()
         if self.ranks.main and (validated or last or stop or usr or self.step % cfg.checkpoint_every == 0 or self.step == self.stop_at):
             self.save_checkpoint()
         metrics = {k: line[k] for k in PROGRESS_KEYS}
@@ -1008,7 +1052,7 @@ class Trainer:
         if guard is not None:
             rule = ("highest own-domain validation matching proposals among the checkpoints whose general-domain "
                     "matching proposals are at least (1 - tolerance) x the released draft's, earliest step on ties; "
-                    "when none is, the highest general-domain matching proposals (`guard.passed` false)")
+                    "when none is, the released draft itself (step 0; `guard.passed` false)")
             for h, v in zip(history, self.val_history, strict=True):
                 h["general_matching_proposals"] = (v.get("general") or {}).get("matching_proposals")
         selection = {
@@ -1028,7 +1072,9 @@ class Trainer:
         for f in sorted(p for p in result.out_dir.rglob("*") if p.is_file()):
             name = f"{result.out_dir.name}/{f.relative_to(result.out_dir).as_posix()}"
             self.emit(Artifact.for_file(f.absolute(), artifact=name, kind="export", step=chosen))
-        msg = f"trained {self.step} steps; selected step {chosen}; exported `{result.out_dir}`"
+        done = (f"trained {self.step} steps" if self.guard_stopped_at is None
+                else f"trained {self.step} of {self.cfg.steps} steps (stopped by the general-domain guard)")
+        msg = f"{done}; selected step {chosen}; exported `{result.out_dir}`"
         if guard is not None:
             msg += self._guard_note(guard)
         return TrainResult(self.run_dir, "completed", self.step, self.cfg.steps, msg, selection, result.out_dir, path)
@@ -1038,10 +1084,14 @@ class Trainer:
         rejected = ", ".join(str(s) for s in guard["rejected_steps"]) or "none"
         if guard["passed"]:
             return f"; the general-domain guard rejected steps: {rejected}"
+        released = (self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(0)).is_dir()
         self.emit(Log(level="warning", message=(
             f"no checkpoint kept general-domain matching proposals within {guard['tolerance']:.0%} of the released "
-            f"draft's ({guard['released_general_matching_proposals']:.4f}); selected the one with the highest general "
-            "acceptance instead\nhint: lower `[train].lr`, add replay rows (`prepare-data --replay-fraction`) or `[train].l2sp`"
+            f"draft's ({guard['released_general_matching_proposals']:.4f}); "
+            + ("selected the released draft itself (step 0): the export adapts nothing" if released
+               else "selected the one with the highest general acceptance instead")
+            + "\nhint: lower `[train].lr`, validate earlier (`[train].val_every`), add replay rows "
+            "(`prepare-data --replay-fraction`) or `[train].l2sp`"
         )))
         return "; no checkpoint passed the general-domain guard (selection.json `guard.passed` false)"
 
