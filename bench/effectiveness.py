@@ -14,6 +14,10 @@ worlds built differently (`--world`):
      C headers (`/usr/include/*.h`), own domain = Rust functions of the crates cargo fetched for the
      run-manager (`$CARGO_HOME/registry/src`), prompt = `// <file>` + doc comments + the `fn` line,
      response = the body; a tokenizer twice the size.
+   - world `man`: the rust world's general text (changelogs, C headers), own domain = manual pages
+     (roff: `/usr/share/man/man{1,5,8}/*.gz`, gcloud's generated pages left out), one row per `.SH`
+     section: prompt = `.\" <page>` + `.TH` line + the NAME line + the section header, response =
+     its body; a tokenizer 1.5 times the size.
 2. a byte-level BPE tokenizer trained on the teacher's text, with the project's Qwen3-style chat template;
 3. a small dense Qwen3 teacher pretrained for a fixed number of steps (`--teacher-steps`) with plain next-token CE
    on chat-rendered general rows plus general-code function rows (so the teacher knows the
@@ -86,7 +90,14 @@ PERL_GLOB = "/usr/share/perl/5*/**/*.pm"
 # teacher's pool and the own domain by the same path hash.
 CHANGELOG_GLOB = "/usr/share/doc/*/changelog.Debian.gz"
 C_HEADER_GLOB = "/usr/include/*.h"
-WORLDS = ("perl", "rust")
+# The third world (`--world man`) keeps the rust world's general text and takes its own domain from
+# the manual pages (roff markup: commands, file formats, administration; not the C library's section 3,
+# which reads like the general C headers); the Google Cloud SDK's 16,000 generated pages of one tool
+# are left out, or they would be most of the domain.
+MAN_GLOB = "/usr/share/man/man[158]/*.gz"
+MAN_SKIP = ("gcloud",)
+MAN_MAX_CHARS = 64_000
+WORLDS = ("perl", "rust", "man")
 
 
 def cargo_sources() -> Path:
@@ -107,7 +118,7 @@ class Settings:
     """Sizes of one benchmark run. `full` is the default; `quick` and `smoke` shrink everything."""
 
     name: str = "full"
-    world: str = "perl"  # `perl` or `rust` (`WORLDS`): where the corpora come from
+    world: str = "perl"  # `perl`, `rust` or `man` (`WORLDS`): where the corpora come from
     family: str = "qwen3"  # the teacher's family: `qwen3`, or `qwen3_5` (a hybrid Gated DeltaNet teacher)
     vocab: int = 2048
     prose_bytes: int = 600_000
@@ -139,6 +150,11 @@ class Settings:
     l2sp: float = 0.1  # recipes `*_l2sp*`: `[train].l2sp` (0.5 already cost a third of the own gain, 1 seed)
     guard_val_fraction: float = 0.1  # recipes `*_guard*`: share of the replay pool held out as general val rows
     general_tolerance: float = 0.03  # recipes `*_guard*`: `[train].general_tolerance` unless `_guard@T`
+    # recipes `*_guard*`: validate at least every N steps whatever the step count (the 2,000-step runs
+    # validated first at step 250, after every checkpoint had forgotten), and stop after this many
+    # rejected validations in a row (`[train].guard_patience`)
+    guard_val_every: int = 25
+    guard_patience: int = 4
     recipes: tuple[str, ...] = ("selector", "recall", "full", "full_replay", "full_l2sp", "full_replay_l2sp")
 
 
@@ -227,6 +243,7 @@ def recipe_spec(name: str, s: Settings) -> RecipeSpec:
     train = {**over, **({"l2sp": switches["l2sp"]} if switches.get("l2sp") else {})}
     if guard is not None:
         train["general_tolerance"] = guard
+        train["guard_patience"] = s.guard_patience
     return RecipeSpec(name, train, fmt, replay, guard)
 
 
@@ -289,8 +306,8 @@ def _read(path: Path) -> str | None:
 
 
 def own_rows(s: Settings, rel: str, source: str) -> list[dict[str, str]]:
-    """The rows of one own-language file in `s.world`: Perl subs or Rust functions."""
-    return rust_rows(rel, source) if s.world == "rust" else perl_rows(rel, source)
+    """The rows of one own-language file in `s.world`: Perl subs, Rust functions or manual sections."""
+    return {"rust": rust_rows, "man": man_rows}.get(s.world, perl_rows)(rel, source)
 
 
 def collect_corpus(s: Settings) -> Corpus:
@@ -301,7 +318,7 @@ def collect_corpus(s: Settings) -> Corpus:
     seen: set[str] = set()
     prose: list[str] = []
     total = 0
-    if s.world == "rust":
+    if s.world in ("rust", "man"):
         candidates = [Path(p) for p in sorted(glob.glob(CHANGELOG_GLOB))]
     else:
         candidates = [Path(p) for p in sorted(glob.glob("/usr/share/common-licenses/*"))]
@@ -332,8 +349,14 @@ def collect_corpus(s: Settings) -> Corpus:
             files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": role})
         return out
 
-    if s.world == "rust":
+    if s.world in ("rust", "man"):
         code_paths = [(Path(p).name, Path(p)) for p in sorted(glob.glob(C_HEADER_GLOB))][: len(GENERAL_CODE)]
+    if s.world == "man":
+        # `man1/ls.1.gz`: section directory and page
+        own_paths = [("/".join(Path(p).parts[-2:]), Path(p)) for p in sorted(glob.glob(MAN_GLOB))
+                     if not Path(p).name.startswith(MAN_SKIP)]
+        where, hint = MAN_GLOB, "install packages with manual pages (Debian's `man-db` keeps them under /usr/share/man)"
+    elif s.world == "rust":
         root = cargo_sources()
         # below `<index>/`: `<crate>-<version>/src/...`, in sorted order; the index directory's name varies
         own_paths = sorted(("/".join(p.relative_to(root).parts[1:]), p) for p in root.glob("*/*/**/*.rs"))
@@ -354,6 +377,11 @@ def collect_corpus(s: Settings) -> Corpus:
         text = _read(p)
         if not text or not own_rows(s, rel, text):
             continue
+        if s.world == "man":  # one page under several names (bzgrep, bzegrep): once, or it would leak across splits
+            h = sha256_bytes(text.encode())
+            if h in seen:
+                continue
+            seen.add(h)
         if own_pool(rel) == "own":
             own.append((rel, text))
             files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": "own_code"})
@@ -442,6 +470,35 @@ def rust_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[dict[s
             k -= 1
         prompt = f"// {rel}\n" + textwrap.dedent("\n".join(lines[k : i + 1]))
         rows.append({"prompt": prompt, "response": body, "source": rel.replace("/", "::")})
+    return rows
+
+
+def man_rows(rel: str, source: str, *, max_body_lines: int = 24) -> list[dict[str, str]]:
+    """Rows of one manual page (roff): one per `.SH` section after NAME with at least 3 lines, prompt =
+    `.\" rel` + the `.TH` line + `.SH NAME` and its first line + the section's `.SH` line, response =
+    the section's lines up to the next `.SH` (comments and blank lines left out, capped). A page over
+    `MAN_MAX_CHARS` gives none: bash(1) alone would be most of the teacher's pool."""
+    if len(source) > MAN_MAX_CHARS:
+        return []
+    lines = source.splitlines()
+    th = next((x for x in lines if x.startswith(".TH ")), None)
+    if th is None or len(th) > 200:
+        return []
+    heads = [i for i, x in enumerate(lines) if x.startswith(".SH")]
+    name = None
+    rows = []
+    for k, i in enumerate(heads):
+        end = heads[k + 1] if k + 1 < len(heads) else len(lines)
+        body = [x for x in lines[i + 1 : end] if x.strip() and not x.startswith(('.\\"', "'\\\"", ".\\}"))]
+        title = lines[i][3:].strip().strip('"').upper()
+        if title == "NAME":
+            name = body[0][:200] if body else None
+            continue
+        text = "\n".join(body[:max_body_lines])
+        if name is None or len(body) < 3 or len(text.strip()) < 40 or len(lines[i]) > 120:
+            continue
+        prompt = f'.\\" {rel}\n{th}\n.SH NAME\n{name}\n{lines[i]}'
+        rows.append({"prompt": prompt, "response": text, "source": rel})
     return rows
 
 
@@ -634,8 +691,9 @@ def _recipe(target: Path, draft: Path, data: Path, capture: Path, s: Settings, *
 
 
 def _train_table(s: Settings, *, steps: int, lr: float, seed: int, out: Path, **over: Any) -> dict:
-    # validated 4 times; a guarded run 8 times, so the guard has earlier checkpoints to fall back on
-    every = max(1, steps // (8 if "general_tolerance" in over else 4))
+    # validated 4 times; a guarded run 8 times and at least every `guard_val_every` steps, so the guard
+    # has early checkpoints to fall back on
+    every = max(1, min(steps // 8, s.guard_val_every) if "general_tolerance" in over else steps // 4)
     t = {"steps": steps, "lr": lr, "blocks_per_sequence": s.blocks_per_sequence, "val_every": every,
          "checkpoint_every": every, "keep_checkpoints": 2, "val_examples": 32, "device": "cpu",
          "warmup_steps": max(1, steps // 20), "seed": seed, "output": str(out)}
@@ -690,7 +748,7 @@ def train_and_export(raw: dict, run: Path, train_table: dict, fmt: str) -> dict:
     guard = sel.get("guard")
     return {"selection_step": sel.get("step"), "result": getattr(res, "status", None), "train_seconds": seconds,
             "val_history": val,
-            "guard": None if guard is None else {k: guard.get(k) for k in ("passed", "rejected_steps", "tolerance", "floor")}}
+            "guard": None if guard is None else {k: guard.get(k) for k in ("passed", "rejected_steps", "tolerance", "floor", "stopped_at")}}
 
 
 def build_released(target: Path, c: Corpus, s: Settings, cache: Path, teacher_key: str) -> tuple[Path, dict]:
@@ -1180,7 +1238,8 @@ def render(r: dict[str, Any]) -> str:
         "the recipe's data capture (bytes per token, seconds); train = seconds; speedup = teacher greedy wall time / "
         "speculative wall time on the same prompts; selected = the checkpoint step each seed's run selected; guard = "
         "how many validated checkpoints per seed the general-domain guard rejected (`_guard` recipes; `!` where it "
-        "kept none and fell back to the one that forgot least). "
+        "kept none and selected the released draft, step 0; `@S` where it stopped the run at step S after "
+        "`guard_patience` rejections in a row). "
         f"`{CONTROL}` is not an adaptation: the same `full` training on the released draft's own general data.",
         "",
         "| recipe | steps | own pooled before -> after | own mean after | own impr/tied/regr | general pooled before -> "
@@ -1194,7 +1253,8 @@ def render(r: dict[str, Any]) -> str:
         cap = (f"{row['capture_bytes_per_token']:.0f} | {row['capture_seconds']:.0f}"
                if row.get("capture_bytes_per_token") is not None else "- | -")
         sel = "/".join(str(x) for x in row.get("selected_steps") or []) or "-"
-        guard = "/".join(f"{len(g['rejected_steps'])}{'' if g['passed'] else '!'}" if g else "-"
+        guard = "/".join(f"{len(g['rejected_steps'])}{'' if g['passed'] else '!'}"
+                         f"{'' if g.get('stopped_at') is None else '@' + str(g['stopped_at'])}" if g else "-"
                          for g in row["guard"]) if row.get("guard") else "-"
         lines.append(
             f"| {row['recipe']} | {row.get('steps', _steps(s['recipe_steps'])[0])} | "
@@ -1268,8 +1328,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", default="perl", metavar="W[,W]",
                    help="the world(s) to build and adapt in: `perl` (default), `rust` (other corpora, a tokenizer twice "
-                   "the size), or `perl,rust`: each into `OUT/<world>/`, then the adoption rule over every world's runs "
-                   "(`OUT/verdict.md`)")
+                   "the size), `man` (the rust world's general text, manual pages as the own domain, a tokenizer 1.5 "
+                   "times the size), or several (`perl,man`): each into `OUT/<world>/`, then the adoption rule over "
+                   "every world's runs (`OUT/verdict.md`)")
     p.add_argument("--seeds", type=int, default=None, help="number of adaptation seeds (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="smaller teacher, data and steps: a fast end-to-end run")
     p.add_argument("--smoke", action="store_true", help="miniature sizes for the smoke test (numbers are meaningless)")
@@ -1338,9 +1399,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def world_settings(s: Settings, world: str) -> Settings:
-    """A preset in `world`: the rust world's tokenizer is twice the size (another vocabulary, as a real
-    second target family would have)."""
-    return replace(s, world=world, vocab=s.vocab * (2 if world == "rust" else 1))
+    """A preset in `world`: the rust world's tokenizer is twice the size and the man world's 1.5 times
+    (another vocabulary, as a real second target family would have)."""
+    return replace(s, world=world, vocab={"rust": s.vocab * 2, "man": s.vocab * 3 // 2}.get(world, s.vocab))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ split are deterministic and keep the own domain's test modules out of everything
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,41 @@ def test_the_rust_world_takes_every_source_elsewhere():
     assert eff.world_settings(s, "rust").vocab == 2 * s.vocab and eff.world_settings(s, "perl") == replace(s, world="perl")
 
 
+def test_man_rows_take_each_section_after_name_with_the_page_head_as_prompt():
+    eff = _module()
+    page = ('.\\" generated\n.TH LS 1 "2024" "coreutils"\n.SH NAME\nls \\- list directory contents\n'
+            '.SH SYNOPSIS\n.B ls\n[\\fIOPTION\\fR]...\n[\\fIFILE\\fR]... (the files to list)\n'
+            '.SH "DESCRIPTION"\n.PP\n\nList information about the FILEs (the current directory by default).\n'
+            '.\\" a comment the rows leave out\nSort entries alphabetically.\n.SH BUGS\nnone\n')
+    rows = eff.man_rows("man1/ls.1.gz", page)
+    head = '.\\" man1/ls.1.gz\n.TH LS 1 "2024" "coreutils"\n.SH NAME\nls \\- list directory contents\n'
+    assert rows == [
+        {"prompt": head + ".SH SYNOPSIS", "response": ".B ls\n[\\fIOPTION\\fR]...\n[\\fIFILE\\fR]... (the files to list)",
+         "source": "man1/ls.1.gz"},
+        {"prompt": head + '.SH "DESCRIPTION"',
+         "response": ".PP\nList information about the FILEs (the current directory by default).\nSort entries alphabetically.",
+         "source": "man1/ls.1.gz"}]
+    assert eff.man_rows("man1/x.1.gz", "no roff here\n.SH NAME\nx\n") == []  # no `.TH`: no rows
+
+
+def test_the_man_world_keeps_the_rust_worlds_general_text_and_its_own_pages():
+    from dataclasses import replace
+
+    eff = _module()
+    s = replace(eff.PRESETS["smoke"], world="man")
+    man, perl, rust = (eff.collect_corpus(replace(s, world=w)) for w in ("man", "perl", "rust"))
+    assert man.files == eff.collect_corpus(s).files
+    general = lambda c: {f["path"] for f in c.files if f["role"] in ("prose", "general_code")}  # noqa: E731
+    assert general(man) == general(rust) and not general(man) & general(perl)
+    own = [f["path"] for f in man.files if f["role"] in ("own_code", "teacher_man")]
+    assert own and all(re.search(r"/usr/share/man/man[158]/[^/]+\.gz$", p) and "/gcloud" not in p for p in own)
+    pages = [f["sha256"] for f in man.files if f["role"] in ("own_code", "teacher_man")]
+    assert len(pages) == len(set(pages))  # a page under two names is taken once (no leak across splits)
+    assert all(eff.own_pool(rel) == "own" and rel.startswith(("man1/", "man5/", "man8/")) for rel, _ in man.own_code)
+    assert man.teacher_perl and all(eff.own_pool(rel) == "teacher" for rel, _ in man.teacher_perl)
+    assert eff.world_settings(eff.PRESETS["smoke"], "man").vocab == eff.PRESETS["smoke"].vocab * 3 // 2
+
+
 def _smoke(out: Path, *extra: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *extra], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
@@ -98,6 +134,11 @@ def test_recipe_names_parse_into_their_switches():
     sp = eff.recipe_spec("recall_guard", s)
     assert sp.guard == s.general_tolerance == sp.train["general_tolerance"] and sp.replay is None
     assert sp.data_key == (0.0, True) and eff.recipe_spec("recall", s).data_key is None
+    # guarded runs validate early at every step count and stop after `guard_patience` rejections
+    assert sp.train["guard_patience"] == s.guard_patience > 0 and "guard_patience" not in eff.recipe_spec("full", s).train
+    table = lambda steps, **over: eff._train_table(s, steps=steps, lr=1e-3, seed=0, out=Path("x"), **over)  # noqa: E731
+    assert table(2000, **sp.train)["val_every"] == s.guard_val_every == 25 and table(2000)["val_every"] == 500
+    assert table(80, **sp.train)["val_every"] == 10 and table(200, **sp.train)["val_every"] == 25
     sp = eff.recipe_spec("full_replay@0.1_guard@0.05", s)
     assert sp.data_key == (0.1, True) and sp.train["general_tolerance"] == 0.05
     assert eff.recipe_spec("full_replay", s).data_key == (s.replay_fraction, False)
@@ -156,9 +197,10 @@ def test_smoke_run_end_to_end(tmp_path):
     guard_row = next(r for r in report["rows"] if r["recipe"] == "recall_guard")
     assert guard_row["replay_rows"] == 0 and guard_row["general_val_rows"] > 0
     g = guard_row["guard"][0]
-    assert set(g) == {"passed", "rejected_steps", "tolerance", "floor"} and g["tolerance"] == 0.03
+    assert set(g) == {"passed", "rejected_steps", "tolerance", "floor", "stopped_at"} and g["tolerance"] == 0.03
     sel = json.loads((out / "seeds" / "seed0" / "runs" / "recall_guard" / "selection.json").read_text())
     assert sel["guard"]["rejected_steps"] == g["rejected_steps"] and guard_row["selected_steps"] == [sel["step"]]
+    assert sel["guard"]["stopped_at"] == g["stopped_at"]
     man = json.loads((out / "seeds" / "seed0" / "guard" / "data" / "manifest.json").read_text())
     assert man["replay"]["rows"] == 0 and man["replay"]["val_rows"] == guard_row["general_val_rows"]
     assert seed0["own"]["sample_text"] is not None
