@@ -1,6 +1,6 @@
 """Verification by replay end to end (issue 34 item 2): graph runs with `verify_fraction` 1 and three providers,
 one hostile. The hostile one is a scripted client on the real gRPC API that runs the real worker for its leases
-(`Scripted`), but tampers with what it uploads:
+(`Scripted`, in a pre-warmed fork: `prewarmed.run_main`), but tampers with what it uploads:
 
 - it forges every capture shard it produces (the first shard's features scaled by 0.5, its sidecar rewritten to
   hash right, so the capture's own checks accept it); two honest run-managers take the rest. A verify job, on
@@ -18,7 +18,6 @@ checkpoint, which the verifier's real run-manager downloads as its resume checkp
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from test_e2e_graph import _finish, _job_dir, _kinds, _provider
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "coordinator"))
 from coordinator_helpers import Provider  # noqa: E402
+from prewarmed import run_main  # noqa: E402
 
 from dflash_worker.proto.dflash.v1 import provider_pb2  # noqa: E402
 
@@ -157,8 +157,8 @@ class Scripted:
         beats = threading.Thread(target=beat, daemon=True)
         beats.start()
         try:
-            out = subprocess.run([sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job_dir)], capture_output=True, text=True, timeout=600,
-                                 env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+            # a pre-warmed fork (`prewarmed.run_main`): the honest run-managers start real interpreters
+            out = run_main("dflash_worker.job", ["--job-dir", job_dir], timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
         finally:
             done.set()
             beats.join(30)
