@@ -377,18 +377,18 @@ def collect_corpus(s: Settings) -> Corpus:
         text = _read(p)
         if not text or not own_rows(s, rel, text):
             continue
+        h = sha256_bytes(text.encode())
         if s.world == "man":  # one page under several names (bzgrep, bzegrep): once, or it would leak across splits
-            h = sha256_bytes(text.encode())
             if h in seen:
                 continue
             seen.add(h)
         if own_pool(rel) == "own":
             own.append((rel, text))
-            files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": "own_code"})
+            files.append({"path": str(p), "sha256": h, "role": "own_code"})
         else:
             teacher_own.append((rel, text))
             own_bytes += len(text)
-            files.append({"path": str(p), "sha256": sha256_bytes(text.encode()), "role": f"teacher_{s.world}"})
+            files.append({"path": str(p), "sha256": h, "role": f"teacher_{s.world}"})
     if len(own) < 5 or not teacher_own:
         from dflash_worker.errors import DataError
 

@@ -911,9 +911,14 @@ class Trainer:
             return False
         return all(c["rejected"] for c in guard["checkpoints"][-p:])
 
+    def _released_checkpoint(self) -> bool:
+        """Whether the run committed the released draft as step 0 (a guarded run since `guard_patience`)."""
+        return (self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(0)).is_dir()
+
     def best(self) -> dict[str, Any] | None:
         """The selected validation entry: highest matching proposals, earliest step on ties; with the
-        general-domain guard, among the checkpoints it keeps (none kept: the highest general ones)."""
+        general-domain guard, among the checkpoints it keeps (none kept: the released draft, step 0,
+        else, for runs from before it was committed, the highest general ones)."""
         scored = [v for v in self.val_history if v.get("blocks", 0) > 0]
         if not scored:
             return None
@@ -924,7 +929,7 @@ class Trainer:
         if kept:
             return max((v for v in scored if v["step"] in kept), key=lambda v: (v["matching_proposals"], -v["step"]))
         rel = self.released_general or {}
-        if (self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(0)).is_dir():  # the released draft itself
+        if self._released_checkpoint():
             return {"step": 0, **(rel.get("own") or {}), "general": {k: rel.get(k) for k in VAL_KEYS}}
         return max(scored, key=lambda v: ((v.get("general") or {}).get("matching_proposals", -1.0), -v["step"]))
 
@@ -1084,7 +1089,7 @@ class Trainer:
         rejected = ", ".join(str(s) for s in guard["rejected_steps"]) or "none"
         if guard["passed"]:
             return f"; the general-domain guard rejected steps: {rejected}"
-        released = (self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(0)).is_dir()
+        released = self._released_checkpoint()
         self.emit(Log(level="warning", message=(
             f"no checkpoint kept general-domain matching proposals within {guard['tolerance']:.0%} of the released "
             f"draft's ({guard['released_general_matching_proposals']:.4f}); "
