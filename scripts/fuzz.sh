@@ -4,6 +4,8 @@
 #   scripts/fuzz.sh [--seconds N] [TARGET...]     N seconds per target (default 20); all targets by default
 #   scripts/fuzz.sh --seconds 600                 the documented longer run
 #   scripts/fuzz.sh --list                        the target names
+#   scripts/fuzz.sh --build-only                  build the Rust targets and stop (`make test` does
+#                                                 this in the background, niced, while pytest runs)
 #
 # Python targets (py_*) run under atheris, Rust targets (rs_*) are libFuzzer
 # binaries built on stable Rust with sancov `-C` flags into their own target
@@ -30,11 +32,13 @@ rs_bin() { echo "${1#rs_}"; }
 
 seconds=20
 targets=()
+build_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) [ $# -ge 2 ] || { echo "fuzz: --seconds needs a value" >&2; exit 2; }; seconds=$2; shift 2 ;;
     --seconds=*) seconds=${1#--seconds=}; shift ;;
     --list) printf '%s\n' "${PY_TARGETS[@]}" "${RS_TARGETS[@]}"; exit 0 ;;
+    --build-only) build_only=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
     -*) echo "fuzz: unknown option \`$1\`" >&2; exit 2 ;;
     *) targets+=("$1"); shift ;;
@@ -52,9 +56,11 @@ done
 PY=$root/.venv/bin/python
 [ -x "$PY" ] || { echo "fuzz: no .venv here" >&2; echo "hint: run \`make install\` first" >&2; exit 2; }
 work=${DFLASH_FUZZ_DIR:-$HOME/.cache/dflash-worker/fuzz}
-mkdir -p "$work/corpus" "$work/logs"
-rm -rf "$work/seeds"
-"$PY" fuzz/python/seeds.py "$work/seeds"
+if [ "$build_only" = 0 ]; then
+  mkdir -p "$work/corpus" "$work/logs"
+  rm -rf "$work/seeds"
+  "$PY" fuzz/python/seeds.py "$work/seeds"
+fi
 
 # Build the Rust targets only when one is asked for. The lock file starts as
 # the workspace's (same serde_json and friends as the shipped binary) and
@@ -78,6 +84,7 @@ if printf '%s\n' "${targets[@]}" | grep -q '^rs_'; then
   echo "fuzz: rust targets built in $(( $(date +%s) - start ))s ($CARGO_TARGET_DIR)" >&2
   rs_dir=$CARGO_TARGET_DIR/$host/release
 fi
+[ "$build_only" = 0 ] || exit 0
 
 # Run one target; prints its row of the summary, returns non-zero on a crash.
 run_target() {

@@ -100,10 +100,12 @@ def test_two_micro_batches_per_rank_agree_within_fp32_reduction_order(pipeline):
 
 
 def test_cpu_ranks_need_the_development_switch(pipeline):
+    # rank 0 of 2 as torchrun describes it (no torchrun: the refusal comes before any rendezvous, so one
+    # process shows it; the ranks above show the switched-on mode under the real launcher)
     env = _env()
     env.pop("DFLASH_CPU_RANKS")
-    proc = subprocess.run(_argv(TORCHRUN, _recipe(pipeline, "dist-noswitch")), capture_output=True, text=True,
-                          timeout=600, env=env)
+    env.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    proc = worker_cli("train", "--recipe", _recipe(pipeline, "dist-noswitch"), timeout=600, env=env)
     assert proc.returncode != 0
     assert "2 ranks on CPU: a test and development mode" in proc.stderr and "DFLASH_CPU_RANKS=1" in proc.stderr
     assert not (pipeline.root / "dist-noswitch" / "checkpoints").exists()
