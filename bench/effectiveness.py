@@ -148,6 +148,7 @@ class Settings:
     eval_new_tokens: int = 64
     replay_fraction: float = 0.25  # recipes `*_replay*`: share of the train split made of general rows
     l2sp: float = 0.1  # recipes `*_l2sp*`: `[train].l2sp` (0.5 already cost a third of the own gain, 1 seed)
+    kd: float = 10.0  # recipes `*_kd*` (need `_replay`): `[train].replay_kd` (the tiny test world needed ~100 to show a pull)
     guard_val_fraction: float = 0.1  # recipes `*_guard*`: share of the replay pool held out as general val rows
     general_tolerance: float = 0.03  # recipes `*_guard*`: `[train].general_tolerance` unless `_guard@T`
     # recipes `*_guard*`: validate at least every N steps whatever the step count (the 2,000-step runs
@@ -174,7 +175,7 @@ PRESETS = {
 }
 
 # recipe name -> [train] overrides (on top of the common keys in `_train_table`) and export format;
-# `recipe_spec` adds the anti-forgetting switches `_replay`, `_l2sp` and `_guard`
+# `recipe_spec` adds the anti-forgetting switches `_replay`, `_l2sp`, `_kd` and `_guard`
 RECIPES: dict[str, tuple[dict[str, Any], str]] = {
     "selector": ({"scope": "selector"}, "bf16"),
     "recall": ({"scope": "recall"}, "bf16"),
@@ -209,15 +210,16 @@ class RecipeSpec:
 
 
 def recipe_spec(name: str, s: Settings) -> RecipeSpec:
-    """A recipe name: a `RECIPES` base, optionally followed by `_replay`, `_l2sp` and/or `_guard`, each
-    with an optional `@value` (`full_l2sp@3`, `full_replay@0.5_l2sp`, `recall_guard@0.05`); without a
-    value, the `Settings` default. `_guard[@T]` holds general rows out into val (`prepare-data
+    """A recipe name: a `RECIPES` base, optionally followed by `_replay`, `_l2sp`, `_kd` and/or `_guard`,
+    each with an optional `@value` (`full_l2sp@3`, `full_replay@0.5_l2sp`, `recall_guard@0.05`); without a
+    value, the `Settings` default. `_kd[@K]` (`[train].replay_kd = K`) distils toward the released draft
+    on the replay rows, so it needs `_replay`. `_guard[@T]` holds general rows out into val (`prepare-data
     --replay-val-fraction`, with `--replay-fraction 0` unless `_replay` is given too) and selects with
     the general-domain guard at tolerance T (`[train].general_tolerance`)."""
     parts = name.split("_")
     base_parts: list[str] = []
     switches: dict[str, float] = {}
-    defaults = {"replay": s.replay_fraction, "l2sp": s.l2sp, "guard": s.general_tolerance}
+    defaults = {"replay": s.replay_fraction, "l2sp": s.l2sp, "kd": s.kd, "guard": s.general_tolerance}
     for part in parts:
         key, at, val = part.partition("@")
         if at and not val:
@@ -230,7 +232,7 @@ def recipe_spec(name: str, s: Settings) -> RecipeSpec:
         elif not switches and not val:
             base_parts.append(part)
         else:
-            raise ValueError(f"recipe `{name}`: `{part}` is not `replay[@F]`, `l2sp[@L]` or `guard[@T]`")
+            raise ValueError(f"recipe `{name}`: `{part}` is not `replay[@F]`, `l2sp[@L]`, `kd[@K]` or `guard[@T]`")
     base = "_".join(base_parts)
     if base not in RECIPES:
         raise ValueError(f"recipe `{name}`: unknown base `{base}` (one of {', '.join(RECIPES)})")
@@ -239,8 +241,11 @@ def recipe_spec(name: str, s: Settings) -> RecipeSpec:
         raise ValueError(f"recipe `{name}`: the replay share must be in (0, 1), found {replay}")
     if guard is not None and not 0.0 <= guard <= 1.0:
         raise ValueError(f"recipe `{name}`: the guard's tolerance must be in [0, 1], found {guard}")
+    if switches.get("kd") and replay is None:
+        raise ValueError(f"recipe `{name}`: `_kd` distils on the replay rows, so it needs `_replay` too")
     over, fmt = RECIPES[base]
-    train = {**over, **({"l2sp": switches["l2sp"]} if switches.get("l2sp") else {})}
+    train = {**over, **({"l2sp": switches["l2sp"]} if switches.get("l2sp") else {}),
+             **({"replay_kd": switches["kd"]} if switches.get("kd") else {})}
     if guard is not None:
         train["general_tolerance"] = guard
         train["guard_patience"] = s.guard_patience
@@ -1336,7 +1341,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="miniature sizes for the smoke test (numbers are meaningless)")
     p.add_argument("--recipes", default=None, metavar="A,B",
                    help="comma-separated recipes instead of the preset's: a base (" + ", ".join(RECIPES) + ") with "
-                   "optional `_replay[@F]` (general rows as share F of train), `_l2sp[@L]` ([train].l2sp = L) and "
+                   "optional `_replay[@F]` (general rows as share F of train), `_l2sp[@L]` ([train].l2sp = L), "
+                   "`_kd[@K]` ([train].replay_kd = K, with `_replay`) and "
                    "`_guard[@T]` (general rows held out into val, selection by the general-domain guard at tolerance "
                    f"T), e.g. `full_l2sp@3`, `recall_guard`; the control `{CONTROL}` always runs")
     p.add_argument("--teacher-steps", type=int, default=None, metavar="N",

@@ -214,6 +214,9 @@ class TrainConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     l2sp: float = 0.0  # strength of the pull toward the starting draft's weights (0: off); see `train.loop`
+    # on replay rows (`prepare-data --replay`): weight of the KL from the starting draft's block
+    # distributions to the trained draft's (0: off); see `train.loop`
+    replay_kd: float = 0.0
     betas: tuple[float, ...] = (0.9, 0.95)
     warmup_steps: int = 0
     schedule: str = "cosine"
@@ -289,6 +292,7 @@ class TrainConfig:
         _check_number(s, "lr", self.lr, 0.0, lo_open=True)
         _check_number(s, "weight_decay", self.weight_decay, 0.0)
         _check_number(s, "l2sp", self.l2sp, 0.0)
+        _check_number(s, "replay_kd", self.replay_kd, 0.0)
         _check_number(s, "general_tolerance", self.general_tolerance, 0.0, 1.0)
         if isinstance(self.betas, list):
             object.__setattr__(self, "betas", tuple(self.betas))

@@ -142,8 +142,12 @@ def test_recipe_names_parse_into_their_switches():
     sp = eff.recipe_spec("full_replay@0.1_guard@0.05", s)
     assert sp.data_key == (0.1, True) and sp.train["general_tolerance"] == 0.05
     assert eff.recipe_spec("full_replay", s).data_key == (s.replay_fraction, False)
+    # replay distillation: on the replay rows, so only with `_replay`
+    sp = eff.recipe_spec("full_replay_kd@2_guard", s)
+    assert sp.train["replay_kd"] == 2.0 and sp.replay == s.replay_fraction and sp.data_key == (s.replay_fraction, True)
+    assert eff.recipe_spec("full_replay_kd", s).train["replay_kd"] == s.kd and "replay_kd" not in eff.recipe_spec("full_replay", s).train
     for bad in ("fulll", "full_l2sp@x", "full_replay@", "selector@2", "full_bogus", "full_guard_guard",
-                "full_guard@2", "full_replay@1", "guard", "full_guard_x"):
+                "full_guard@2", "full_replay@1", "guard", "full_guard_x", "full_kd", "full_kd_guard"):
         with pytest.raises(ValueError):
             eff.recipe_spec(bad, s)
 

@@ -22,8 +22,8 @@ Replay (``replay`` files, ``replay_fraction``): rows of another domain,
 typically general prompts the released draft was made for, mixed into
 ``train`` only so that adapting a draft keeps what it could do (`_replay`).
 They are read, normalised and deduplicated like the inputs, never split,
-and recorded in the manifest's ``replay`` section; the teacher answers them
-during capture like any other row. With ``replay_val_fraction`` some replay
+and recorded in the manifest's ``replay`` section (their ids in
+``replay.train_ids``); the teacher answers them during capture like any other row. With ``replay_val_fraction`` some replay
 rows are held out into ``val`` instead, tagged ``"domain": "general"`` and
 listed in ``replay.val_ids``: training validates them apart from the own
 rows and its checkpoint selection keeps general-domain acceptance within a
@@ -291,6 +291,8 @@ def _replay(
         "rows": len(mixed),
         "short": len(mixed) < wanted,
         "source": dict(sorted(Counter(k.row.source for k in mixed).items())),
+        # the replay rows of train by id, in file order: what `[train].replay_kd` distils on
+        "train_ids": [k.exact[:ROW_ID_LEN] for k in mixed],
     }
     if val_fraction is not None:  # only then: a replay manifest without a held-out set stays what it was
         section["val_fraction"] = val_fraction

@@ -52,6 +52,17 @@ exports as above, and ``selection.json``'s ``guard.stopped_at`` names the step
 (None when the run trained every step). Without general rows nothing of this
 exists: validation, metrics and ``selection.json`` are what they were.
 
+Replay distillation (`[train].replay_kd = K > 0`): on the train split's replay
+rows (`prepare-data --replay`, listed in the capture manifest's
+``data.replay.train_ids``), the step also runs the starting draft (the trained
+tensors swapped back to their values as loaded, `TrainSetup.start`, no grad,
+outside any QAT context) on the same blocks and adds
+``K * objectives.kd_loss_sum``, the KL from its block distributions to the
+trained draft's, to that row's loss (same normaliser); the metrics line gets
+``replay_kd`` (the step's KL over the normaliser). Own rows are untouched. A
+capture without ``train_ids`` (or whose train split holds none of them) is a
+`ConfigError` at setup.
+
 Features (`[train].features`): `cache` reads each sequence's target features from the capture;
 `online` (the capture holds token ids only) loads the frozen target in `TrainSetup.load` and
 computes them as each sequence is read (`data.CapturedSplit`, through `capture.teacher.Teacher`,
@@ -105,6 +116,7 @@ from . import checkpoint as ckpt
 from .data import CapturedSplit, Order, Sequence, mix, sample_anchors
 from .objectives import (
     block_labels,
+    kd_loss_sum,
     match_counts,
     position_weights,
     proposals,
@@ -206,7 +218,7 @@ def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     diffs = []
     s_rec, c_rec = saved.get("recipe_view") or {}, current["recipe_view"]
     if s_rec:  # a key added after a checkpoint was written (or absent from a view) counts as its default
-        added = {"train.features": "cache", "train.general_tolerance": 0.03, "train.guard_patience": 0}
+        added = {"train.features": "cache", "train.general_tolerance": 0.03, "train.guard_patience": 0, "train.replay_kd": 0.0}
         s_rec, c_rec = {**added, **s_rec}, {**added, **c_rec}
     for key in sorted(set(s_rec) | set(c_rec)):
         if s_rec.get(key, "<absent>") != c_rec.get(key, "<absent>"):
@@ -359,8 +371,11 @@ class TrainSetup:
     val_general: list[int]
     # `[train].features = "online"`: the frozen target, run in the step for each sequence's features
     teacher: Teacher | None = None
-    # `[train].l2sp > 0`: the trained tensors' starting values (the draft the recipe names), FP32
+    # `[train].l2sp > 0` or `[train].replay_kd > 0`: the trained tensors' starting values (the draft
+    # the recipe names), FP32
     start: list[torch.Tensor] | None = None
+    # `[train].replay_kd > 0`: the train split's replay rows (`data.replay.train_ids`), as indices
+    replay_rows: frozenset[int] = frozenset()
 
     @classmethod
     def load(
@@ -400,13 +415,37 @@ class TrainSetup:
         train_split = CapturedSplit(cap.output, "train", verify=True, teacher=teacher)
         val_split = CapturedSplit(cap.output, "val", verify=False, teacher=teacher) if "val" in cap.splits else None
         val_own, val_general = general_val_rows(val_split)
+        replay_rows = replay_train_rows(train_split) if cfg.replay_kd > 0 else frozenset()
         return cls(
             device=device, model=model, head=head, tensors=tensors, params=params, weights=weights,
             autocast=_autocast_dtype(cfg.autocast, device), optimizer=optimizer, scheduler=scheduler,
             train_split=train_split, val_split=val_split, order=Order(len(train_split), cfg.seed),
             val_own=val_own, val_general=val_general,
-            start=[p.detach().clone() for p in params] if cfg.l2sp > 0 else None, teacher=teacher,
+            start=[p.detach().clone() for p in params] if cfg.l2sp > 0 or cfg.replay_kd > 0 else None, teacher=teacher,
+            replay_rows=replay_rows,
         )
+
+
+def replay_train_rows(split: CapturedSplit) -> frozenset[int]:
+    """Indices of the train split's replay rows: those the capture manifest lists in
+    ``data.replay.train_ids`` (`prepare-data --replay`). `[train].replay_kd` needs some."""
+    replay = (split.reader.manifest.get("data") or {}).get("replay") or {}
+    ids = replay.get("train_ids")
+    if ids is None:
+        raise ConfigError(
+            f"`[train].replay_kd` distils on the train split's replay rows, but the capture `{split.reader.path}` "
+            "lists none (`data.replay.train_ids`)"
+            "\nhint: prepare the data with `prepare-data --replay FILE` (data prepared before replay rows were "
+            "listed: prepare and capture again), or set `replay_kd = 0`"
+        )
+    wanted = set(ids)
+    rows = frozenset(i for i in range(len(split)) if split.id_of(i) in wanted)
+    if not rows:
+        raise ConfigError(
+            f"`[train].replay_kd` distils on replay rows, but none of the {len(wanted)} the capture lists reached "
+            f"its train split (`{split.reader.path}`)\nhint: prepare with a larger `--replay-fraction`, or set `replay_kd = 0`"
+        )
+    return rows
 
 
 def general_val_rows(split: CapturedSplit | None) -> tuple[list[int], list[int]]:
@@ -430,6 +469,7 @@ class Blocks:
     anchors: torch.Tensor  # [M]
     labels: torch.Tensor  # [M, T-1], on the device
     valid: torch.Tensor  # [M, T-1] bool, on the device
+    replay: bool = False  # a replay row of the train split (`[train].replay_kd` distils on it)
 
 
 @dataclass(frozen=True, eq=False)
@@ -439,6 +479,7 @@ class BlockScores:
     ce_sum: torch.Tensor  # token loss sum of the objective asked for (graph attached when grad is on)
     selector_sum: torch.Tensor  # selector CE sum; 0 when the selector was not scored
     counts: dict[str, list[int]]  # `objectives.match_counts` of the draft's proposals
+    kd_sum: torch.Tensor | None = None  # `[train].replay_kd`'s KL sum; None when not asked for
 
 
 VAL_KEYS = ("matching_proposals", "ce", "selector_ce", "blocks", "reached", "covered", "selected")
@@ -691,15 +732,17 @@ class Trainer:
             logits = self.model.logits(h, head.head)
         return h.float(), logits.float()
 
-    def blocks(self, seq: Sequence, anchors: torch.Tensor) -> Blocks:
+    def blocks(self, seq: Sequence, anchors: torch.Tensor, *, replay: bool = False) -> Blocks:
         labels, valid = block_labels(seq.input_ids, seq.loss_mask, anchors, self.T)
-        return Blocks(seq, anchors, labels.to(self.parts.device), valid.to(self.parts.device))
+        return Blocks(seq, anchors, labels.to(self.parts.device), valid.to(self.parts.device), replay)
 
-    def score(self, b: Blocks, *, objective: str, with_selector: bool) -> BlockScores:
+    def score(self, b: Blocks, *, objective: str, with_selector: bool, kd_target: torch.Tensor | None = None) -> BlockScores:
         """The one forward path of training and validation: forward, token loss of `objective`,
-        selector terms (when `with_selector`), the draft's proposals and their match counts."""
+        selector terms (when `with_selector`), the draft's proposals and their match counts; with
+        `kd_target` (the starting draft's logits on `b`), ``sum_k valid_k * w_k * KL(p_start || p)``."""
         h, logits = self.forward(b.seq, b.anchors)
         ce_sum = token_loss_sum(logits, b.labels, b.valid, self.pw, objective)
+        kd_sum = None if kd_target is None else kd_loss_sum(logits, kd_target, b.valid, self.pw)
         anchor_ids = b.seq.input_ids.to(self.parts.device)[b.anchors.to(self.parts.device)]
         if with_selector:
             sel_sum, scores, cand = selector_terms(self.model.candidate_selector, h, logits, anchor_ids, b.labels, b.valid, self.pw)
@@ -709,7 +752,7 @@ class Trainer:
         else:
             sel_sum = torch.zeros((), device=self.parts.device)
             prop, cov = proposals(self.model, h.detach(), logits.detach(), anchor_ids, b.labels)
-        return BlockScores(ce_sum, sel_sum, match_counts(prop, cov, b.labels, b.valid))
+        return BlockScores(ce_sum, sel_sum, match_counts(prop, cov, b.labels, b.valid), kd_sum)
 
     def _qat(self):
         if not self.qat_names:
@@ -724,9 +767,31 @@ class Trainer:
         out = []
         for j in slots:
             g = self.step * cfg.grad_accum + j
-            seq = self.train_split.get(self.order(g))
-            out.append(self.blocks(seq, sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 1, g))))
+            row = self.order(g)
+            seq = self.train_split.get(row)
+            anchors = sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 1, g))
+            out.append(self.blocks(seq, anchors, replay=row in self.parts.replay_rows))
         return out
+
+    @contextlib.contextmanager
+    def _starting_weights(self) -> Iterator[None]:
+        """The trained tensors hold their starting values (`TrainSetup.start`: the released draft, as
+        loaded) inside, without grad; the very same tensors are put back afterwards."""
+        saved = [p.data for p in self.parts.params]
+        try:
+            with torch.no_grad():
+                for p, p0 in zip(self.parts.params, self.parts.start):
+                    p.data = p0
+                yield
+        finally:
+            for p, d in zip(self.parts.params, saved):
+                p.data = d
+
+    def _start_logits(self, b: Blocks) -> torch.Tensor:
+        """The starting (released) draft's block logits on `b` (same features, anchors and attention;
+        outside any QAT context: the draft as released), what `[train].replay_kd` distils toward."""
+        with self._starting_weights():
+            return self.forward(b.seq, b.anchors)[1]
 
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip, AdamW step, scheduler step; returns (grad norm before clipping, lr used)."""
@@ -768,17 +833,22 @@ class Trainer:
         batch = self._micro_batches(slots)
         # the normaliser of the whole step, over every rank's micro-batches (`dist`)
         denom = dist.sum_floats(ranks, [sum(weight_total(b.valid, w.positions) for b in batch if b.anchors.numel())], dev)[0]
-        tot = {"loss": 0.0, "ce": 0.0, "selector_ce": 0.0, "positions": 0, "blocks": 0, "accepted": 0}
+        tot = {"loss": 0.0, "ce": 0.0, "selector_ce": 0.0, "kd": 0.0, "positions": 0, "blocks": 0, "accepted": 0}
+        kd = self.cfg.replay_kd
         # the step's sequences in slot order, whichever rank computes them (no collective needed)
         samples = [self.train_split.id_of(self.order(self.step * self.cfg.grad_accum + j)) for j in range(self.cfg.grad_accum)]
         for b in batch:
             if b.anchors.numel() == 0 or denom == 0:
                 continue
+            target = self._start_logits(b) if kd > 0 and b.replay else None
             with self._qat():
-                s = self.score(b, objective=self.cfg.objective, with_selector=w.selector > 0)
+                s = self.score(b, objective=self.cfg.objective, with_selector=w.selector > 0, kd_target=target)
                 loss_sum = w.main * s.ce_sum
                 if w.selector > 0:
                     loss_sum = loss_sum + w.selector * s.selector_sum
+                if s.kd_sum is not None:
+                    loss_sum = loss_sum + kd * s.kd_sum
+                    tot["kd"] += float(s.kd_sum.detach()) / denom
                 (loss_sum / denom).backward()
             tot["accepted"] += sum(s.counts["accepted"])
             tot["loss"] += float(loss_sum.detach()) / denom
@@ -789,11 +859,11 @@ class Trainer:
         dist.sum_gradients(ranks, self.parts.params)
         penalty = self._l2sp()
         gnorm, lr = self._optimizer_step()
-        keys = ("loss", "ce", "selector_ce", "positions", "blocks", "accepted")
+        keys = ("loss", "ce", "selector_ce", "kd", "positions", "blocks", "accepted")
         tokens = sum(int(b.anchors.numel()) * self.T for b in batch)
         *sums, tokens = dist.sum_floats(ranks, [*(tot[k] for k in keys), tokens], dev)  # one collective for the metrics
         if ranks.active:
-            tot = {k: (v if k in ("loss", "ce", "selector_ce") else int(v)) for k, v in zip(keys, sums)}
+            tot = {k: (v if k in ("loss", "ce", "selector_ce", "kd") else int(v)) for k, v in zip(keys, sums)}
         secs = time.perf_counter() - t0
         return {
             "samples": samples,
@@ -810,6 +880,7 @@ class Trainer:
             "tokens_per_s": tokens / secs if secs > 0 else None,
             "world_size": ranks.world,
             **({} if penalty is None else {"l2sp_penalty": penalty}),
+            **({"replay_kd": tot["kd"]} if kd > 0 else {}),
         }
 
     def _val_blocks(self, rows: list[int]) -> Iterator[Blocks]:

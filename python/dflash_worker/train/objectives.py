@@ -25,6 +25,12 @@ gradient accumulation gives the same update as one large batch):
   (``softmax(logits_j)[label_j]``), detached: the weight of position k is the
   probability that every earlier proposal is accepted, so the loss spends its
   budget where acceptance can still reach.
+- replay distillation (added with ``[train].replay_kd`` on the train split's
+  replay rows, `kd_loss_sum`): ``sum_k valid_k * w_k * KL(q_k || p_k)`` with
+  ``q_k`` the starting (released) draft's distribution at position k of the
+  same block and ``p_k`` the trained draft's: on general text the draft is
+  pulled toward what it proposed before adapting, every token's probability,
+  not only the teacher's one token.
 - selector objective (added with ``selector_weight`` when the scope trains the
   candidate selector; the only objective of scope ``selector``, whose tensors
   do not change the logits): at each valid position the selector scores the
@@ -94,6 +100,16 @@ def token_loss_sum(
     elif objective != "weighted_ce":
         raise ValueError(f"unknown objective {objective}")
     return -(w * lp).sum()
+
+
+def kd_loss_sum(logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Distillation toward another draft's block distributions (``[train].replay_kd``):
+    ``sum_k valid_k * w_k * KL(q_k || p_k)``, `q` from `target_logits` (no gradient), `p` from
+    `logits`; both [M, T-1, V]. Zero exactly where the two distributions agree."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    logq = F.log_softmax(target_logits.detach().float(), dim=-1)
+    kl = (logq.exp() * (logq - logp)).sum(-1)  # [M, T-1]
+    return (valid.float() * weights[None, :] * kl).sum()
 
 
 def selector_scores(selector, hidden: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor):
