@@ -15,7 +15,12 @@ PYTEST_ARGS ?=
 # The interpreter pyo3 builds against: the shared environment's (scripts/setup-env.sh), whose path
 # is the same in every clone, so a fresh clone does not rebuild pyo3 (its build script reruns when
 # PYO3_PYTHON changes); the same CPython as .venv's. A hand-made .venv is used as it is.
-PYO3_PY = $(shell p="$$(cat $(VENV)/.dflash-shared-env 2>/dev/null)/bin/python"; if [ -x "$$p" ]; then echo "$$p"; else echo "$(abspath $(PY))"; fi)
+# `|| true`: .SHELLFLAGS has -e, under which a failed `cat` in the assignment would end the snippet
+# with no output. PYO3_SH is the snippet itself, for a recipe line that must ask at run time: make
+# expands every line of a recipe before running the first, so in `test` a $(PYO3_PY) would be
+# asked before `install` has written .venv on a clean clone.
+PYO3_SH = p="$$(cat $(VENV)/.dflash-shared-env 2>/dev/null || true)/bin/python"; if [ -x "$$p" ]; then echo "$$p"; else echo "$(abspath $(PY))"; fi
+PYO3_PY = $(shell $(PYO3_SH))
 
 .PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness docker-image-cpu
 
@@ -45,7 +50,7 @@ test:
 	@scripts/build-cpu-image.sh >$(DOCKER_IMAGE_LOG) 2>&1 </dev/null &
 	@scripts/phases.sh lint
 	@echo "make: building the Rust tests and fuzz targets in the background, niced (log: $(PREBUILD_LOG))"
-	@{ PYO3_PYTHON=$(PYO3_PY) nice -n 19 cargo test --workspace --locked --no-run && nice -n 19 scripts/fuzz.sh --build-only; } >$(PREBUILD_LOG) 2>&1 </dev/null &
+	@{ PYO3_PYTHON="$$($(PYO3_SH))" nice -n 19 cargo test --workspace --locked --no-run && nice -n 19 scripts/fuzz.sh --build-only; } >$(PREBUILD_LOG) 2>&1 </dev/null &
 	@scripts/phases.sh test-python test-rust fuzz
 	@scripts/phases.sh --report
 
