@@ -178,7 +178,11 @@ class CaptureConfig:
 
 
 SCOPES = ("selector", "context", "final_backbone", "recall", "full")
-PRESETS = ("from_scratch",)
+PRESETS = ("from_scratch", "keep_general")
+# `keep_general`: the adaptation `bench/effectiveness.py` adopted because it held on every world it was
+# measured on (docs/effectiveness.md, issue 35's fourth run); `TrainConfig.apply_preset` lists it
+KEEP_GENERAL = {"scope": "full", "lr": 5e-4, "replay_kd": 10.0, "general_tolerance": 0.02, "guard_patience": 4}
+KEEP_GENERAL_VAL_EVERY = 25  # validate (and checkpoint) at least this often: forgetting sets in early
 OBJECTIVES = ("weighted_ce", "prefix_survival")
 SCHEDULES = ("cosine", "linear", "constant")
 AUTOCAST = ("auto", "bf16", "off")
@@ -251,15 +255,27 @@ class TrainConfig:
 
         ``from_scratch`` (a draft made by `init-draft`, nothing released to keep): scope
         ``full``, lr 6e-4, linear warmup over 4% of the steps (at least 1), cosine decay to
-        10% of lr, weight decay 0.01. Every value the table sets wins over the preset's."""
+        10% of lr, weight decay 0.01.
+
+        ``keep_general`` (adapt a released draft without forgetting the general domain; the data
+        prepared with `prepare-data --replay FILE --replay-val-fraction F`): scope ``full``, lr 5e-4,
+        warmup over 5% of the steps (at least 1), replay distillation ``replay_kd`` 10, the
+        general-domain guard at ``general_tolerance`` 0.02 with ``guard_patience`` 4, validating
+        and checkpointing every ``min(steps // 8, 25)`` steps (at least 1).
+
+        Every value the table sets wins over the preset's."""
         preset = table.get("preset")
         if preset is None:
             return table
         _check_choice("train", "preset", preset, PRESETS)
         steps = table.get("steps", 100)
-        warmup = max(1, math.ceil(0.04 * steps)) if isinstance(steps, int) and not isinstance(steps, bool) else 1
-        defaults = {"scope": "full", "lr": 6e-4, "warmup_steps": warmup, "schedule": "cosine",
-                    "min_lr_ratio": 0.1, "weight_decay": 0.01}
+        steps = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else 1
+        if preset == "keep_general":
+            every = max(1, min(steps // 8, KEEP_GENERAL_VAL_EVERY))
+            defaults = {**KEEP_GENERAL, "warmup_steps": max(1, steps // 20), "val_every": every, "checkpoint_every": every}
+        else:
+            defaults = {"scope": "full", "lr": 6e-4, "warmup_steps": max(1, math.ceil(0.04 * steps)), "schedule": "cosine",
+                        "min_lr_ratio": 0.1, "weight_decay": 0.01}
         return {**defaults, **table}
 
     def __post_init__(self) -> None:
@@ -268,9 +284,11 @@ class TrainConfig:
         if self.preset is not None:
             _check_choice(s, "preset", self.preset, PRESETS)
             if self.scope != "full":
+                what = "trains every tensor of a fresh draft" if self.preset == "from_scratch" else "is measured with scope `full`"
+                undo = "to adapt part of a released draft" if self.preset == "from_scratch" else "and set its keys yourself"
                 raise ConfigError(
-                    f"`[train].preset = \"{self.preset}\"` trains every tensor of a fresh draft, but `scope` is `{self.scope}`"
-                    "\nhint: remove `scope` (the preset sets `full`), or remove `preset` to adapt part of a released draft"
+                    f"`[train].preset = \"{self.preset}\"` {what}, but `scope` is `{self.scope}`"
+                    f"\nhint: remove `scope` (the preset sets `full`), or remove `preset` {undo}"
                 )
         _check_choice(s, "objective", self.objective, OBJECTIVES)
         if self.gamma is not None:

@@ -358,3 +358,25 @@ def test_smoke_run_on_a_hybrid_qwen3_5_teacher_in_the_rust_world_at_two_step_cou
             assert row[dom]["lossless"] is True
             assert row[dom]["cost"]["rollback_ms"] > 0, row[dom]["cost"]
     assert "| rollback |" in proc.stdout
+
+
+def test_the_keep_general_preset_is_the_recipe_the_benchmark_adopted(tmp_path):
+    """`[train] preset = "keep_general"` trains exactly what the benchmark's adopted recipe trained
+    (docs/effectiveness.md, issue 35's fourth run), at both measured step counts, and the guide's
+    data flags are the benchmark's: a quarter of train replayed, a tenth of the pool held out."""
+    from dflash_worker.recipe import TrainConfig
+
+    eff = _module()
+    s = eff.PRESETS["full"]
+    sp = eff.recipe_spec(ADOPTED, s)
+    assert (sp.replay, s.guard_val_fraction) == (0.25, 0.1)
+    for steps in s.recipe_steps + (200, 2000):
+        bench = eff._train_table(s, steps=steps, lr=s.recipe_lr, seed=0, out=tmp_path, **sp.train)
+        preset = TrainConfig.apply_preset({"preset": "keep_general", "steps": steps})
+        assert {k: bench.get(k, getattr(TrainConfig(scope="full"), k)) for k in preset if k != "preset"} == {
+            k: v for k, v in preset.items() if k != "preset"}, steps
+        assert bench["objective"] == TrainConfig(scope="full").objective
+
+
+# the recipe `bench/effectiveness.py` adopted over the perl and man worlds (docs/effectiveness.md)
+ADOPTED = "full_replay_kd_guard@0.02"

@@ -122,10 +122,37 @@ def test_from_scratch_preset_fills_what_the_table_leaves_out(tmp_path):
         load_recipe(p)
 
 
+def test_keep_general_preset_fills_the_adopted_adaptation(tmp_path):
+    """`preset = "keep_general"`: the recipe bench/effectiveness.py adopted (docs/effectiveness.md)."""
+    from dflash_worker.recipe import KEEP_GENERAL
+
+    p = tmp_path / "r.toml"
+    p.write_text(MINIMAL + '[train]\npreset = "keep_general"\nsteps = 2000\n')
+    t = load_recipe(p).train
+    assert (t.scope, t.lr, t.replay_kd, t.general_tolerance, t.guard_patience) == ("full", 5e-4, 10.0, 0.02, 4)
+    assert {k: getattr(t, k) for k in KEEP_GENERAL} == KEEP_GENERAL
+    assert (t.warmup_steps, t.val_every, t.checkpoint_every) == (100, 25, 25)  # 5% warmup; validated at least every 25
+    # a short run validates 8 times, and at least every step
+    for steps, every in ((200, 25), (80, 10), (4, 1)):
+        p.write_text(MINIMAL + f'[train]\npreset = "keep_general"\nsteps = {steps}\n')
+        t = load_recipe(p).train
+        assert (t.val_every, t.checkpoint_every, t.warmup_steps) == (every, every, max(1, steps // 20)), steps
+    # what the table sets wins, and the filled values are what the fingerprint sees
+    p.write_text(MINIMAL + '[train]\npreset = "keep_general"\nsteps = 200\nreplay_kd = 30.0\nval_every = 5\n')
+    t = load_recipe(p).train
+    assert (t.replay_kd, t.val_every, t.checkpoint_every, t.general_tolerance) == (30.0, 5, 25, 0.02)
+    spelled = MINIMAL + (
+        '[train]\npreset = "keep_general"\nscope = "full"\nsteps = 200\nlr = 5e-4\nreplay_kd = 30.0\n'
+        'general_tolerance = 0.02\nguard_patience = 4\nwarmup_steps = 10\nval_every = 5\ncheckpoint_every = 25\n')
+    (tmp_path / "s.toml").write_text(spelled)
+    assert load_recipe(tmp_path / "s.toml").fingerprint() == load_recipe(p).fingerprint()
+
+
 @pytest.mark.parametrize(
     "table, match",
     [
         ('preset = "from_scratch"\nscope = "selector"', r"trains every tensor of a fresh draft, but `scope` is `selector`"),
+        ('preset = "keep_general"\nscope = "recall"', r"is measured with scope `full`, but `scope` is `recall`"),
         ('preset = "warm"\nscope = "full"', r"`\[train\].preset` is `warm`"),
         ('preset = 1\nscope = "full"', r"`\[train\].preset` must be str"),
     ],

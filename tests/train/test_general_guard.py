@@ -469,3 +469,31 @@ def test_a_replay_kd_run_resumes_bit_identical(replayed):
     assert [x["replay_kd"] for x in metrics(a)] == [x["replay_kd"] for x in metrics(b)]
     assert any(x["replay_kd"] > 0 for x in metrics(a))
 
+
+
+def test_the_keep_general_preset_distils_guards_and_needs_general_val_rows(replayed, world):
+    """`preset = "keep_general"` (the adopted adaptation): a run with only the preset and a step count
+    distils on the replay rows, validates every steps // 8, and guards the selection at tolerance 0.02
+    with patience 4; on data without general val rows it stops at setup and names the fix."""
+    out = replayed.root / "keep-general"
+    raw = dict(replayed.base, train={"preset": "keep_general", "steps": 16, "blocks_per_sequence": 4,
+                                     "val_examples": 16, "device": "cpu", "output": str(out)})
+    (replayed.root / "keep-general.toml").write_text(_toml(raw))
+    res = train(load_recipe(replayed.root / "keep-general.toml"))
+    assert res.status == "completed"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(x.get("replay_kd", 0) > 0 for x in lines)
+    validated = [x["step"] for x in lines if "val_general" in x]
+    assert validated == list(range(2, validated[-1] + 1, 2))  # every 16 // 8 steps
+    guard = _selection(out)["guard"]
+    assert (guard["tolerance"], guard["patience"]) == (0.02, 4)
+    assert [c["step"] for c in guard["checkpoints"]] == validated
+    # it ran every step, or patience stopped it after 4 rejected validations in a row
+    assert validated[-1] == 16 or (guard["stopped_at"] == validated[-1] and guard["rejected_steps"][-4:] == validated[-4:])
+    # the released draft's own general data: no general rows in val
+    plain = dict(world.base, data={**world.base["data"], "dir": str(world.root / "general-data")},
+                 capture={**world.base["capture"], "output": str(world.root / "general-capture")},
+                 train={"preset": "keep_general", "steps": 16, "device": "cpu", "output": str(world.root / "keep-none")})
+    (world.root / "keep-none.toml").write_text(_toml(plain))
+    with pytest.raises(ConfigError, match=r"keep_general.*general-domain val rows.*holds none.*\n.*--replay-val-fraction"):
+        train(load_recipe(world.root / "keep-none.toml"))

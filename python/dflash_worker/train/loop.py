@@ -415,6 +415,13 @@ class TrainSetup:
         train_split = CapturedSplit(cap.output, "train", verify=True, teacher=teacher)
         val_split = CapturedSplit(cap.output, "val", verify=False, teacher=teacher) if "val" in cap.splits else None
         val_own, val_general = general_val_rows(val_split)
+        if cfg.preset == "keep_general" and not val_general:
+            raise ConfigError(
+                f"`[train].preset = \"keep_general\"` guards the selection with general-domain val rows, but the "
+                f"capture `{cap.output}` holds none in `val` (`data.replay.val_ids`)"
+                "\nhint: prepare the data with `prepare-data --replay GENERAL.jsonl --replay-val-fraction 0.1` "
+                "and capture again, or remove `preset`"
+            )
         replay_rows = replay_train_rows(train_split) if cfg.replay_kd > 0 else frozenset()
         return cls(
             device=device, model=model, head=head, tensors=tensors, params=params, weights=weights,
