@@ -360,6 +360,10 @@ def test_smoke_run_on_a_hybrid_qwen3_5_teacher_in_the_rust_world_at_two_step_cou
     assert "| rollback |" in proc.stdout
 
 
+# the recipe `bench/effectiveness.py` adopted over the perl and man worlds (docs/effectiveness.md)
+ADOPTED = "full_replay_kd_guard@0.02"
+
+
 def test_the_keep_general_preset_is_the_recipe_the_benchmark_adopted(tmp_path):
     """`[train] preset = "keep_general"` trains exactly what the benchmark's adopted recipe trained
     (docs/effectiveness.md, issue 35's fourth run), at both measured step counts, and the guide's
@@ -377,6 +381,3 @@ def test_the_keep_general_preset_is_the_recipe_the_benchmark_adopted(tmp_path):
             k: v for k, v in preset.items() if k != "preset"}, steps
         assert bench["objective"] == TrainConfig(scope="full").objective
 
-
-# the recipe `bench/effectiveness.py` adopted over the perl and man worlds (docs/effectiveness.md)
-ADOPTED = "full_replay_kd_guard@0.02"

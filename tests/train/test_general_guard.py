@@ -470,7 +470,6 @@ def test_a_replay_kd_run_resumes_bit_identical(replayed):
     assert any(x["replay_kd"] > 0 for x in metrics(a))
 
 
-
 def test_the_keep_general_preset_distils_guards_and_needs_general_val_rows(replayed, world):
     """`preset = "keep_general"` (the adopted adaptation): a run with only the preset and a step count
     distils on the replay rows, validates every steps // 8, and guards the selection at tolerance 0.02
