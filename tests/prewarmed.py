@@ -56,6 +56,9 @@ PRELOAD = [
     "dflash_worker.recipe",
     "dflash_worker.dist",
     "dflash_worker.worker.events",
+    "dflash_worker.worker.stages",
+    "dflash_worker.job",
+    "matplotlib.pyplot",  # the evaluation report's plot (tests/warm_worker.py runs whole jobs)
 ]
 
 _lock = threading.Lock()

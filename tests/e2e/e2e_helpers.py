@@ -228,12 +228,25 @@ class RunManager:
     """`run-manager` as a child process; stderr JSON lines collected as they come."""
 
     def __init__(
-        self, work_dir: Path, *args: str, heartbeat: float = 0.3, extra_env: dict[str, str] | None = None, native_client: bool = True
+        self,
+        work_dir: Path,
+        *args: str,
+        heartbeat: float = 0.3,
+        extra_env: dict[str, str] | None = None,
+        native_client: bool = True,
+        warm: bool = False,
     ):
         """`extra_env` joins the clean environment (e.g. credentials a test wants the run-manager to hold);
-        `native_client=False` leaves out `--native-client` (Docker launch mode refuses it)."""
+        `native_client=False` leaves out `--native-client` (Docker launch mode refuses it); `warm=True` runs
+        each job in a fork of a pre-warmed interpreter instead of the native client (tests/warm_worker.py), unless
+        `DFLASH_TEST_WARM_WORKERS=0` (every test then runs the native client)."""
         self.work_dir = work_dir
-        native = ["--native-client", str(NATIVE_CLIENT)] if native_client else []
+        if warm and os.environ.get("DFLASH_TEST_WARM_WORKERS", "1") != "0":
+            from warm_worker import command
+
+            native = ["--worker-cmd", command()]
+        else:
+            native = ["--native-client", str(NATIVE_CLIENT)] if native_client else []
         cmd = [
             str(RUN_MANAGER), "--work-dir", str(work_dir), *native,
             "--device", "cpu", "--log-format", "json", "--heartbeat-interval", str(heartbeat),
@@ -374,12 +387,15 @@ def pipeline_spec(world, *, stages: list[str] | None = None) -> dict:
     return spec
 
 
-def run_one_job(procs, coord: Coordinator, work: Path, name: str, spec: dict, timeout: float = 600) -> tuple[str, dict, RunManager]:
+def run_one_job(
+    procs, coord: Coordinator, work: Path, name: str, spec: dict, timeout: float = 600, *, warm: bool = True
+) -> tuple[str, dict, RunManager]:
     """Run `name` of one job from `spec`, taken by one provider (`run-manager --max-jobs 1` in `work`):
-    `(run_id, job as the coordinator shows it, run-manager)` once the job succeeded."""
+    `(run_id, job as the coordinator shows it, run-manager)` once the job succeeded. `warm=False` runs the
+    job in the native client instead of a fork of a pre-warmed interpreter (`RunManager`)."""
     run_id = coord.create_run(name, spec, client_version=client_version())
     token = coord.provider_token(f"box-{name}")
-    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", token, "--max-jobs", "1")
+    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", token, "--max-jobs", "1", warm=warm)
     assert rm.wait(timeout=timeout) == 0, rm.text()
     (job,) = coord.show(run_id)["jobs"]
     assert job["state"] == "succeeded", json.dumps(job, indent=1)

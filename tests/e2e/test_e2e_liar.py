@@ -117,7 +117,7 @@ def test_a_provider_that_lies_every_way_then_an_honest_one_finishes_with_the_uni
         liar.close()
 
     work = tmp_path / "honest" / "work"
-    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", coord.provider_token("honest"), "--max-jobs", "1")
+    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", coord.provider_token("honest"), "--max-jobs", "1", warm=True)
     assert rm.wait(timeout=600) == 0, rm.text()[-4000:]
     (job,) = coord.show(run_id)["jobs"]
     assert (job["job_id"], job["state"], job["attempts"]) == (job_id, "succeeded", 5), json.dumps(job, indent=1)

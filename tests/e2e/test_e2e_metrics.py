@@ -38,7 +38,7 @@ def test_metrics_move_while_a_real_job_runs(tmp_path, procs, binaries):
     before = scrape(coord)
     assert before[("dflash_leases_granted_total", ())] == 0 and before[("dflash_jobs", (("state", "queued"),))] == 1
 
-    rm = procs.run_manager(tmp_path / "work", "--coordinator", coord.address, "--token", token, "--max-jobs", "1")
+    rm = procs.run_manager(tmp_path / "work", "--coordinator", coord.address, "--token", token, "--max-jobs", "1", warm=True)
     started = rm.wait_for("the worker to start", lambda v: str(v.get("message", "")).startswith("worker started"))
     job_id = started["job_id"]
     labels = tuple(sorted({"run_id": run_id, "job_id": job_id}.items()))

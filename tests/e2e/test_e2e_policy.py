@@ -107,7 +107,7 @@ def test_malformed_specs_fail_their_attempt_and_another_run_still_completes(tmp_
     runs = {name: coord.create_run(name, s, client_version=version) for name, s in (("bad-stage", bad_stage), ("no-recipe", no_recipe), ("good", good))}
 
     work = tmp_path / "work"
-    rm = procs.run_manager(work, *_join(coord, coord.provider_token("box"), "--max-jobs", "3"))
+    rm = procs.run_manager(work, *_join(coord, coord.provider_token("box"), "--max-jobs", "3"), warm=True)
     rc = rm.wait()
     err = rm.text()
     assert rc == 0, err

@@ -25,7 +25,7 @@ def test_a_qwen3_5_moe_job_exports_a_draft_that_loads_and_pairs_with_its_target(
     spec = pipeline_spec(world)
     assert spec["recipe"]["model"]["family"] == "qwen3_5_moe"
     coord = procs.coordinator(tmp_path / "coord", lease_ttl=30)
-    run_id, job, rm = run_one_job(procs, coord, tmp_path / "work", "qwen3_5_moe", spec)
+    run_id, job, rm = run_one_job(procs, coord, tmp_path / "work", "qwen3_5_moe", spec, warm=False)
     assert job["attempts"] == 1, json.dumps(job, indent=1)
     # The worker loaded the text tower alone (its log line, re-emitted by the run-manager).
     loaded = [v["message"] for v in rm.messages(lambda v: str(v.get("message", "")).startswith("teacher loaded"))]

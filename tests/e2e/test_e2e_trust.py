@@ -64,7 +64,7 @@ def test_an_honest_provider_finishes_after_a_hostile_attempt_with_the_uninterrup
     job_id = _hostile_attempt(coord.address, coord.provider_token("hostile"))
 
     work = tmp_path / "honest" / "work"
-    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", coord.provider_token("honest"), "--max-jobs", "1")
+    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", coord.provider_token("honest"), "--max-jobs", "1", warm=True)
     assert rm.wait(timeout=600) == 0, rm.text()
     shown = coord.show(run_id)
     (job,) = shown["jobs"]

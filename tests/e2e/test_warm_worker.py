@@ -1,0 +1,81 @@
+"""The warm worker stand-in (tests/warm_worker.py) behaves as the worker process the run-manager expects: events
+on its own stdout as they happen, the environment it was given and nothing else, its exit code, a SIGTERM
+forwarded to the job (which checkpoints and stops), and a SIGKILLed stand-in takes its job with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from e2e_helpers import wait_until
+from warm_worker import command
+
+from dflash_worker.worker.noop import noop_final_state
+
+
+def _noop_job(root: Path, steps: int, step_seconds: float) -> Path:
+    job = root / "job"
+    job.mkdir()
+    spec = {"schema_version": 1, "spec": {"stages": ["noop"], "noop": {"steps": steps, "step_seconds": step_seconds, "checkpoint_every": 2}}}
+    (job / "spec.json").write_text(json.dumps(spec))
+    return job
+
+
+def _start(job: Path, **env: str) -> subprocess.Popen:
+    argv = [*command().split(), "--job-dir", str(job)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=job, env={"PATH": "/usr/bin:/bin", **env})
+
+
+def _events(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_a_job_runs_with_its_own_environment_pipes_and_exit_code(tmp_path):
+    job = _noop_job(tmp_path, steps=3, step_seconds=0)
+    p = _start(job, DFLASH_PROBE="yes")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, out + err
+    events = _events(out)
+    assert events[-1] == {"event": "done"}, events
+    report = next(e for e in events if e["event"] == "artifact" and e["kind"] == "report")
+    assert json.loads(Path(report["path"]).read_text())["state"] == noop_final_state(3)
+    assert any(json.loads(line).get("logger", "").startswith("dflash_worker") for line in err.splitlines() if line.startswith("{")), err
+
+    # A job that fails reports its error event and exits non-zero through the stand-in.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "spec.json").write_text("{not json")
+    p = _start(bad)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode != 0 and _events(out)[-1]["event"] == "error", (p.returncode, out, err)
+
+
+def test_sigterm_reaches_the_job_which_checkpoints_and_stops(tmp_path):
+    job = _noop_job(tmp_path, steps=400, step_seconds=0.05)
+    p = _start(job)
+    first = p.stdout.readline()  # live: the first event arrives while the job runs
+    assert json.loads(first)["event"] in ("progress", "artifact"), first
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert _events(out)[-1]["event"] == "stopped", out
+    assert not (job / "report.json").exists() or noop_final_state(400) not in (job / "report.json").read_text()
+
+
+def test_a_sigkilled_stand_in_takes_its_job_with_it(tmp_path):
+    job = _noop_job(tmp_path, steps=400, step_seconds=0.05)
+    p = _start(job)
+    p.stdout.readline()
+    root = job / "checkpoints"
+    wait_until(lambda: root.is_dir() and any(e.name.startswith("step-") for e in os.scandir(root)), timeout=60, what="a checkpoint")
+    p.kill()
+    p.wait(30)
+    # The job stops committing checkpoints within the server's poll interval.
+    time.sleep(0.5)
+    seen = sorted(e.name for e in os.scandir(root))
+    time.sleep(1.0)  # 20 steps' time: a live job would have committed more
+    assert sorted(e.name for e in os.scandir(root)) == seen

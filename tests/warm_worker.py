@@ -1,0 +1,271 @@
+"""A run-manager worker forked from a pre-warmed interpreter: `run-manager --worker-cmd "$(warm_worker.command())"`.
+
+Every job a run-manager starts is a fresh process that imports torch and transformers' model modules before
+it reads its spec: about 6 of the ~9 CPU-seconds a tiny-world job costs here, and the end-to-end tests start
+a few hundred. `WarmWorkers` is a server, forked once per pytest worker from `prewarmed`'s fork server (those
+modules already imported), that forks one child per job; the run-manager's worker command is this file run
+as a script (stdlib only, `python -S`: ~20 ms), a stand-in that
+
+- sends its argv, cwd and environment, and its stdin, stdout and stderr themselves (`SCM_RIGHTS`), to the
+  server, which forks a child that takes those descriptors as 0/1/2, that cwd and exactly that environment,
+  and runs `dflash_worker.job.main(argv)`: the events and logs reach the run-manager live, on its own pipes;
+- forwards SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP and SIGQUIT to the child (the run-manager's stop and
+  checkpoint requests), and exits as the child did: its exit code, or killed by the same signal;
+- when it dies itself (the run-manager SIGKILLs the worker's process group), the server sees its socket
+  close and SIGKILLs the child.
+
+What differs from the native client, and where tests keep the real one: the interpreter is not the embedded
+CPython of `dflash-native-client` and modules are imported before the job's environment is set (what is
+read at import time comes from the fork server's environment), and the run-manager counts a
+`--worker-cmd` as its own version instead of probing the client's. `RunManager(..., warm=False)` (the
+default) runs the native client; the tests that signal, stop or inspect the worker process, check the
+worker's environment or argv, or enforce client versions keep it, and so do the pipeline and crash tests.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+_HEADER = struct.Struct("!I")
+
+
+# ---- the stand-in (the run-manager's worker command): stdlib only, started with `python -S` ---------------
+
+
+def _client(path: str, argv: list[str]) -> None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    payload = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode("utf-8")
+    data = _HEADER.pack(len(payload)) + payload
+    sent = conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    conn.sendall(data[sent:])
+    replies = conn.makefile("rb")
+    first = replies.readline().split()
+    if len(first) != 2 or first[0] != b"pid":
+        sys.stderr.write(f"warm_worker: the server did not start the job ({first!r})\n")
+        sys.exit(125)
+    pid = int(first[1])
+
+    def forward(signum, _frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for name in FORWARDED:
+        signal.signal(getattr(signal, name), forward)
+    last = replies.readline().split()
+    if len(last) == 2 and last[0] == b"exit":
+        sys.exit(int(last[1]))
+    if len(last) == 2 and last[0] == b"signal":
+        sig = int(last[1])
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    sys.stderr.write(f"warm_worker: lost the server before the job ended ({last!r})\n")
+    sys.exit(125)
+
+
+# ---- the server (forked from the pre-warmed fork server) --------------------------------------------------
+
+
+def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    fds = array.array("i")
+    msg, anc, _flags, _addr = conn.recvmsg(1 << 16, socket.CMSG_LEN(3 * fds.itemsize))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    while len(msg) < _HEADER.size:
+        more = conn.recv(1 << 16)
+        if not more:
+            raise EOFError("the stand-in closed before its request")
+        msg += more
+    (size,) = _HEADER.unpack_from(msg)
+    while len(msg) < _HEADER.size + size:
+        more = conn.recv(1 << 16)
+        if not more:
+            raise EOFError("the stand-in closed mid-request")
+        msg += more
+    return json.loads(msg[_HEADER.size : _HEADER.size + size]), list(fds)
+
+
+def _run_job(req: dict, fds: list[int], close: list) -> None:
+    """In the forked child: become the job's process and run `dflash_worker.job.main`; never returns."""
+    code = 1
+    try:
+        for s in close:
+            s.close()
+        for sig in range(1, signal.NSIG):  # as a fresh interpreter starts (Python's own SIGINT and SIGPIPE)
+            if sig in (signal.SIGKILL, signal.SIGSTOP):
+                continue
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        import io
+
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True, write_through=True)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True
+        )
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        if req["env"].get("OMP_NUM_THREADS", "").isdigit():
+            import torch
+
+            torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
+        from dflash_worker import job
+
+        sys.argv = [job.__file__, *req["argv"]]
+        try:
+            code = job.main(req["argv"])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # the interpreter's own report of an uncaught exception
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def _serve(path: str) -> None:
+    """Accept stand-ins on `path`; fork a job per request; report each job's end; kill a job whose stand-in died.
+
+    Single-threaded on purpose: a process with other threads must not fork (their locks stay held in the child)."""
+    import selectors
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    jobs: dict[int, socket.socket] = {}  # child pid -> its stand-in's connection
+    by_conn: dict[socket.socket, int] = {}
+
+    def stop(_signum, _frame):
+        for pid in jobs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    while True:
+        for key, _ in sel.select(timeout=0.05):
+            sock = key.fileobj
+            if sock is listener:
+                conn, _ = listener.accept()
+                try:
+                    req, fds = _recv_request(conn)
+                except (OSError, EOFError, ValueError) as exc:
+                    sys.stderr.write(f"warm_worker: bad request: {exc}\n")
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    _run_job(req, fds, [listener, *by_conn, conn])
+                for fd in fds:  # only the job holds the run-manager's pipes now: their EOF is the job's exit
+                    os.close(fd)
+                jobs[pid] = conn
+                by_conn[conn] = pid
+                try:
+                    conn.sendall(f"pid {pid}\n".encode())
+                except OSError:
+                    os.kill(pid, signal.SIGKILL)
+                sel.register(conn, selectors.EVENT_READ)
+            else:  # a stand-in sends nothing after its request: readable means it is gone
+                pid = by_conn.get(sock)
+                try:
+                    gone = sock.recv(1) == b""
+                except OSError:
+                    gone = True
+                if gone:
+                    sel.unregister(sock)
+                    if pid is not None and pid in jobs:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+        while jobs:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = jobs.pop(pid, None)
+            if conn is None:
+                continue
+            by_conn.pop(conn, None)
+            reply = f"signal {os.WTERMSIG(status)}\n" if os.WIFSIGNALED(status) else f"exit {os.waitstatus_to_exitcode(status)}\n"
+            try:
+                conn.sendall(reply.encode())
+            except OSError:
+                pass
+            try:
+                sel.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+            conn.close()
+
+
+class WarmWorkers:
+    """The server of this pytest worker, started on first use; `command()` is the `--worker-cmd` line."""
+
+    _instance: WarmWorkers | None = None
+
+    def __init__(self):
+        import tempfile
+        import time
+
+        from prewarmed import _context
+
+        self._dir = tempfile.mkdtemp(prefix="ww-")  # a short path: Unix socket names are limited to ~100 bytes
+        self.socket_path = os.path.join(self._dir, "s")
+        self.proc = _context().Process(target=_serve, args=(self.socket_path,), daemon=True)
+        self.proc.start()
+        end = time.monotonic() + 120
+        while not os.path.exists(self.socket_path):
+            if not self.proc.is_alive() or time.monotonic() > end:
+                raise RuntimeError(f"the warm worker server did not start (exit {self.proc.exitcode})")
+            time.sleep(0.02)
+
+    @classmethod
+    def get(cls) -> WarmWorkers:
+        if cls._instance is None or not cls._instance.proc.is_alive():
+            cls._instance = cls()
+        return cls._instance
+
+    def command(self) -> str:
+        """The worker command line (the run-manager splits it on whitespace: no path here may hold a space)."""
+        line = f"{sys.executable} -S {os.path.abspath(__file__)} {self.socket_path}"
+        assert len(line.split()) == 4, f"a path with a space: {line}"
+        return line
+
+
+def command() -> str:
+    return WarmWorkers.get().command()
+
+
+if __name__ == "__main__":
+    _client(sys.argv[1], sys.argv[2:])
