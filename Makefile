@@ -16,9 +16,7 @@ PYTEST_ARGS ?=
 # is the same in every clone, so a fresh clone does not rebuild pyo3 (its build script reruns when
 # PYO3_PYTHON changes); the same CPython as .venv's. A hand-made .venv is used as it is.
 # `|| true`: .SHELLFLAGS has -e, under which a failed `cat` in the assignment would end the snippet
-# with no output. PYO3_SH is the snippet itself, for a recipe line that must ask at run time: make
-# expands every line of a recipe before running the first, so in `test` a $(PYO3_PY) would be
-# asked before `install` has written .venv on a clean clone.
+# with no output. (Each phase of `test` is its own `make` run, so PYO3_PY is asked after `install`.)
 PYO3_SH = p="$$(cat $(VENV)/.dflash-shared-env 2>/dev/null || true)/bin/python"; if [ -x "$$p" ]; then echo "$$p"; else echo "$(abspath $(PY))"; fi
 PYO3_PY = $(shell $(PYO3_SH))
 
@@ -38,20 +36,15 @@ demo: install
 # engine here the script exits 3 and those tests skip with the reason.
 DOCKER_IMAGE_LOG := $(VENV)/docker-image-cpu.log
 # scripts/phases.sh times each phase and prints the table at the end (or at the first failure).
-# After the lint, the Rust test binaries and the fuzz targets are built in the background at nice 19
-# (about 30 s of CPU a fresh clone rebuilds): pytest leaves a core idle now and then (processes
-# starting, waits), and the build takes only that; test-rust and fuzz then find them built (and
-# build what is missing themselves, showing any error).
-PREBUILD_LOG := $(VENV)/prebuild-rust.log
+# test-rust and fuzz build what they run in their own phases: a background build of them beside
+# pytest, even at nice 19, slowed pytest by far more than it saved (docs/testing.md: a clean clone
+# rebuilds the workspace crates, the fuzz targets' optimized and instrumented build the longest).
 test:
 	@scripts/phases.sh --reset
 	@scripts/phases.sh install
 	@echo "make: building the CPU image in the background (log: $(DOCKER_IMAGE_LOG))"
 	@scripts/build-cpu-image.sh >$(DOCKER_IMAGE_LOG) 2>&1 </dev/null &
-	@scripts/phases.sh lint
-	@echo "make: building the Rust tests and fuzz targets in the background, niced (log: $(PREBUILD_LOG))"
-	@{ PYO3_PYTHON="$$($(PYO3_SH))" nice -n 19 cargo test --workspace --locked --no-run && nice -n 19 scripts/fuzz.sh --build-only; } >$(PREBUILD_LOG) 2>&1 </dev/null &
-	@scripts/phases.sh test-python test-rust fuzz
+	@scripts/phases.sh lint test-python test-rust fuzz
 	@scripts/phases.sh --report
 
 # The CPU flavor of docker/Dockerfile, built offline (scripts/build-cpu-image.sh); prints its reference.

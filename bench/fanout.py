@@ -74,8 +74,8 @@ def _env(**extra: str) -> dict[str, str]:
 class System:
     """One coordinator and K pinned run-managers; everything is killed on exit."""
 
-    def __init__(self, root: Path, k: int):
-        self.root, self.k = root, k
+    def __init__(self, root: Path, k: int, worker_cmd: str | None = None):
+        self.root, self.k, self.worker_cmd = root, k, worker_cmd
         self.token = secrets.token_hex(16)
         self.procs: list[subprocess.Popen] = []
         root.mkdir(parents=True)
@@ -108,8 +108,9 @@ class System:
             home = self.root / name / "home"
             home.mkdir(parents=True)
             core = sorted(cores)[i % len(cores)]
+            worker = ["--worker-cmd", self.worker_cmd] if self.worker_cmd else ["--native-client", str(BIN / "dflash-native-client")]
             cmd = ["taskset", "-c", str(core), str(BIN / "run-manager"), "--work-dir", str(self.root / name / "work"),
-                   "--native-client", str(BIN / "dflash-native-client"), "--device", "cpu", "--log-format", "json",
+                   *worker, "--device", "cpu", "--log-format", "json",
                    "--heartbeat-interval", "0.5", "--poll-wait", "30", "--coordinator", self.address, "--token", token, "--name", name]
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.root / f"{name}.log", "wb"), env=_env(HOME=str(home))))
 
@@ -132,9 +133,9 @@ class System:
                 p.wait(10)
 
 
-def capture_once(root: Path, spec: dict, k: int, timeout: float) -> tuple[float, tuple]:
+def capture_once(root: Path, spec: dict, k: int, timeout: float, worker_cmd: str | None = None) -> tuple[float, tuple]:
     """Run the graph with `k` capture shards on `k` providers; the capture window in seconds and the capture's identity."""
-    with System(root, k) as sys_:
+    with System(root, k, worker_cmd) as sys_:
         run_id = sys_.cli("runs", "create", "--name", f"fanout-{k}", "--spec-json", json.dumps(spec), "--capture-shards", str(k),
                           "--client-version", _client_version())["run_id"]
         sys_.providers()
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=16, help="target layers (default 16)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take (default 1800)")
     p.add_argument("--keep", action="store_true", help="keep the work directories (logs) and print where")
+    p.add_argument("--worker-cmd", metavar="LINE",
+                   help="run each job with this command (`run-manager --worker-cmd`) instead of the native client; "
+                        "its pinning is then the command's own (the smoke test passes a pre-warmed one)")
     args = p.parse_args(argv)
     if shutil.which("taskset") is None:
         raise SystemExit("bench/fanout.py pins each provider to a core with `taskset` (util-linux), which is missing")
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         identity: dict[int, tuple] = {}
         for i in range(args.repeats):
             for k in (1, 2):
-                w, ident = capture_once(tmp / f"k{k}-{i}", spec, k, args.timeout)
+                w, ident = capture_once(tmp / f"k{k}-{i}", spec, k, args.timeout, args.worker_cmd)
                 windows[k].append(w)
                 if identity.setdefault(k, ident) != ident:
                     raise SystemExit(f"two runs with K={k} captured different bytes")

@@ -62,6 +62,10 @@ def _fractions(text: str) -> list[float]:
     return out
 
 
+# The command a job runs with (`--job-dir DIR` appended), as `run-manager --worker-cmd`; `--worker-cmd` sets it.
+WORKER = [sys.executable, "-m", "dflash_worker.job"]
+
+
 def run_job(
     root: Path, name: str, spec: dict, kind: str, index: int, count: int, needs: list[list[dict]], resume: Path | None = None
 ) -> tuple[list[dict], float]:
@@ -81,7 +85,7 @@ def run_job(
     (job_dir / "spec.json").write_text(json.dumps(doc))
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "python")}
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "dflash_worker.job", "--job-dir", str(job_dir)], capture_output=True, text=True, timeout=1800, env=env)
+    out = subprocess.run([*WORKER, "--job-dir", str(job_dir)], capture_output=True, text=True, timeout=1800, env=env)
     seconds = time.perf_counter() - t0
     if out.returncode != 0:
         raise SystemExit(f"{name} failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -139,9 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=2, help="the train job's checkpoint interval (default 2)")
     ap.add_argument("--keep-checkpoints", type=int, default=2, help="the producer's checkpoints the coordinator holds, newest first (default 2, its default)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--worker-cmd", metavar="LINE",
+                    help="run each job with this command line (`--job-dir DIR` appended, as `run-manager --worker-cmd`) "
+                         "instead of `python -m dflash_worker.job` (the smoke test passes a pre-warmed one)")
     args = ap.parse_args(argv)
     if args.shards < 1 or args.checkpoint_every < 1 or args.keep_checkpoints < 1:
         ap.error("--shards, --checkpoint-every and --keep-checkpoints must be >= 1")
+    if args.worker_cmd is not None:
+        if not args.worker_cmd.split():
+            ap.error("--worker-cmd is empty")
+        global WORKER
+        WORKER = args.worker_cmd.split()  # split on whitespace, as the run-manager splits it
     from dflash_worker.testing.world import build_world, job_spec
 
     with tempfile.TemporaryDirectory(prefix="replay-check-") as tmp:

@@ -40,9 +40,12 @@ _HEADER = struct.Struct("!I")
 
 
 def _client(path: str, argv: list[str]) -> None:
+    module = "dflash_worker.job"
+    if argv[:1] == ["-m"] and len(argv) > 1:  # `-m MODULE ARGS`: another `main(argv)`, as `python -m MODULE ARGS`
+        module, argv = argv[1], argv[2:]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
-    payload = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode("utf-8")
+    payload = json.dumps({"module": module, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode("utf-8")
     data = _HEADER.pack(len(payload)) + payload
     sent = conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
     conn.sendall(data[sent:])
@@ -96,7 +99,7 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _run_job(req: dict, fds: list[int], close: list) -> None:
-    """In the forked child: become the job's process and run `dflash_worker.job.main`; never returns."""
+    """In the forked child: become the job's process and run `MODULE.main(argv)`; never returns."""
     code = 1
     try:
         for s in close:
@@ -127,11 +130,12 @@ def _run_job(req: dict, fds: list[int], close: list) -> None:
             import torch
 
             torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
-        from dflash_worker import job
+        import importlib
 
-        sys.argv = [job.__file__, *req["argv"]]
+        mod = importlib.import_module(req["module"])
+        sys.argv = [mod.__file__, *req["argv"]]
         try:
-            code = job.main(req["argv"])
+            code = mod.main(req["argv"])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # the interpreter's own report of an uncaught exception
@@ -264,7 +268,14 @@ class WarmWorkers:
 
 
 def command() -> str:
+    """`run-manager --worker-cmd` for a job in a warm fork."""
     return WarmWorkers.get().command()
+
+
+def torchrun(nproc: int = 2) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N` whose ranks are warm forks: append `-m MODULE ARGS` (the real
+    launcher and its agent; `--no-python` runs the stand-in as each rank's command, with the rank's environment)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "--no-python", *command().split()]
 
 
 if __name__ == "__main__":

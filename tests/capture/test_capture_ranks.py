@@ -21,6 +21,14 @@ CAPTURE = ["-m", "dflash_worker.cli", "capture"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *CAPTURE]
 
 
+def warm_torchrun() -> list[str]:
+    """`TORCHRUN` whose ranks are forks of a pre-warmed interpreter (tests/warm_worker.py); the first two-rank
+    capture below keeps python ranks, and every warm one is compared with the one-rank bytes too."""
+    from warm_worker import torchrun
+
+    return [*torchrun(), *CAPTURE]
+
+
 def _env(**extra):
     # both sides of a byte comparison run as fresh processes with one BLAS thread: an in-process
     # reference inherits whatever the pytest worker set up before (a clean-clone CI run once saw
@@ -83,7 +91,7 @@ def test_two_ranks_write_the_bytes_one_rank_writes(tmp_path, targets, draft_dir,
     # so a training run sees the same data (and resumes across the two)
     assert capture_fingerprint(tmp_path / "two") == capture_fingerprint(tmp_path / "one")
     # a rerun verifies everything and rewrites nothing
-    again = subprocess.run([*TORCHRUN, "--recipe", str(r)], capture_output=True, text=True, timeout=600, env=_env())
+    again = subprocess.run([*warm_torchrun(), "--recipe", str(r)], capture_output=True, text=True, timeout=600, env=_env())
     assert again.returncode == 0 and "already complete" in again.stderr, again.stderr[-4000:]
 
 
@@ -93,7 +101,7 @@ def test_sigkill_of_one_rank_stops_both_and_the_rerun_resumes_by_shard(tmp_path,
     one = _one_rank(_recipe(tmp_path, "one", targets, draft_dir, prepared_dir, **cap))
     out = tmp_path / "two"
     r = _recipe(tmp_path, "two", targets, draft_dir, prepared_dir, **cap)
-    proc = subprocess.Popen([*TORCHRUN, "--recipe", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([*warm_torchrun(), "--recipe", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env())
     deadline, victim = time.monotonic() + 300, None
     while time.monotonic() < deadline:
@@ -110,7 +118,7 @@ def test_sigkill_of_one_rank_stops_both_and_the_rerun_resumes_by_shard(tmp_path,
     left = len(list(out.glob("shard-*.json")))
     assert 3 <= left < one["shards_total"], (left, err[-4000:])
 
-    again = subprocess.run([*TORCHRUN, "--recipe", str(r), "--json"], capture_output=True, text=True, timeout=600, env=_env())
+    again = subprocess.run([*warm_torchrun(), "--recipe", str(r), "--json"], capture_output=True, text=True, timeout=600, env=_env())
     assert again.returncode == 0, again.stderr[-4000:]
     m = json.loads(again.stdout)
     assert m["run"]["shards_reused"] >= 3 and m["run"]["shards_reused"] + m["run"]["shards_written"] == one["shards_total"]
@@ -120,7 +128,7 @@ def test_sigkill_of_one_rank_stops_both_and_the_rerun_resumes_by_shard(tmp_path,
 
 def test_token_sized_shards_are_refused_with_ranks(tmp_path, targets, draft_dir, prepared_dir):
     r = _recipe(tmp_path, "tok", targets, draft_dir, prepared_dir, shard_examples=None, shard_tokens=64)
-    proc = subprocess.run([*TORCHRUN, "--recipe", str(r)], capture_output=True, text=True, timeout=600, env=_env())
+    proc = subprocess.run([*warm_torchrun(), "--recipe", str(r)], capture_output=True, text=True, timeout=600, env=_env())
     assert proc.returncode != 0
     assert "`[capture].shard_tokens` with 2 ranks" in proc.stderr and "use `shard_examples`" in proc.stderr
     assert not (tmp_path / "tok" / "manifest.json").exists()

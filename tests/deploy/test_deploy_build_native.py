@@ -2,7 +2,7 @@
 
 Slow: a release build (cargo reuses CARGO_TARGET_DIR, the Makefile's shared
 cache by default, so only the first run on a machine compiles everything), here
-without the release profile's LTO.
+without the release profile's LTO and optimization, incrementally.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ def built(tmp_path_factory) -> Path:
     # crates (each commit rebuilds them: the binary embeds it) and changes nothing checked here
     # (rpaths, build info, the empty-environment job); cargo reads the override from the environment.
     env.setdefault("CARGO_PROFILE_RELEASE_LTO", "off")
+    # For the same reason, opt-level 0 and incremental compilation: the release build then recompiles the two
+    # workspace crates a new commit changes in a fraction of the ~100 CPU seconds it took optimized (each
+    # commit's build replaces the last one's: the profile's own artifacts are distinct from an optimized build's).
+    env.setdefault("CARGO_PROFILE_RELEASE_OPT_LEVEL", "0")
+    env.setdefault("CARGO_PROFILE_RELEASE_INCREMENTAL", "true")
     python = Path(sys.prefix) / "bin" / "python"
     r = subprocess.run([str(SCRIPT), "--python", str(python), "--out", str(out)], capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -18,10 +18,15 @@ import torch
 from pipeline import _toml
 from prewarmed import worker_cli
 from safetensors.torch import load_file
+from warm_worker import torchrun as warm_torchrun
 
 from dflash_worker.testing.procs import alive, children, rank_pid
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# `torchrun` with python ranks (the reference run, `undisturbed`), and `torchrun` whose ranks are forks of a
+# pre-warmed interpreter (tests/warm_worker.py: `--no-python` and a stand-in per rank that holds the rank's
+# environment and forwards signals); every other two-rank run, compared with the reference.
+REAL_TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN = ["warm torchrun"]
 TRAIN = ["-m", "dflash_worker.cli", "train"]
 ONE_RANK = [sys.executable, *TRAIN]
 
@@ -44,7 +49,9 @@ def _recipe(pipeline, run, **over):
 
 
 def _argv(cmd, recipe, *extra):
-    return [*cmd, *(TRAIN if cmd is TORCHRUN else []), "--recipe", str(recipe), *extra]
+    if cmd is TORCHRUN:
+        return [*warm_torchrun(), *TRAIN, "--recipe", str(recipe), *extra]
+    return [*cmd, *(TRAIN if cmd is REAL_TORCHRUN else []), "--recipe", str(recipe), *extra]
 
 
 def _run(cmd, recipe, *extra, env=None):
@@ -139,7 +146,7 @@ def _kill_after_checkpoint(cmd, recipe, run, *, rank):
 @pytest.fixture(scope="module")
 def undisturbed(pipeline):
     run = pipeline.root / "dist-ref"
-    _run(TORCHRUN, _recipe(pipeline, "dist-ref", steps=16, checkpoint_every=2, val_every=8))
+    _run(REAL_TORCHRUN, _recipe(pipeline, "dist-ref", steps=16, checkpoint_every=2, val_every=8))
     return run
 
 
@@ -170,7 +177,7 @@ def test_evaluate_split_over_two_ranks_writes_the_one_rank_report(pipeline, undi
         if cmd is None:
             proc = worker_cli(*argv, timeout=600, env=_env())
         else:
-            proc = subprocess.run([*cmd, "-m", "dflash_worker.cli", *argv], capture_output=True, text=True, timeout=600, env=_env())
+            proc = subprocess.run([*warm_torchrun(), "-m", "dflash_worker.cli", *argv], capture_output=True, text=True, timeout=600, env=_env())
         assert proc.returncode == 0, proc.stderr[-4000:]
         return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
 
