@@ -122,9 +122,8 @@ def baseline(tmp_path_factory, spec) -> Baseline:
     spec_file.write_text(json.dumps({"name": "baseline", "spec": spec}))
     procs = Processes()
     try:
-        # (warm: the job runs in a fork of a pre-warmed interpreter, tests/warm_worker.py; the pipeline and crash
-        # tests run the same spec with the native client and compare their exports with this one's)
-        rm = procs.run_manager(root / "work", "--local", "--json", "--spec", str(spec_file), warm=True)
+        # (the native client: every warm run's export, tests/warm_worker.py, is compared with this one's)
+        rm = procs.run_manager(root / "work", "--local", "--json", "--spec", str(spec_file))
         rc = rm.wait()
         assert rc == 0, f"stdout:\n{rm.stdout}\nstderr:\n{rm.text()}"
     finally:
