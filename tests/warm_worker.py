@@ -174,7 +174,10 @@ def _serve(path: str) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:  # the fork server is gone (its pytest worker died without stopping this one)
+            stop(None, None)
         for key, _ in sel.select(timeout=0.05):
             sock = key.fileobj
             if sock is listener:
@@ -246,6 +249,10 @@ class WarmWorkers:
 
         self._dir = tempfile.mkdtemp(prefix="ww-")  # a short path: Unix socket names are limited to ~100 bytes
         self.socket_path = os.path.join(self._dir, "s")
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, self._dir, True)
         self.proc = _context().Process(target=_serve, args=(self.socket_path,), daemon=True)
         self.proc.start()
         end = time.monotonic() + 120
