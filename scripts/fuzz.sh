@@ -4,8 +4,7 @@
 #   scripts/fuzz.sh [--seconds N] [TARGET...]     N seconds per target (default 20); all targets by default
 #   scripts/fuzz.sh --seconds 600                 the documented longer run
 #   scripts/fuzz.sh --list                        the target names
-#   scripts/fuzz.sh --build-only                  build the Rust targets and stop (`make test` does
-#                                                 this in the background, niced, while pytest runs)
+#   scripts/fuzz.sh --build-only                  build the Rust targets and stop
 #
 # Python targets (py_*) run under atheris, Rust targets (rs_*) are libFuzzer
 # binaries built on stable Rust with sancov `-C` flags into their own target
