@@ -34,9 +34,29 @@ report() {
     END { printf "  %-14s %8.1f s\n  %-14s %8.1f s (%.1f min)\n", "phases", sum, "wall", wall, wall / 60 }' "$file"
 }
 
+# CPU seconds of a fixed pure-Python loop (the best of 5): how fast this machine runs now. A shared VM's speed drifts
+# (one here ran the same tests in 1.5-2.2 times the CPU seconds hours apart), so runs are compared
+# by their wall times only next to this figure, taken at the start and at the end of a run.
+calibrate() {
+  command -v python3 >/dev/null || return 0
+  python3 -c 'import time
+best = None
+for _ in range(5):
+    t = time.process_time()
+    s = 0
+    for i in range(1_000_000):
+        s += i * i
+    dt = time.process_time() - t
+    best = dt if best is None else min(best, dt)
+print(f"{best:.3f}")' 2>/dev/null
+}
+
 case "${1:-}" in
-  --reset) : > "$file"; echo "$EPOCHREALTIME" > "$file.start"; exit 0 ;;
-  --report) report; exit 0 ;;
+  --reset) : > "$file"; echo "$EPOCHREALTIME" > "$file.start"; calibrate > "$file.calibration"; exit 0 ;;
+  --report)
+    report
+    [ -s "$file.calibration" ] && echo "  calibration    $(cat "$file.calibration") CPU s at the start, $(calibrate) at the end (the best of 5 runs of a fixed pure-Python loop: compare runs by it)"
+    exit 0 ;;
   "" | -h | --help) sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
 esac
 
