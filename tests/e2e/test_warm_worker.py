@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import time
@@ -67,15 +68,20 @@ def test_sigterm_reaches_the_job_which_checkpoints_and_stops(tmp_path):
 
 
 def test_a_sigkilled_stand_in_takes_its_job_with_it(tmp_path):
-    job = _noop_job(tmp_path, steps=400, step_seconds=0.05)
+    job = _noop_job(tmp_path, steps=2000, step_seconds=0.05)  # 100 s: longer than the wait below
     p = _start(job)
     p.stdout.readline()
     root = job / "checkpoints"
     wait_until(lambda: root.is_dir() and any(e.name.startswith("step-") for e in os.scandir(root)), timeout=60, what="a checkpoint")
     p.kill()
     p.wait(30)
-    # The job stops committing checkpoints within the server's poll interval.
-    time.sleep(0.5)
+    # The job holds the stand-in's stdout as its own: the pipe ends (EOF) only once the job is gone too.
+    fd, end = p.stdout.fileno(), time.monotonic() + 30
+    while True:
+        left = end - time.monotonic()
+        assert left > 0, "the job still runs 30 s after its stand-in was SIGKILLed"
+        if select.select([fd], [], [], left)[0] and os.read(fd, 1 << 16) == b"":
+            break
     seen = sorted(e.name for e in os.scandir(root))
     time.sleep(1.0)  # 20 steps' time: a live job would have committed more
     assert sorted(e.name for e in os.scandir(root)) == seen
