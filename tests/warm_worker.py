@@ -8,7 +8,9 @@ as a script (stdlib only, `python -S`: ~20 ms), a stand-in that
 
 - sends its argv, cwd and environment, and its stdin, stdout and stderr themselves (`SCM_RIGHTS`), to the
   server, which forks a child that takes those descriptors as 0/1/2, that cwd and exactly that environment,
-  and runs `dflash_worker.job.main(argv)`: the events and logs reach the run-manager live, on its own pipes;
+  and runs `dflash_worker.job.main(argv)` (or, given `-m MODULE ARGS`, `MODULE.main(ARGS)`: `torchrun()` runs
+  `torchrun --no-python` with this stand-in as every rank's command): the events and logs reach the
+  run-manager live, on its own pipes;
 - forwards SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP and SIGQUIT to the child (the run-manager's stop and
   checkpoint requests), and exits as the child did: its exit code, or killed by the same signal;
 - when it dies itself (the run-manager SIGKILLs the worker's process group), the server sees its socket
