@@ -12,13 +12,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/dflash-worker/cargo-target
 PYTEST_ARGS ?=
-# The interpreter pyo3 builds against: the shared environment's (scripts/setup-env.sh), whose path
-# is the same in every clone, so a fresh clone does not rebuild pyo3 (its build script reruns when
-# PYO3_PYTHON changes); the same CPython as .venv's. A hand-made .venv is used as it is.
-# `|| true`: .SHELLFLAGS has -e, under which a failed `cat` in the assignment would end the snippet
-# with no output. (Each phase of `test` is its own `make` run, so PYO3_PY is asked after `install`.)
-PYO3_SH = p="$$(cat $(VENV)/.dflash-shared-env 2>/dev/null || true)/bin/python"; if [ -x "$$p" ]; then echo "$$p"; else echo "$(abspath $(PY))"; fi
-PYO3_PY = $(shell $(PYO3_SH))
+# The environment of every cargo build (scripts/cargo-env.py says why): the hash of the Rust
+# sources, which both crates' build scripts put in their build fingerprint (a fresh clone's settled
+# sources reuse the build of the same sources: scripts/setup-env.sh); the commit the binaries name
+# (kept when the caller names it); and the PyO3 pair `maturin develop` sets, the interpreter
+# PYO3_PYTHON=.venv/bin/python and its signature, so that clippy, cargo test and the tests' builds
+# do not rebuild PyO3 and the native client after maturin, nor maturin after them. Computed at
+# each `make` (each phase of `test` is its own, so the hash follows an edit between phases).
+BASE_PYTHON := $(or $(PYTHON),python3)
+export DFLASH_RUST_SOURCES := $(shell $(BASE_PYTHON) scripts/cargo-env.py hash)
+export DFLASH_GIT_COMMIT ?= $(shell $(BASE_PYTHON) scripts/cargo-env.py commit)
+export PYO3_PYTHON := $(abspath $(PY))
+export PYO3_ENVIRONMENT_SIGNATURE := $(shell $(BASE_PYTHON) scripts/cargo-env.py pyo3-signature)
 
 .PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness docker-image-cpu
 
@@ -62,13 +67,13 @@ lint:
 	$(PY) scripts/check-import-cycles.py run-manager/src
 	@if command -v rustup >/dev/null; then rustup --quiet component add rustfmt clippy; fi
 	cargo fmt --all --check
-	PYO3_PYTHON=$(PYO3_PY) cargo clippy --workspace --all-targets --locked -- -D warnings
+	cargo clippy --workspace --all-targets --locked -- -D warnings
 
 test-python:
 	@scripts/run-pytest.sh $(PYTEST_ARGS)
 
 test-rust:
-	PYO3_PYTHON=$(PYO3_PY) cargo test --workspace --locked
+	cargo test --workspace --locked
 
 # Every fuzz target for FUZZ_SECONDS each (docs/fuzzing.md); longer: `scripts/fuzz.sh --seconds 600`.
 FUZZ_SECONDS ?= 10

@@ -3,9 +3,11 @@
 //! `LD_LIBRARY_PATH`; records which Python it embeds (for `--version`) and
 //! that Python's prefix, the parent of its `LIBDIR` (a standalone build's
 //! standard library, see `python_env::stdlib_home`).
-//! (The commit stamp comes from the run-manager crate: `run_manager::version`.)
+//! Like run-manager's build script, it makes the hash of the Rust sources
+//! (`DFLASH_RUST_SOURCES`, scripts/cargo-env.py) part of the build fingerprint.
 
 fn main() {
+    println!("cargo:rerun-if-env-changed=DFLASH_RUST_SOURCES");
     let config = pyo3_build_config::get();
     let v = config.version();
     println!(

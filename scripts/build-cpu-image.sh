@@ -113,8 +113,11 @@ ctx=$cache/docker-context/$lock_key
 rm -rf "$ctx/project-wheel"
 mkdir -p "$ctx/requirements" "$ctx/project-wheel"
 log "building the project wheel against $host_python"
-PYO3_PYTHON=$host_python CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/cargo-target}-image \
-  DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)} \
+# The commit the binaries name and the hash of the Rust sources, as `make` sets them
+# (scripts/cargo-env.py); a commit the caller names is kept.
+DFLASH_RUST_SOURCES=$("$host_python" scripts/cargo-env.py hash) \
+  DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-$("$host_python" scripts/cargo-env.py commit)} \
+  PYO3_PYTHON=$host_python CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/cargo-target}-image \
   "$maturin" build --locked --quiet --interpreter "$host_python" --out "$ctx/project-wheel" >&2
 
 # ---- 5. the image --------------------------------------------------------------------

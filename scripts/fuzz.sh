@@ -77,9 +77,10 @@ if printf '%s\n' "${targets[@]}" | grep -q '^rs_'; then
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions -Coverflow-checks"
   start=$(date +%s)
-  # A fixed commit name: the targets never print it, and a moved HEAD then does not rebuild the
-  # run-manager crate with sancov on every commit (run-manager/build.rs asks git only without it).
-  DFLASH_GIT_COMMIT=fuzz cargo build --manifest-path fuzz/rust/Cargo.toml --release --bins --target "$host" -j "${CARGO_BUILD_JOBS:-2}" --quiet
+  # The hash of the Rust sources, as `make` sets it (scripts/cargo-env.py): part of the
+  # run-manager crate's fingerprint. (The fuzz targets are outside the root workspace, so cargo
+  # keys their run-manager build by this checkout's path: a new clone rebuilds it.)
+  DFLASH_RUST_SOURCES=$("$PY" scripts/cargo-env.py hash) cargo build --manifest-path fuzz/rust/Cargo.toml --release --bins --target "$host" -j "${CARGO_BUILD_JOBS:-2}" --quiet
   echo "fuzz: rust targets built in $(( $(date +%s) - start ))s ($CARGO_TARGET_DIR)" >&2
   rs_dir=$CARGO_TARGET_DIR/$host/release
 fi

@@ -51,5 +51,9 @@ if [ -L .venv ] || [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$shared" ]; th
   shared_site=$("$shared/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$shared_site" > "$site/_dflash_shared_env.pth"
   echo "$shared" > "$marker"
+  # A new .venv is a new checkout (or a reset one): date its unmodified Rust sources back, so
+  # that cargo reuses the shared build of the same sources (scripts/cargo-env.py says why this
+  # is safe: the hash of the sources is in the crates' build fingerprint).
+  "$python" scripts/cargo-env.py settle
 fi
 echo "setup-env: .venv overlays $shared" >&2

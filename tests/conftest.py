@@ -9,10 +9,14 @@ name keep their order after the ones it does. Refresh it after a full run with
 seconds summed per file, written by the controlling process at the end of the session). The same
 run writes `FILE.cpu.json`: per file, wall seconds, CPU seconds (the worker's own and its waited-for
 child processes', user + system) and their ratio, to see which files wait more than they compute.
+
+Run outside `make`, the session first sets the cargo environment the Makefile exports
+(scripts/cargo-env.py), so the tests that build Rust reuse `make`'s builds instead of rebuilding.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -24,6 +28,23 @@ DURATIONS = Path(__file__).resolve().parent / "durations.json"
 RECORD_ENV = "DFLASH_RECORD_DURATIONS"
 _recorded: dict[str, float] = {}
 _recorded_cpu: dict[str, float] = {}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _set_cargo_env() -> None:
+    """The Makefile's cargo environment, where `make` did not set it (scripts/cargo-env.py)."""
+    if "DFLASH_RUST_SOURCES" in os.environ:
+        return
+    spec = importlib.util.spec_from_file_location("dflash_cargo_env", ROOT / "scripts" / "cargo-env.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    os.environ["DFLASH_RUST_SOURCES"] = mod.sources_hash(ROOT)
+    os.environ.setdefault("DFLASH_GIT_COMMIT", mod.commit(ROOT))
+    os.environ.setdefault("PYO3_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+    os.environ.setdefault("PYO3_ENVIRONMENT_SIGNATURE", mod.pyo3_signature())
+
+
+_set_cargo_env()
 
 
 def _file_of(nodeid: str) -> str:

@@ -14,12 +14,13 @@ use dflash_native_client::embed;
 use dflash_native_client::python_env::{self, EXIT_USER};
 use run_manager::{env_vars, version};
 
-/// `<version> (commit <sha>, python <X.Y>)`; the commit stamp is the run-manager crate's.
+/// `<version> (commit <sha>, python <X.Y>)`; the commit is read here (`run_manager::git_commit!`),
+/// so a new commit relinks this binary only.
 static VERSION: LazyLock<String> = LazyLock::new(|| {
     format!(
         "{} (commit {}, python {})",
         version::CLIENT_VERSION,
-        version::GIT_COMMIT,
+        run_manager::git_commit!(),
         env!("DFLASH_EMBEDDED_PYTHON")
     )
 });

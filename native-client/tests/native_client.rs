@@ -62,7 +62,7 @@ fn version_names_the_commit_and_the_embedded_python() {
     let want = format!(
         "dflash-native-client {} (commit {}, python 3.",
         run_manager::version::CLIENT_VERSION,
-        run_manager::version::GIT_COMMIT
+        run_manager::git_commit!()
     );
     assert!(text.starts_with(&want), "{text}");
 }

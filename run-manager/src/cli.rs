@@ -76,7 +76,6 @@ Exit codes:
 #[command(
     name = "run-manager",
     version = crate::version::CLIENT_VERSION,
-    long_version = crate::version::LONG_VERSION,
     after_long_help = AFTER_HELP,
     max_term_width = 100
 )]

@@ -48,6 +48,11 @@ build_release() {
   # The native client records the environment it was built against; option_env!
   # is tracked by cargo, so a different environment rebuilds only this binary.
   export DFLASH_BUILD_PYTHON_HOME=$prefix
+  # The commit the binaries name and the hash of the Rust sources, as `make` sets them
+  # (scripts/cargo-env.py); a commit the caller names is kept.
+  DFLASH_RUST_SOURCES=$("$python" "$root/scripts/cargo-env.py" hash)
+  DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-$("$python" "$root/scripts/cargo-env.py" commit)}
+  export DFLASH_RUST_SOURCES DFLASH_GIT_COMMIT
   log "cargo build --release (PYO3_PYTHON=$python)"
   cargo build --release --locked -p run-manager --bin run-manager
   cargo "$@"

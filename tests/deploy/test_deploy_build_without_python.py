@@ -50,8 +50,9 @@ def test_cargo_build_run_manager_with_no_python_on_path(tmp_path):
         "HOME": os.environ["HOME"],
         "CARGO_TARGET_DIR": os.environ.get("CARGO_TARGET_DIR", str(Path.home() / ".cache" / "dflash-worker" / "cargo-target")),
     }
-    # A toolchain installed outside HOME's defaults stays reachable.
-    for var in ("RUSTUP_HOME", "CARGO_HOME", "RUSTUP_TOOLCHAIN"):
+    # A toolchain installed outside HOME's defaults stays reachable; the build environment the
+    # Makefile exports (scripts/cargo-env.py) keeps this build the same as the others.
+    for var in ("RUSTUP_HOME", "CARGO_HOME", "RUSTUP_TOOLCHAIN", "DFLASH_RUST_SOURCES", "DFLASH_GIT_COMMIT"):
         if var in os.environ:
             env[var] = os.environ[var]
     probe = subprocess.run(["/usr/bin/env", "-i", f"PATH={bin_dir}", "/bin/sh", "-c", "command -v python3 python"], capture_output=True, text=True)
