@@ -61,16 +61,14 @@ if [ "$build_only" = 0 ]; then
   "$PY" fuzz/python/seeds.py "$work/seeds"
 fi
 
-# Build the Rust targets only when one is asked for. The lock file starts as
-# the workspace's (same serde_json and friends as the shipped binary) and
-# gains libfuzzer-sys; it is gitignored.
+# Build the Rust targets only when one is asked for: the workspace member fuzz/rust (the same
+# Cargo.lock, so the same serde_json and friends as the shipped binary, plus libfuzzer-sys) in the
+# root's `fuzz` profile, into a target directory of its own (the coverage flags would otherwise
+# invalidate the main build).
 rs_dir=
 if printf '%s\n' "${targets[@]}" | grep -q '^rs_'; then
   export CARGO_TARGET_DIR=${DFLASH_FUZZ_TARGET_DIR:-$HOME/.cache/dflash-worker/fuzz-target}
   host=$(rustc -vV | sed -n 's/^host: //p')
-  if [ ! -f fuzz/rust/Cargo.lock ] || [ Cargo.lock -nt fuzz/rust/Cargo.lock ]; then
-    cp Cargo.lock fuzz/rust/Cargo.lock
-  fi
   # sancov from stable rustc: the flags cargo-fuzz passes on nightly, minus any
   # sanitizer (which needs -Zsanitizer). `--target` keeps them off build scripts.
   export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
@@ -78,11 +76,11 @@ if printf '%s\n' "${targets[@]}" | grep -q '^rs_'; then
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions -Coverflow-checks"
   start=$(date +%s)
   # The hash of the Rust sources, as `make` sets it (scripts/cargo-env.py): part of the
-  # run-manager crate's fingerprint. (The fuzz targets are outside the root workspace, so cargo
-  # keys their run-manager build by this checkout's path: a new clone rebuilds it.)
-  DFLASH_RUST_SOURCES=$("$PY" scripts/cargo-env.py hash) cargo build --manifest-path fuzz/rust/Cargo.toml --release --bins --target "$host" -j "${CARGO_BUILD_JOBS:-2}" --quiet
+  # run-manager crate's fingerprint, so a fresh clone reuses the build of the same sources.
+  DFLASH_RUST_SOURCES=$("$PY" scripts/cargo-env.py hash) cargo build --locked -p dflash-fuzz --profile fuzz --bins \
+    --target "$host" -j "${CARGO_BUILD_JOBS:-2}" --quiet
   echo "fuzz: rust targets built in $(( $(date +%s) - start ))s ($CARGO_TARGET_DIR)" >&2
-  rs_dir=$CARGO_TARGET_DIR/$host/release
+  rs_dir=$CARGO_TARGET_DIR/$host/fuzz
 fi
 [ "$build_only" = 0 ] || exit 0
 

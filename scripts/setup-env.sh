@@ -46,7 +46,10 @@ fi
 if [ -L .venv ] || [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$shared" ]; then
   rm -rf .venv
   "$shared/bin/python" -c 'import sys; sys.exit(0)'
-  "$python" -m venv .venv
+  # No pip of its own (ensurepip took 7 s a checkout here): pip, like everything else, comes from
+  # the shared environment through the .pth file below, and installs into .venv when run by
+  # .venv/bin/python (as maturin develop runs it).
+  "$python" -m venv --without-pip .venv
   site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   shared_site=$("$shared/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$shared_site" > "$site/_dflash_shared_env.pth"
