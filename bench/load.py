@@ -63,6 +63,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -371,10 +372,12 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def run_child(kind: str, path: Path) -> dict:
+def run_child(kind: str, path: Path, child_cmd: list[str] | None = None) -> dict:
+    """One loader in a fresh process: `python bench/load.py --worker KIND --path DIR` (`child_cmd`, when
+    given, stands for `python bench/load.py`)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     proc = subprocess.run(
-        [sys.executable, __file__, "--worker", kind, "--path", str(path)],
+        [*(child_cmd or [sys.executable, __file__]), "--worker", kind, "--path", str(path)],
         capture_output=True,
         text=True,
         env=env,
@@ -412,7 +415,7 @@ def describe(path: Path) -> tuple[str, int, int]:
     return family, loaded, sum(skipped.values())
 
 
-def measure(path: Path, runs: int, cold: bool, warmup: bool = True) -> dict[str, list[dict]]:
+def measure(path: Path, runs: int, cold: bool, warmup: bool = True, child_cmd: list[str] | None = None) -> dict[str, list[dict]]:
     """Warm-up (unless `cold` or not `warmup`), then `runs` rounds over the loaders in alternating order."""
     if cold:
         try:
@@ -421,7 +424,7 @@ def measure(path: Path, runs: int, cold: bool, warmup: bool = True) -> dict[str,
             raise SystemExit(f"--cold needs to write /proc/sys/vm/drop_caches (Linux, root): {exc}") from None
     elif warmup:
         for kind in KINDS:
-            r = run_child(kind, path)
+            r = run_child(kind, path, child_cmd)
             print(f"  warm-up {kind:<12} total {r['total_s']:.2f}s")
     results: dict[str, list[dict]] = {k: [] for k in KINDS}
     for i in range(runs):
@@ -429,7 +432,7 @@ def measure(path: Path, runs: int, cold: bool, warmup: bool = True) -> dict[str,
         for kind in order:
             if cold:
                 drop_page_cache()
-            results[kind].append(run_child(kind, path))
+            results[kind].append(run_child(kind, path, child_cmd))
     return results
 
 
@@ -492,6 +495,9 @@ def main() -> int:
     ap.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up runs")
     ap.add_argument("--tiny", action="store_true", help="build the family's test-sized geometry (smoke test)")
     ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--child-cmd", metavar="CMD", help="the command that starts each loader's process, given "
+                    "`--worker KIND --path DIR` (default: this Python running this script; the smoke test passes a "
+                    "stand-in that forks a pre-warmed interpreter, so its figures mean nothing)")
     ap.add_argument("--path", type=Path, help="checkpoint directory (default: the family's cached one; "
                     "built there if absent)")
     args = ap.parse_args()
@@ -516,7 +522,8 @@ def main() -> int:
     load_before = os.getloadavg()[0]
     print(f"  cpu cores: {os.cpu_count()}; load average before the runs (1 min): {load_before:.1f}; page cache: {cache}; "
           "runs alternate between loaders")
-    results = measure(path, args.runs, args.cold, warmup=not args.no_warmup)
+    child_cmd = shlex.split(args.child_cmd) if args.child_cmd else None
+    results = measure(path, args.runs, args.cold, warmup=not args.no_warmup, child_cmd=child_cmd)
     report(results, family, nbytes, skipped, load_before)
     return 0
 

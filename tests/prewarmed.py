@@ -22,6 +22,8 @@ blocks of `tests/docs/test_training_quickstart.py`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import json
 import multiprocessing
 import os
@@ -80,6 +82,23 @@ def _context():
         return _ctx
 
 
+def load_main(target: str, argv: list[str]):
+    """`MODULE.main` or, for a path ending in `.py` (a script under bench/), that script's `main`, as a call
+    with `argv`; sets `sys.argv` as `python -m MODULE ARGV` / `python SCRIPT ARGV` would (a script's
+    directory first on `sys.path`). A `main()` without parameters reads `sys.argv` itself (argparse)."""
+    if target.endswith(".py"):
+        sys.path.insert(0, os.path.dirname(target))
+        spec = importlib.util.spec_from_file_location(f"__script_{Path(target).stem}__", target)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses and pickling look the module up
+        spec.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(target)
+    sys.argv = [mod.__file__, *argv]
+    takes_argv = bool(inspect.signature(mod.main).parameters)
+    return (lambda: mod.main(argv)) if takes_argv else mod.main
+
+
 def _child(module: str, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, stdin: str | None) -> None:
     """The forked process: become the command's process, run `module.main(argv)`, exit with its code."""
     for fd, path, mode in ((0, stdin or os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
@@ -98,10 +117,9 @@ def _child(module: str, argv: list[str], cwd: str, env: dict[str, str], out: str
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    mod = importlib.import_module(module)
-    sys.argv = [mod.__file__, *argv]
+    main = load_main(module, argv)
     try:
-        code = mod.main(argv)
+        code = main()
     except SystemExit as exc:  # argparse's exits and `--version`
         code = exc.code
     except BaseException:  # the interpreter's own report of an uncaught exception
@@ -140,6 +158,12 @@ def run_main(module: str, argv, *, cwd=None, env=None, timeout: float = 600, inp
             [sys.executable, "-m", module, *argv], proc.exitcode,
             out.read_text(encoding="utf-8", errors="replace"), err.read_text(encoding="utf-8", errors="replace"),
         )  # fmt: skip
+
+
+def run_script(script: Path | str, argv, **kw) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGV` for a script with `main(argv)` (the benchmarks under bench/), as `run_main`:
+    the script is loaded in the forked child (its directory first on `sys.path`) and its `main` called."""
+    return run_main(str(Path(script).resolve()), argv, **kw)
 
 
 def worker_cli(*argv, **kw) -> subprocess.CompletedProcess:

@@ -44,7 +44,7 @@ _HEADER = struct.Struct("!I")
 def _client(path: str, argv: list[str]) -> None:
     module = "dflash_worker.job"
     if argv[:1] == ["-m"] and len(argv) > 1:  # `-m MODULE ARGS`: another `main(argv)`, as `python -m MODULE ARGS`
-        module, argv = argv[1], argv[2:]
+        module, argv = argv[1], argv[2:]  # (or `-m SCRIPT.py ARGS`, as `python SCRIPT.py ARGS`)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     payload = json.dumps({"module": module, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode("utf-8")
@@ -132,12 +132,11 @@ def _run_job(req: dict, fds: list[int], close: list) -> None:
             import torch
 
             torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
-        import importlib
+        from prewarmed import load_main  # a module, or a script's path (`-m bench/load.py`)
 
-        mod = importlib.import_module(req["module"])
-        sys.argv = [mod.__file__, *req["argv"]]
+        main = load_main(req["module"], req["argv"])
         try:
-            code = mod.main(req["argv"])
+            code = main()
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # the interpreter's own report of an uncaught exception

@@ -8,22 +8,18 @@ every figure it reports.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_capture_bench_runs_and_reports_every_figure():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "capture.py"), "--examples", "8", "--hidden", "64", "--layers", "2",
-         "--repeats", "1", "--shard-examples", "4"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    out = run_script(ROOT / "bench" / "capture.py", ["--examples", "8", "--hidden", "64", "--layers", "2",
+         "--repeats", "1", "--shard-examples", "4"], timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     for pattern in (
         r"baseline forward \(output_hidden_states\): [\d.]+ s",

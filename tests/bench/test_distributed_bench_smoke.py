@@ -7,22 +7,18 @@ and every figure the benchmark reports is printed.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_distributed_bench_runs_and_reports_every_figure():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "distributed.py"), "--repeats", "1", "--steps", "3", "--grad-accum", "2",
-         "--hidden", "64", "--examples", "12"],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    out = run_script(ROOT / "bench" / "distributed.py", ["--repeats", "1", "--steps", "3", "--grad-accum", "2",
+         "--hidden", "64", "--examples", "12"], timeout=900)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     for pattern in (
         r"run 1/1, 1 rank\(s\): [\d,]+ tokens/s",

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _load import bench_module
+from prewarmed import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "effectiveness.py"
@@ -114,8 +114,7 @@ def test_the_man_world_keeps_the_rust_worlds_general_text_and_its_own_pages():
 
 
 def _smoke(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *extra], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    proc = run_script(SCRIPT, ["--smoke", "--out", str(out), *extra], timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

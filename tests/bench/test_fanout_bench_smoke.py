@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_script
 from warm_worker import command as warm_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,11 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_fanout_bench_runs_both_arms_to_the_same_capture():
     # each job in a fork of a pre-warmed interpreter (tests/warm_worker.py): the arms' figures mean nothing at
     # this size, what runs is the coordinator, the run-managers and the job graph
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "fanout.py"), "--repeats", "1", "--examples", "16", "--shard-examples", "4",
-         "--hidden", "64", "--layers", "2", "--timeout", "600", "--worker-cmd", warm_command()],
-        capture_output=True, text=True, timeout=900,
-    )
+    out = run_script(ROOT / "bench" / "fanout.py", ["--repeats", "1", "--examples", "16", "--shard-examples", "4",
+         "--hidden", "64", "--layers", "2", "--timeout", "600", "--worker-cmd", warm_command()], timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     assert re.search(r"^K=1 provider : \d+\.\d\d s", text, re.M), text

@@ -1,6 +1,7 @@
 """Smoke runs of `bench/load.py` on tiny checkpoints, so the benchmark cannot rot.
 
-The timings of a tiny checkpoint mean nothing; what is checked is that all three loaders
+The timings of a tiny checkpoint mean nothing (the bench and each loader's process run forked from a
+pre-warmed interpreter: `--child-cmd`); what is checked is that all three loaders
 (mapped default, `mmap=False` copies, `from_pretrained`) run in their own processes on the
 same checkpoint, agree on a checksum over every weight, and that every figure the closing
 note quotes is printed. Both runs skip the unmeasured warm-up (three more fresh processes that
@@ -11,20 +12,23 @@ builds the full-size one (wrapper with vision tower, per-expert tensors, `mtp.*`
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_script
+from warm_worker import command as warm_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def child_cmd() -> str:
+    """Each loader's process forked from a pre-warmed interpreter (tests/warm_worker.py): the bench and its
+    three loaders each spent ~7 CPU-seconds importing torch and transformers first."""
+    return f"{warm_command()} -m {ROOT / 'bench' / 'load.py'}"
+
+
 def run_bench(*args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "load.py"), "--runs", "1", *args],
-        capture_output=True, text=True, timeout=600,
-    )
+    out = run_script(ROOT / "bench" / "load.py", ["--runs", "1", "--child-cmd", child_cmd(), *args], timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "checksum over all weights identical in every run: True" in text

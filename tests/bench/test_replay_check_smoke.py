@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _load import bench_module
+from prewarmed import run_script
 from warm_worker import command as warm_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,10 +46,10 @@ def test_train_replay_figures_follow_the_coordinator_s_start():
 
 @pytest.mark.slow
 def test_a_miniature_run_prints_every_fraction(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "replay_check.py"), "--shards", "1", "--fractions", "0,1", "--steps", "2", "--json", str(tmp_path / "r.json"),
+    out = run_script(
+        ROOT / "bench" / "replay_check.py", ["--shards", "1", "--fractions", "0,1", "--steps", "2", "--json", str(tmp_path / "r.json"),
          "--worker-cmd", warm_command()],  # each job in a fork of a pre-warmed interpreter (tests/warm_worker.py)
-        capture_output=True, text=True, timeout=900,
+        timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "every verify job recomputed its capture byte for byte" in out.stdout, out.stdout

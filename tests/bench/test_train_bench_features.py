@@ -8,22 +8,18 @@ and the cache and online exports are byte-identical.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from prewarmed import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_train_features_bench_reports_every_figure():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "train.py"), "--features", "--examples", "12", "--train-steps", "2",
-         "--grad-accum", "1", "--repeats", "1"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    out = run_script(ROOT / "bench" / "train.py", ["--features", "--examples", "12", "--train-steps", "2",
+         "--grad-accum", "1", "--repeats", "1"], timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     for name in ("cache training only", r"capture \+ cache training", r"online \(token capture \+ online training\)"):

@@ -7,12 +7,11 @@ quotes is printed and written, and that the ceiling and the verdict follow from 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _load import bench_module
+from prewarmed import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "verify_cost.py"
@@ -51,12 +50,9 @@ def test_bad_arguments_are_refused_with_the_flag_named(argv, message, capsys):
 @pytest.mark.slow
 def test_miniature_run_prints_and_writes_every_figure(tmp_path):
     out = tmp_path / "cost.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1",
+    proc = run_script(SCRIPT, ["--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1",
          "--vocab", "256", "--draft-layers", "1", "--block-size", "4", "--context", "16", "--repeat", "3",
-         "--threads", "1,2", "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )
+         "--threads", "1,2", "--json", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["threads"] for r in report["results"]] == [1, 2]
