@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -74,12 +75,16 @@ device = "cpu"
     return recipe
 
 
-def train_once(recipe: Path, run: Path, ranks: int) -> float:
-    """Median tokens/s over the steps after the first of one training run."""
+def train_once(recipe: Path, run: Path, ranks: int, python_cmd: list[str] | None = None) -> float:
+    """Median tokens/s over the steps after the first of one training run; `python_cmd` stands for
+    `python` (each rank's command under `torchrun --no-python`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DFLASH_CPU_RANKS="1", PYTHONWARNINGS="ignore")
     cli = ["-m", "dflash_worker.cli", "train", "--recipe", str(recipe), "--run-dir", str(run)]
-    cmd = [sys.executable, *cli] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *cli]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    if python_cmd:
+        cmd = [*python_cmd, *cli] if ranks == 1 else [*torchrun, "--no-python", *python_cmd, *cli]
+    else:
+        cmd = [sys.executable, *cli] if ranks == 1 else [*torchrun, *cli]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -97,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=8, help="draft block size (default 8)")
     p.add_argument("--hidden", type=int, default=256, help="target and draft width (default 256)")
     p.add_argument("--examples", type=int, default=48, help="rows in the tiny world (default 48)")
+    p.add_argument("--python-cmd", metavar="CMD", help="the command that stands for `python` in each training run "
+                   "(given `-m dflash_worker.cli train ...`; each rank's under `torchrun --no-python`); the smoke test "
+                   "passes a stand-in that forks a pre-warmed interpreter, so its rates mean nothing")
     args = p.parse_args(argv)
+    python_cmd = shlex.split(args.python_cmd) if args.python_cmd else None
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dflash-bench-dist-") as tmp:
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         rates: dict[int, list[float]] = {1: [], 2: []}
         for i in range(args.repeats):
             for ranks in (1, 2):
-                rate = train_once(recipe, root / f"run-{ranks}-{i}", ranks)
+                rate = train_once(recipe, root / f"run-{ranks}-{i}", ranks, python_cmd)
                 rates[ranks].append(rate)
                 print(f"run {i + 1}/{args.repeats}, {ranks} rank(s): {rate:,.0f} tokens/s", flush=True)
     load_after = os.getloadavg()

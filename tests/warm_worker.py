@@ -21,7 +21,9 @@ CPython of `dflash-native-client` and modules are imported before the job's envi
 read at import time comes from the fork server's environment), and the run-manager counts a
 `--worker-cmd` as its own version instead of probing the client's. `RunManager(..., warm=False)` (the
 default) runs the native client; the tests that signal, stop or inspect the worker process, check the
-worker's environment or argv, or enforce client versions keep it, and so do the pipeline and crash tests.
+worker's environment or argv, or enforce client versions keep it, and so do the pipeline tests and the first crash
+test (a SIGKILLed worker the run-manager restarts). The tests that stop or kill a warm job signal the job, not its
+stand-in (whose pid the run-manager reports): `job_pid()`, through `e2e_helpers.worker_process`.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def _client(path: str, argv: list[str]) -> None:
         sys.stderr.write(f"warm_worker: the server did not start the job ({first!r})\n")
         sys.exit(125)
     pid = int(first[1])
+    # For the tests that signal the worker whose pid the run-manager reports (this stand-in's): `job_pid()`.
+    with open(os.path.join(os.path.dirname(path), f"job-{os.getpid()}"), "w") as f:
+        f.write(f"{pid}\n")
 
     def forward(signum, _frame):
         try:
@@ -273,6 +278,20 @@ class WarmWorkers:
         line = f"{sys.executable} -S {os.path.abspath(__file__)} {self.socket_path}"
         assert len(line.split()) == 4, f"a path with a space: {line}"
         return line
+
+
+def is_stand_in(argv: list[str]) -> bool:
+    """Whether a process's argv is this file run as a stand-in."""
+    return len(argv) > 2 and argv[2] == os.path.abspath(__file__)
+
+
+def job_pid(stand_in: int) -> int:
+    """The pid of the job that the stand-in `stand_in` runs (the run-manager reports the stand-in's pid as the
+    worker's; a test that stops or kills the worker signals the job), by this pytest worker's server."""
+    inst = WarmWorkers._instance
+    assert inst is not None, "no warm worker server in this process"
+    with open(os.path.join(inst._dir, f"job-{stand_in}")) as f:
+        return int(f.read())
 
 
 def command() -> str:

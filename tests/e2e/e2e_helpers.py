@@ -332,16 +332,28 @@ def is_checkpoint_report(v: dict) -> bool:
     return v.get("message") == "artifact reported" and v.get("kind") == "checkpoint"
 
 
-def _check_worker(pid: int, job_dir: Path) -> None:
+def worker_process(pid: int, job_dir: Path) -> int:
+    """The process to signal for the worker `pid` (as the run-manager reports it) of `job_dir`, after checking
+    that `pid` is that worker: the native client itself, or the job a warm stand-in runs (tests/warm_worker.py)."""
+    from warm_worker import is_stand_in, job_pid
+
     argv = cmdline(pid)
-    assert argv and Path(argv[0]).name == NATIVE_CLIENT.name and str(job_dir) in argv, f"pid {pid} is not the worker of `{job_dir}`: {argv}"
+    assert argv and str(job_dir) in argv and (Path(argv[0]).name == NATIVE_CLIENT.name or is_stand_in(argv)), (
+        f"pid {pid} is not the worker of `{job_dir}`: {argv}"
+    )
+    return job_pid(pid) if is_stand_in(argv) else pid
 
 
 def kill_worker(pid: int, job_dir: Path) -> None:
-    """SIGKILL the native client `pid` after checking it is the worker of `job_dir`."""
-    _check_worker(pid, job_dir)
-    os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not pid_alive(pid), timeout=30, what=f"worker {pid} to die")
+    """SIGKILL the worker `pid` of `job_dir` (`worker_process`) and wait until it is gone."""
+    target = worker_process(pid, job_dir)
+    os.kill(target, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(target), timeout=30, what=f"worker {target} to die")
+
+
+def resume_worker(pid: int, job_dir: Path) -> None:
+    """SIGCONT the worker `pid` of `job_dir` that `stop_at_first_checkpoint` stopped."""
+    os.kill(worker_process(pid, job_dir), signal.SIGCONT)
 
 
 def is_checkpoint_queued(v: dict) -> bool:
@@ -357,11 +369,10 @@ def stop_at_first_checkpoint(rm: RunManager, pid: int, job_dir: Path) -> int:
     could find training over. Freezing the worker when the run-manager queues the upload
     leaves the remaining steps for the test to act in. (Freezing it when the directory appears
     on disk is too early: the worker may not have sent the event yet, and no report would come.)
-    `os.kill(pid, signal.SIGCONT)` lets it go on.
+    `resume_worker(pid, job_dir)` lets it go on.
     """
     rm.wait_for("a checkpoint event", is_checkpoint_queued)
-    _check_worker(pid, job_dir)
-    os.kill(pid, signal.SIGSTOP)
+    os.kill(worker_process(pid, job_dir), signal.SIGSTOP)
     root = job_dir / "run" / "checkpoints"
     return max(int(e.name[5:]) for e in os.scandir(root) if e.name.startswith("step-") and e.name[5:].isdigit())
 

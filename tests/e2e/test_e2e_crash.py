@@ -5,10 +5,8 @@ committed checkpoint and its export is byte-identical to an uninterrupted run of
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from e2e_helpers import (
     kill_worker,
     local_path,
     metrics_steps,
+    resume_worker,
     sha256_file,
     stop_at_first_checkpoint,
     wait_until,
@@ -119,7 +118,7 @@ def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_pat
     home_a, home_b = tmp_path / "a" / "home", tmp_path / "b" / "home"
     home_a.mkdir(parents=True)
     home_b.mkdir(parents=True)
-    rm1 = procs.run_manager(work, *join, extra_env={"HOME": str(home_a)})
+    rm1 = procs.run_manager(work, *join, extra_env={"HOME": str(home_a)}, warm=True)
     started = rm1.wait_for("the worker to start", _started)
     job_id = started["job_id"]
     job_dir = (work / "jobs" / job_id).resolve()
@@ -144,7 +143,7 @@ def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_pat
     # (new-work-dir) a fresh install does, or (other-machine) one on another machine.
     work2 = work if takeover == "same-work-dir" else tmp_path / "b" / "work"
     job_dir2 = (work2 / "jobs" / job_id).resolve()
-    rm2 = procs.run_manager(work2, *join, extra_env={"HOME": str(home_a if takeover == "same-work-dir" else home_b)})
+    rm2 = procs.run_manager(work2, *join, extra_env={"HOME": str(home_a if takeover == "same-work-dir" else home_b)}, warm=True)
     rc = rm2.wait()
     assert rc == 0, f"stdout:\n{rm2.stdout}\nstderr:\n{rm2.text()}"
     lease = rm2.wait_for("the lease", lambda v: v.get("message") == "lease acquired")
@@ -174,7 +173,7 @@ def test_coordinator_killed_and_restarted_mid_training_the_job_completes(tmp_pat
     # A TTL longer than the outage: the same lease survives the restart.
     coord, run_id, token = _provider(procs, tmp_path, lease_ttl=30, spec=spec)
     work = tmp_path / "work"
-    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", token, "--max-jobs", "1")
+    rm = procs.run_manager(work, "--coordinator", coord.address, "--token", token, "--max-jobs", "1", warm=True)
     started = rm.wait_for("the worker to start", _started)
     job_dir = (work / "jobs" / started["job_id"]).resolve()
     worker = int(started["pid"])
@@ -184,7 +183,7 @@ def test_coordinator_killed_and_restarted_mid_training_the_job_completes(tmp_pat
     port = coord.port
     coord.kill()
     assert not (job_dir / "run" / "selection.json").exists(), "training ended before the coordinator was killed"
-    os.kill(worker, signal.SIGCONT)
+    resume_worker(worker, job_dir)
     # While it is down the worker trains on and the run-manager's calls fail UNAVAILABLE.
     down_from = len(rm.messages())
     rm.wait_for("a failed coordinator call", lambda v: "unavailable" in str(v.get("message", "")).lower() or "heartbeat stream" in str(v.get("message", "")), start=down_from)
