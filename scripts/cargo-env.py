@@ -127,9 +127,13 @@ def main(argv: list[str]) -> int:
         "pyo3-signature": lambda: print(pyo3_signature()),
         "settle": lambda: print(f"cargo-env: {settle()} Rust source files dated {SETTLED_MTIME} (2000-01-01)", file=sys.stderr),
     }
-    if len(argv) != 1 or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    if len(argv) != 1 or argv[0] not in commands:
+        got = " ".join(argv) if argv else "nothing"
+        print(f"cargo-env: expected one of {', '.join(commands)}, got `{got}`\n\n{__doc__.strip()}", file=sys.stderr)
+        return 2
     commands[argv[0]]()
     return 0
 

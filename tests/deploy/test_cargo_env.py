@@ -129,8 +129,11 @@ def test_cli_prints_each_value_and_refuses_unknown_commands():
     assert run("hash").stdout.strip() == cargo_env.sources_hash(ROOT)
     assert run("pyo3-signature").stdout.strip() == cargo_env.pyo3_signature()
     bad = run("bogus")
-    assert bad.returncode == 2 and "settle" in bad.stderr
-    assert run("--help").returncode == 0
+    assert bad.returncode == 2 and "got `bogus`" in bad.stderr and "settle" in bad.stderr and not bad.stdout
+    none = run()
+    assert none.returncode == 2 and "got `nothing`" in none.stderr and not none.stdout
+    helped = run("--help")
+    assert helped.returncode == 0 and "DFLASH_RUST_SOURCES" in helped.stdout
 
 
 def test_every_hashed_crate_puts_the_hash_in_its_fingerprint():
