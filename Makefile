@@ -21,7 +21,11 @@ PYTEST_ARGS ?=
 # each `make` (each phase of `test` is its own, so the hash follows an edit between phases).
 BASE_PYTHON := $(or $(PYTHON),python3)
 export DFLASH_RUST_SOURCES := $(shell $(BASE_PYTHON) scripts/cargo-env.py hash)
-export DFLASH_GIT_COMMIT ?= $(shell $(BASE_PYTHON) scripts/cargo-env.py commit)
+# (`?=` would make it a recursive variable: git asked again for every target's recipe.)
+ifeq ($(origin DFLASH_GIT_COMMIT),undefined)
+DFLASH_GIT_COMMIT := $(shell $(BASE_PYTHON) scripts/cargo-env.py commit)
+endif
+export DFLASH_GIT_COMMIT
 export PYO3_PYTHON := $(abspath $(PY))
 export PYO3_ENVIRONMENT_SIGNATURE := $(shell $(BASE_PYTHON) scripts/cargo-env.py pyo3-signature)
 
