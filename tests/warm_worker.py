@@ -9,7 +9,7 @@ as a script (stdlib only, `python -S`: ~20 ms), a stand-in that
 - sends its argv, cwd and environment, and its stdin, stdout and stderr themselves (`SCM_RIGHTS`), to the
   server, which forks a child that takes those descriptors as 0/1/2, that cwd and exactly that environment,
   and runs `dflash_worker.job.main(argv)` (or, given `-m MODULE ARGS`, `MODULE.main(ARGS)`: `torchrun()` runs
-  `torchrun --no-python` with this stand-in as every rank's command): the events and logs reach the
+  the launcher so, `--no-python` with this stand-in as every rank's command): the events and logs reach the
   run-manager live, on its own pipes;
 - forwards SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP and SIGQUIT to the child (the run-manager's stop and
   checkpoint requests), and exits as the child did: its exit code, or killed by the same signal;
@@ -76,7 +76,8 @@ def _client(path: str, argv: list[str]) -> None:
         sys.exit(int(last[1]))
     if len(last) == 2 and last[0] == b"signal":
         sig = int(last[1])
-        signal.signal(sig, signal.SIG_DFL)
+        if sig != signal.SIGKILL:  # (SIGKILL's disposition cannot be set: it is always the default)
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     sys.stderr.write(f"warm_worker: lost the server before the job ended ({last!r})\n")
     sys.exit(125)
@@ -143,12 +144,16 @@ def _run_job(req: dict, fds: list[int], close: list) -> None:
         try:
             code = main()
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+            code = exc.code
         except BaseException:  # the interpreter's own report of an uncaught exception
             import traceback
 
             traceback.print_exc()
             code = 1
+        if code is not None and not isinstance(code, int):  # as `sys.exit("message")`: printed, exit 1
+            print(code, file=sys.stderr)
+            code = 1
+        code = code or 0  # a `main()` that returns None (torch.distributed.run's) exits 0, as `python -m` would
     finally:
         try:
             sys.stdout.flush()
@@ -285,13 +290,28 @@ def is_stand_in(argv: list[str]) -> bool:
     return len(argv) > 2 and argv[2] == os.path.abspath(__file__)
 
 
-def job_pid(stand_in: int) -> int:
+def job_pid(stand_in: int, timeout: float = 60.0) -> int:
     """The pid of the job that the stand-in `stand_in` runs (the run-manager reports the stand-in's pid as the
-    worker's; a test that stops or kills the worker signals the job), by this pytest worker's server."""
+    worker's; a test that stops or kills the worker signals the job), by this pytest worker's server. Waits for
+    the stand-in to record it (it does once the server has forked the job, which may already be running)."""
+    import time
+
     inst = WarmWorkers._instance
     assert inst is not None, "no warm worker server in this process"
-    with open(os.path.join(inst._dir, f"job-{stand_in}")) as f:
-        return int(f.read())
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with open(os.path.join(inst._dir, f"job-{stand_in}")) as f:
+                return int(f.read())
+        except (FileNotFoundError, ValueError):  # not yet written, or written halfway
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.01)
+
+
+def enabled() -> bool:
+    """Whether tests run their jobs, launchers and coordinators warm (`DFLASH_TEST_WARM_WORKERS=0`: never)."""
+    return os.environ.get("DFLASH_TEST_WARM_WORKERS", "1") != "0"
 
 
 def command() -> str:
@@ -299,10 +319,19 @@ def command() -> str:
     return WarmWorkers.get().command()
 
 
+def module_command(module: str, *argv: str) -> list[str]:
+    """`python -m MODULE ARGV` as a warm job: the stand-in's command line (a process to Popen, signal and wait
+    for; `job_pid(its pid)` is the job's). MODULE must have the `main` that `python -m MODULE` calls."""
+    return [*command().split(), "-m", module, *argv]
+
+
 def torchrun(nproc: int = 2) -> list[str]:
-    """`torchrun --standalone --nproc-per-node N` whose ranks are warm forks: append `-m MODULE ARGS` (the real
-    launcher and its agent; `--no-python` runs the stand-in as each rank's command, with the rank's environment)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "--no-python", *command().split()]
+    """`torchrun --standalone --nproc-per-node N` whose agent and ranks are warm forks: append `-m MODULE ARGS`.
+    The real launcher (`torch.distributed.run.main`, its elastic agent and rendezvous store) runs as a job of a
+    stand-in, and `--no-python` runs the stand-in as each rank's command, with the rank's environment; the
+    ranks are the children of the agent, `job_pid(stand-in pid)` (a fresh torchrun imports torch: ~4 CPU-s)."""
+    launcher = ["torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "--no-python"]
+    return [*module_command(*launcher), *command().split()]
 
 
 if __name__ == "__main__":

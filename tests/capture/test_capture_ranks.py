@@ -11,6 +11,7 @@ import sys
 import time
 
 from prewarmed import worker_cli
+from warm_worker import job_pid, torchrun
 
 from dflash_worker.testing.procs import children, rank_pid
 from dflash_worker.train.loop import capture_fingerprint
@@ -22,10 +23,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def warm_torchrun() -> list[str]:
-    """`TORCHRUN` whose ranks are forks of a pre-warmed interpreter (tests/warm_worker.py); the first two-rank
-    capture below keeps python ranks, and every warm one is compared with the one-rank bytes too."""
-    from warm_worker import torchrun
-
+    """`TORCHRUN` whose launcher and ranks are forks of a pre-warmed interpreter (tests/warm_worker.py); the first
+    two-rank capture below keeps the plain launcher and python ranks, and every warm one is compared with the
+    one-rank bytes too."""
     return [*torchrun(), *CAPTURE]
 
 
@@ -103,14 +103,15 @@ def test_sigkill_of_one_rank_stops_both_and_the_rerun_resumes_by_shard(tmp_path,
     r = _recipe(tmp_path, "two", targets, draft_dir, prepared_dir, **cap)
     proc = subprocess.Popen([*warm_torchrun(), "--recipe", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env())
-    deadline, victim = time.monotonic() + 300, None
+    deadline, victim, agent = time.monotonic() + 300, None, None
     while time.monotonic() < deadline:
         if len(list(out.glob("shard-*.json"))) >= 3:
-            victim = rank_pid(proc.pid, 1)
+            agent = job_pid(proc.pid)  # the launcher runs as a warm job: the ranks are its children
+            victim = rank_pid(agent, 1)
             break
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         time.sleep(0.02)
-    assert victim is not None, f"no rank 1 among {children(proc.pid)} with 3 shards committed"
+    assert victim is not None, f"no rank 1 among {children(agent) if agent else []} with 3 shards committed"
     os.kill(victim, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-4000:]

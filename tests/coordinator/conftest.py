@@ -23,11 +23,12 @@ def start_coordinator(tmp_path):
     """Factory: start a coordinator process (killed at teardown)."""
     procs: list[CoordinatorProcess] = []
 
-    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, tls=None) -> CoordinatorProcess:
-        """`tls`: the admin client's `ClientTls` for a coordinator started with `--tls-cert`."""
+    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, tls=None, warm: bool = True) -> CoordinatorProcess:
+        """`tls`: the admin client's `ClientTls` for a coordinator started with `--tls-cert`; `warm=False`: a
+        fresh `python -m dflash_worker.coordinator` (the default serves from a warm fork)."""
         wd = workdir or tmp_path / f"coord{len(procs)}"
         wd.mkdir(parents=True, exist_ok=True)
-        p = CoordinatorProcess(wd, *args, lease_ttl=lease_ttl, tls=tls)
+        p = CoordinatorProcess(wd, *args, lease_ttl=lease_ttl, tls=tls, warm=warm)
         procs.append(p)
         return p
 

@@ -107,7 +107,9 @@ class Coordinator:
     """`dflash-coordinator serve` on 127.0.0.1 with its own SQLite file; admin CLI calls against it.
 
     `serve_args` are extra `serve` flags (e.g. `--tls-cert`/`--tls-key`); a coordinator serving TLS gets
-    an `https://` address. `info` is its "listening" line.
+    an `https://` address. `info` is its "listening" line. `warm=True` (the default) serves from a fork of the
+    pre-warmed interpreter (`warm_worker.module_command`: the console script's `main`, ~1.5 CPU-s less per
+    start); `warm=False` starts the console script itself. `pid` is the serving process's either way.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class Coordinator:
         lease_ttl: float,
         admin_token: str | None = None,
         serve_args: tuple[str, ...] = (),
+        warm: bool = True,
     ):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +127,7 @@ class Coordinator:
         self.lease_ttl = lease_ttl
         self.admin_token = admin_token or secrets.token_hex(16)
         self.serve_args = tuple(serve_args)
+        self.warm = warm
         self.proc: subprocess.Popen | None = None
         self.address = ""
         self.info: dict = {}
@@ -134,10 +138,14 @@ class Coordinator:
         self.starts += 1
         self.stderr_path = self.workdir / f"serve-{self.starts}.log"
         args = [
-            str(COORDINATOR), "serve", "--db", str(self.db), "--listen", f"127.0.0.1:{port}",
+            "serve", "--db", str(self.db), "--listen", f"127.0.0.1:{port}",
             "--lease-ttl", str(self.lease_ttl), "--max-wait", "2",
             *self.serve_args,
         ]  # fmt: skip
+        from warm_worker import enabled, module_command
+
+        self._warm_now = self.warm and enabled()
+        args = module_command("dflash_worker.coordinator.cli", *args) if self._warm_now else [str(COORDINATOR), *args]
         # The admin token travels in the environment, not on the command line.
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=open(self.stderr_path, "wb"), env=clean_env(DFLASH_ADMIN_TOKEN=self.admin_token)
@@ -159,12 +167,21 @@ class Coordinator:
     def port(self) -> int:
         return int(self.address.rpartition(":")[2])
 
+    @property
+    def pid(self) -> int:
+        """The serving process: the warm job (not its stand-in, `self.proc`), or the console script's."""
+        from warm_worker import job_pid
+
+        return job_pid(self.proc.pid) if self._warm_now else self.proc.pid
+
     def kill(self) -> None:
-        """SIGKILL: no graceful shutdown, as a crash would."""
-        self.proc.send_signal(signal.SIGKILL)
+        """SIGKILL to the serving process: no graceful shutdown, as a crash would (a warm one's stand-in then
+        exits as killed by the same signal)."""
+        os.kill(self.pid, signal.SIGKILL)
         self.proc.wait(30)
 
     def stop(self) -> None:
+        """SIGTERM (a warm stand-in forwards it), then SIGKILL after 15 s."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -175,7 +192,7 @@ class Coordinator:
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """One admin CLI call, as a run admin would type it (`dflash-coordinator ARGS` in a process forked from
-        a pre-warmed interpreter, tests/prewarmed.py; `serve` above runs the console script itself)."""
+        a pre-warmed interpreter, tests/prewarmed.py)."""
         p = coordinator_cli(*args, "--server", self.address, timeout=120, env=clean_env(DFLASH_ADMIN_TOKEN=self.admin_token))
         if check and p.returncode != 0:
             raise AssertionError(f"`dflash-coordinator {' '.join(args)}` exited {p.returncode}:\n{p.stderr}")
@@ -241,9 +258,9 @@ class RunManager:
         each job in a fork of a pre-warmed interpreter instead of the native client (tests/warm_worker.py), unless
         `DFLASH_TEST_WARM_WORKERS=0` (every test then runs the native client)."""
         self.work_dir = work_dir
-        if warm and os.environ.get("DFLASH_TEST_WARM_WORKERS", "1") != "0":
-            from warm_worker import command
+        from warm_worker import command, enabled
 
+        if warm and enabled():
             native = ["--worker-cmd", command()]
         else:
             native = ["--native-client", str(NATIVE_CLIENT)] if native_client else []

@@ -97,8 +97,8 @@ def test_sigkilled_worker_is_restarted_and_resumes_to_an_identical_export(tmp_pa
     _check_same_as_baseline(job_dir, export_model(job), baseline)
 
 
-def _provider(procs, tmp_path: Path, *, lease_ttl: float, spec: dict):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=lease_ttl)
+def _provider(procs, tmp_path: Path, *, lease_ttl: float, spec: dict, warm: bool = True):
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=lease_ttl, warm=warm)
     run_id = coord.create_run("crash-run", spec, client_version=client_version())
     token = coord.provider_token("box")
     return coord, run_id, token
@@ -170,8 +170,9 @@ def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_pat
 
 
 def test_coordinator_killed_and_restarted_mid_training_the_job_completes(tmp_path, procs, spec, baseline):
-    # A TTL longer than the outage: the same lease survives the restart.
-    coord, run_id, token = _provider(procs, tmp_path, lease_ttl=30, spec=spec)
+    # A TTL longer than the outage: the same lease survives the restart. The coordinator is the console
+    # script itself (`warm=False`), SIGKILLed and started again on the same port and database.
+    coord, run_id, token = _provider(procs, tmp_path, lease_ttl=30, spec=spec, warm=False)
     work = tmp_path / "work"
     rm = procs.run_manager(work, "--coordinator", coord.address, "--token", token, "--max-jobs", "1", warm=True)
     started = rm.wait_for("the worker to start", _started)

@@ -234,10 +234,11 @@ finally:
     os.unlink("/dev/shm/probe")
 st = os.statvfs("/dev/shm")
 out["shm_bytes"] = st.f_blocks * st.f_frsize
-import torch
-out["torch"] = torch.__version__
-x = torch.randn(64, 64)
-out["matmul"] = float((x @ x.T).trace()) > 0
+if sys.argv[3] == "torch":
+    import torch
+    out["torch"] = torch.__version__
+    x = torch.randn(64, 64)
+    out["matmul"] = float((x @ x.T).trace()) > 0
 print(json.dumps(out))
 """
 
@@ -260,15 +261,17 @@ def probe_args(inspect: dict, *, user: str | None = None, drop_env: tuple[str, .
     return args + ["--entrypoint", "/opt/dflash/venv/bin/python", cfg["Image"]]
 
 
-def run_probe(inspect: dict, job_dir: Path, ro: Path, **kw) -> dict:
-    p = docker(*probe_args(inspect, **kw), "-c", PROBE % {"cache": CACHE_VARS}, str(job_dir), str(ro), timeout=300)
+def run_probe(inspect: dict, job_dir: Path, ro: Path, *, torch: bool = False, **kw) -> dict:
+    """Run PROBE in a container like the job's; `torch` also imports torch there and multiplies (one probe does)."""
+    what = "torch" if torch else "settings"
+    p = docker(*probe_args(inspect, **kw), "-c", PROBE % {"cache": CACHE_VARS}, str(job_dir), str(ro), what, timeout=300)
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def test_probe_with_the_job_containers_settings_finds_each_fix_in_place(docker_run, models, tmp_path):
     inspect = docker_run["inspect"]
     job_dir = Path(next(m["Source"] for m in inspect["Mounts"] if m["RW"]))
-    got = run_probe(inspect, job_dir, models)
+    got = run_probe(inspect, job_dir, models, torch=True)
     record("docker-probe.json", json.dumps(got, indent=1), tmp_path)
     uid = CONTAINER_UID if os.getuid() == 0 else os.getuid()
     assert got["uid"] == uid != 0, got

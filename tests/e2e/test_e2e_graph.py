@@ -32,14 +32,14 @@ def _graph_run(procs, tmp_path, spec, *, lease_ttl: float):
     return coord, run_id
 
 
-def _provider(procs, coord, root: Path, name: str, *, warm: bool = True):
+def _provider(procs, coord, root: Path, name: str):
     """A provider on its own 'machine': work directory and HOME of its own; its jobs run in forks of a
-    pre-warmed interpreter (tests/warm_worker.py) unless `warm=False` (the native client)."""
+    pre-warmed interpreter (tests/warm_worker.py; a killed one included: e2e_helpers.kill_worker)."""
     home = root / name / "home"
     home.mkdir(parents=True)
     token = coord.provider_token(name)
     return procs.run_manager(root / name / "work", "--coordinator", coord.address, "--token", token, "--name", name,
-                             extra_env={"HOME": str(home)}, warm=warm)
+                             extra_env={"HOME": str(home)}, warm=True)
 
 
 def _kinds(coord, run_id: str) -> dict[str, tuple[str, int]]:
@@ -114,7 +114,7 @@ def test_a_capture_provider_killed_midway_its_job_is_re_leased_and_the_export_is
     attempt's records: the run trusts any provider's, `trust_inputs = "any"`), keeps it after verifying
     it, captures the rest, and the export is unchanged."""
     coord, run_id = _graph_run(procs, tmp_path, {**spec, "trust_inputs": "any"}, lease_ttl=3)
-    rms = [_provider(procs, coord, tmp_path, f"p{i}", warm=False) for i in range(3)]  # a native client is killed
+    rms = [_provider(procs, coord, tmp_path, f"p{i}") for i in range(3)]
     kinds = _kinds(coord, run_id)
     (job_id,) = [j for j, kind in kinds.items() if kind == ("capture", 0)]
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from e2e_helpers import wait_until
-from warm_worker import command
+from warm_worker import command, job_pid
 
 from dflash_worker.worker.noop import noop_final_state
 
@@ -85,3 +85,21 @@ def test_a_sigkilled_stand_in_takes_its_job_with_it(tmp_path):
     seen = sorted(e.name for e in os.scandir(root))
     time.sleep(1.0)  # 20 steps' time: a live job would have committed more
     assert sorted(e.name for e in os.scandir(root)) == seen
+
+
+def test_a_sigkilled_job_ends_its_stand_in_as_killed_by_sigkill(tmp_path):
+    # What the run-manager (and `Popen.returncode`) sees of a crash: killed by signal 9, not an exit code.
+    # (The stand-in once failed to re-raise SIGKILL, whose disposition cannot be set, and exited 1.)
+    job = _noop_job(tmp_path, steps=2000, step_seconds=0.05)
+    p = _start(job)
+    p.stdout.readline()
+    os.kill(job_pid(p.pid), signal.SIGKILL)
+    p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGKILL, p.returncode
+    # Another signal whose default action kills (the job installs no SIGABRT handler): the same.
+    (tmp_path / "again").mkdir()
+    p = _start(_noop_job(tmp_path / "again", steps=2000, step_seconds=0.05))
+    p.stdout.readline()
+    os.kill(job_pid(p.pid), signal.SIGABRT)
+    p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGABRT, p.returncode

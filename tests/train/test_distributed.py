@@ -18,6 +18,7 @@ import torch
 from pipeline import _toml
 from prewarmed import worker_cli
 from safetensors.torch import load_file
+from warm_worker import job_pid
 from warm_worker import torchrun as warm_torchrun
 
 from dflash_worker.testing.procs import alive, children, rank_pid
@@ -125,15 +126,16 @@ def _kill_after_checkpoint(cmd, recipe, run, *, rank):
     """Start a run, SIGKILL one of its ranks (or the only process) once step 4 is committed."""
     proc = subprocess.Popen(_argv(cmd, recipe), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     deadline = time.monotonic() + 300
-    target = None
+    target = agent = None
     while time.monotonic() < deadline:
         if (run / "checkpoints" / "step-00000004" / "manifest.json").exists():
-            target = proc.pid if cmd is ONE_RANK else rank_pid(proc.pid, rank)
+            agent = proc.pid if cmd is ONE_RANK else job_pid(proc.pid)  # the warm torchrun's agent: its job
+            target = agent if cmd is ONE_RANK else rank_pid(agent, rank)
             break
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         time.sleep(0.02)
     assert target is not None, "no checkpoint at step 4"
-    others = [p for p in children(proc.pid) if p != target]
+    others = [p for p in children(agent) if p != target]
     os.kill(target, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-4000:]
