@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from prewarmed import worker_cli
+from warm_worker import job_pid, module_command
 
 from dflash_worker.capture import open_capture, read_target_layer_ids, run_capture
 from dflash_worker.data import PreparedData, render_example
@@ -112,7 +112,7 @@ def test_payload_identical_across_runs_and_features_equal_teacher(tmp_path, fami
 
 KILLER = textwrap.dedent(
     """
-    import sys, time
+    import time
     from dflash_worker.capture import run_capture
     from dflash_worker.recipe import load_recipe
 
@@ -121,7 +121,8 @@ KILLER = textwrap.dedent(
             print("COMMITTED", flush=True)
             time.sleep(300)  # the test SIGKILLs us here
 
-    run_capture(load_recipe(sys.argv[1]), on_event=on_event)
+    def main(argv):
+        run_capture(load_recipe(argv[0]), on_event=on_event)
     """
 )
 
@@ -132,13 +133,15 @@ def test_sigkill_after_first_shard_then_rerun_gives_identical_bytes(tmp_path, re
     r = write_recipe(tmp_path / "r.toml", target=targets["qwen3"], draft=draft_dir, data=prepared_dir, output=out)
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
-    proc = subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=one_thread_env())
+    # `python killer.py RECIPE` as a warm job (the script's `main`, in a fork of the pre-warmed interpreter)
+    proc = subprocess.Popen(module_command(str(script), str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=one_thread_env())
     watchdog = threading.Timer(240, proc.kill)  # never hang the suite if the child stalls before committing
     watchdog.start()
     try:
         line = proc.stdout.readline()
         assert line.strip() == "COMMITTED", proc.stderr.read()
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(job_pid(proc.pid), signal.SIGKILL)  # the job itself: its stand-in then dies by the same signal
     finally:
         watchdog.cancel()
         proc.wait(timeout=60)

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from pipeline import Pipeline  # noqa: E402
-from prewarmed import worker_cli  # noqa: E402
+from prewarmed import run_script, worker_cli  # noqa: E402
 from test_resume import _assert_identical, _final, _recipe, _run_to_end, _start_and_signal  # noqa: E402
 from test_train_scopes import LR, _released_sha  # noqa: E402
 
@@ -141,7 +141,8 @@ def stop(event):
     if event.name == "progress" and event.metrics.get("shards_committed") == 1:
         sys.exit(3)
 
-run_capture(load_recipe(sys.argv[1]), on_event=stop)
+def main(argv):
+    run_capture(load_recipe(argv[0]), on_event=stop)
 """
 
 
@@ -198,8 +199,9 @@ def test_capture_with_regeneration_is_byte_reproducible_and_follows_the_teacher(
 def test_interrupted_capture_resumes_to_the_same_bytes(pipe, tmp_path):
     out = tmp_path / "interrupted"
     recipe = _capture_recipe_file(pipe, out)
-    stopped = subprocess.run([sys.executable, "-c", _STOP_AFTER_FIRST_SHARD, str(recipe)], capture_output=True, text=True,
-                             timeout=600, env=_env())
+    script = tmp_path / "stop_after_first_shard.py"  # a process of its own: `python SCRIPT RECIPE`, in a pre-warmed fork
+    script.write_text(_STOP_AFTER_FIRST_SHARD)
+    stopped = run_script(script, [recipe], timeout=600, env=_env())
     assert stopped.returncode == 3, stopped.stderr[-4000:]
     assert (out / "shard-00000.safetensors").is_file() and not (out / "manifest.json").exists()
     assert not (out / "shard-00001.safetensors").exists()

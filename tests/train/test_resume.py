@@ -9,13 +9,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from prewarmed import worker_cli
+from warm_worker import job_pid, module_command
 
 from dflash_worker.errors import ResumeError
 from dflash_worker.manifest import sha256_file
@@ -24,10 +24,6 @@ from dflash_worker.train import checkpoint as ckpt
 from dflash_worker.train import train
 
 N = 8
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dflash_worker.cli", *args]
 
 
 def _env() -> dict[str, str]:
@@ -57,13 +53,14 @@ def _run_to_end(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _start_and_signal(recipe: Path, run: Path, at_step: int, sig: int, *extra: str) -> subprocess.CompletedProcess:
-    """Start a training process and send `sig` once `at_step` metric lines exist."""
-    proc = subprocess.Popen(_cli("train", "--recipe", str(recipe), *extra), env=_env(),
+    """Start a training process (`dflash-worker train` as a warm job: `warm_worker.module_command`) and send `sig`
+    to it once `at_step` metric lines exist; its stand-in exits as it did, or dies by the same signal."""
+    proc = subprocess.Popen(module_command("dflash_worker.cli", "train", "--recipe", str(recipe), *extra), env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if len(_steps(run)) >= at_step:
-            proc.send_signal(sig)
+            os.kill(job_pid(proc.pid), sig)
             break
         time.sleep(0.02)
     out, err = proc.communicate(timeout=240)
