@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from e2e_helpers import wait_until
-from warm_worker import command, job_pid
+from warm_worker import command, job_pid, module_command
 
 from dflash_worker.worker.noop import noop_final_state
 
@@ -103,3 +103,27 @@ def test_a_sigkilled_job_ends_its_stand_in_as_killed_by_sigkill(tmp_path):
     os.kill(job_pid(p.pid), signal.SIGABRT)
     p.communicate(timeout=30)
     assert p.returncode == -signal.SIGABRT, p.returncode
+
+
+def test_a_module_job_exits_as_python_m_would(tmp_path):
+    # `module_command` runs `MODULE.main()` as `python -m MODULE` would end: a `main` that returns None exits 0
+    # (torch.distributed.run's does), `sys.exit(N)` exits N, `sys.exit("text")` prints the text and exits 1.
+    # (The job once exited 1 for the first: a torchrun through it failed after its ranks had succeeded.)
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import sys\n\n\ndef main():\n"
+        "    how = sys.argv[1]\n"
+        "    print('ran', how, flush=True)\n"
+        "    if how == 'code':\n        sys.exit(7)\n"
+        "    if how == 'text':\n        sys.exit('refused: the reason')\n"
+        "    if how == 'raise':\n        raise RuntimeError('an uncaught error')\n"
+    )
+    got = {}
+    for how in ("none", "code", "text", "raise"):
+        p = subprocess.run(module_command(str(script), how), capture_output=True, text=True, timeout=120)
+        assert p.stdout == f"ran {how}\n", (how, p.stdout, p.stderr)
+        got[how] = p.returncode, p.stderr
+    assert got["none"] == (0, "")
+    assert got["code"] == (7, "")
+    assert got["text"] == (1, "refused: the reason\n")
+    assert got["raise"][0] == 1 and "RuntimeError: an uncaught error" in got["raise"][1], got["raise"]
