@@ -8,6 +8,8 @@ class there is longer than `MAX_CLASS_LINES`. Standard library only (`ast`), so 
 before any environment is built.
 
 Usage: scripts/check-structure.py [ROOT]   (ROOT defaults to the coordinator package)
+Exit codes: 0 every class within the limit, 1 a class over it, 2 no Python file under ROOT or one
+that does not parse (named with its line).
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ def main(argv: list[str]) -> int:
     for path in files:
         rel = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
         sizes.append((len(path.read_text(encoding="utf-8").splitlines()), str(rel)))
-        all_classes += [(n, f"{rel}:{name}") for n, name in classes(path)]
+        try:
+            all_classes += [(n, f"{rel}:{name}") for n, name in classes(path)]
+        except SyntaxError as exc:
+            print(f"error: {rel}:{exc.lineno}: not Python this check can read: {exc.msg}", file=sys.stderr)
+            return 2
     lines, name = max(sizes)
     print(f"largest file:  {name} ({lines} lines)")
     if all_classes:

@@ -1,6 +1,7 @@
 """The warm worker stand-in (tests/warm_worker.py) behaves as the worker process the run-manager expects: events
 on its own stdout as they happen, the environment it was given and nothing else, its exit code, a SIGTERM
-forwarded to the job (which checkpoints and stops), and a SIGKILLed stand-in takes its job with it."""
+forwarded to the job (which checkpoints and stops), a SIGKILLed stand-in takes its job with it, a killed job
+ends its stand-in by the same signal, and a module job (`module_command`) exits as `python -m` would."""
 
 from __future__ import annotations
 
