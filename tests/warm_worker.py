@@ -309,6 +309,12 @@ def job_pid(stand_in: int, timeout: float = 60.0) -> int:
             time.sleep(0.01)
 
 
+def serving_pid(pid: int, argv) -> int:
+    """The process doing the work of the process `pid` started with `argv`: the job it runs when it is a stand-in
+    (`command()`, `module_command()`), else `pid` itself (what a test signals to stop or kill it)."""
+    return job_pid(pid) if is_stand_in([str(a) for a in argv]) else pid
+
+
 def enabled() -> bool:
     """Whether tests run their jobs, launchers and coordinators warm (`DFLASH_TEST_WARM_WORKERS=0`: never)."""
     return os.environ.get("DFLASH_TEST_WARM_WORKERS", "1") != "0"

@@ -105,9 +105,9 @@ class CoordinatorProcess:
     @property
     def pid(self) -> int:
         """The serving process: the warm job (not its stand-in), or the fresh interpreter."""
-        from warm_worker import job_pid
+        from warm_worker import serving_pid
 
-        return job_pid(self.proc.pid) if self.warm else self.proc.pid
+        return serving_pid(self.proc.pid, self.proc.args)
 
     def kill(self) -> None:
         """SIGKILL to the serving process: no cleanup, no graceful shutdown."""

@@ -144,8 +144,7 @@ class Coordinator:
         ]  # fmt: skip
         from warm_worker import enabled, module_command
 
-        self._warm_now = self.warm and enabled()
-        args = module_command("dflash_worker.coordinator.cli", *args) if self._warm_now else [str(COORDINATOR), *args]
+        args = module_command("dflash_worker.coordinator.cli", *args) if self.warm and enabled() else [str(COORDINATOR), *args]
         # The admin token travels in the environment, not on the command line.
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=open(self.stderr_path, "wb"), env=clean_env(DFLASH_ADMIN_TOKEN=self.admin_token)
@@ -170,9 +169,9 @@ class Coordinator:
     @property
     def pid(self) -> int:
         """The serving process: the warm job (not its stand-in, `self.proc`), or the console script's."""
-        from warm_worker import job_pid
+        from warm_worker import serving_pid
 
-        return job_pid(self.proc.pid) if self._warm_now else self.proc.pid
+        return serving_pid(self.proc.pid, self.proc.args)
 
     def kill(self) -> None:
         """SIGKILL to the serving process: no graceful shutdown, as a crash would (a warm one's stand-in then
@@ -352,13 +351,13 @@ def is_checkpoint_report(v: dict) -> bool:
 def worker_process(pid: int, job_dir: Path) -> int:
     """The process to signal for the worker `pid` (as the run-manager reports it) of `job_dir`, after checking
     that `pid` is that worker: the native client itself, or the job a warm stand-in runs (tests/warm_worker.py)."""
-    from warm_worker import is_stand_in, job_pid
+    from warm_worker import is_stand_in, serving_pid
 
     argv = cmdline(pid)
     assert argv and str(job_dir) in argv and (Path(argv[0]).name == NATIVE_CLIENT.name or is_stand_in(argv)), (
         f"pid {pid} is not the worker of `{job_dir}`: {argv}"
     )
-    return job_pid(pid) if is_stand_in(argv) else pid
+    return serving_pid(pid, argv)
 
 
 def kill_worker(pid: int, job_dir: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 from pipeline import _toml
 from prewarmed import worker_cli
 from safetensors.torch import load_file
-from warm_worker import job_pid
+from warm_worker import serving_pid
 from warm_worker import torchrun as warm_torchrun
 
 from dflash_worker.testing.procs import alive, children, rank_pid
@@ -129,7 +129,7 @@ def _kill_after_checkpoint(cmd, recipe, run, *, rank):
     target = agent = None
     while time.monotonic() < deadline:
         if (run / "checkpoints" / "step-00000004" / "manifest.json").exists():
-            agent = proc.pid if cmd is ONE_RANK else job_pid(proc.pid)  # the warm torchrun's agent: its job
+            agent = serving_pid(proc.pid, proc.args)  # the one process, or the warm torchrun's agent (its job)
             target = agent if cmd is ONE_RANK else rank_pid(agent, rank)
             break
         assert proc.poll() is None, proc.communicate()[1][-4000:]
