@@ -18,7 +18,8 @@ import torch
 from prewarmed import worker_cli
 from warm_worker import job_pid, module_command
 
-from dflash_worker.capture import open_capture, read_target_layer_ids, run_capture
+from dflash_worker.capture import open_capture, run_capture
+from dflash_worker.model.io import read_target_layer_ids
 from dflash_worker.data import PreparedData, render_example
 from dflash_worker.errors import DataError, ResumeError
 from dflash_worker.recipe import load_recipe

@@ -165,7 +165,8 @@ def test_check_data_renders_the_qwen3_5_template_with_thinking_on_and_off(pipe, 
 
 
 def test_capture_with_regeneration_is_byte_reproducible_and_follows_the_teacher(pipe, tmp_path):
-    from dflash_worker.capture import open_capture, read_target_layer_ids
+    from dflash_worker.capture import open_capture
+    from dflash_worker.model.io import read_target_layer_ids
 
     reference = _shards(pipe.capture)
     ref_manifest = json.loads((pipe.capture / "manifest.json").read_text())

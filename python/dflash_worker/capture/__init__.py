@@ -10,7 +10,7 @@ in each, then `assemble_capture(recipe)` where the shards meet.
 
 from .layout import FORMAT
 from .reader import CapturedExample, CaptureReader, open_capture
-from .run import CapturePart, assemble_capture, read_target_layer_ids, run_capture
+from .run import CapturePart, assemble_capture, run_capture
 from .teacher import Teacher, teacher_features
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "CaptureReader",
     "CapturedExample",
     "open_capture",
-    "read_target_layer_ids",
     "run_capture",
     "Teacher",
     "teacher_features",

@@ -84,6 +84,7 @@ from ..manifest import (
     software_versions,
     write_json_atomic,
 )
+from ..model.io import read_target_layer_ids
 from ..recipe import CaptureConfig, Recipe
 from ..stop_tokens import stop_tokens_record
 from ..worker.events import Event, EventSink, Log, Progress
@@ -112,30 +113,6 @@ def _ignore(event: Event) -> None:
 
 
 # --------------------------------------------------------------------- 1. plan
-def read_target_layer_ids(draft_dir: str | Path) -> list[int]:
-    """`target_layer_ids` of a released draft: `dflash_config.target_layer_ids` first, then top level."""
-    cfg = Path(draft_dir) / "config.json"
-    try:
-        doc = json.loads(cfg.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"`{cfg}` not found\nhint: `[model].draft` must be the released draft's dir") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read `{cfg}`: {exc}") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"`{cfg}` is not a JSON object")
-    sub = doc.get("dflash_config")
-    ids = sub.get("target_layer_ids") if isinstance(sub, dict) else None
-    if ids is None:
-        ids = doc.get("target_layer_ids")
-    if ids is None:
-        raise CheckpointError(f"`{cfg}` has no `target_layer_ids` (looked in `dflash_config`, then top level)")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise CheckpointError(f"`{cfg}`: `target_layer_ids` must be a non-empty list of non-negative integers, found `{ids}`")
-    if len(set(ids)) != len(ids):
-        raise CheckpointError(f"`{cfg}`: `target_layer_ids` has repeats: `{ids}`")
-    return list(ids)
-
-
 @dataclass(frozen=True)
 class TeacherGeometry:
     """The target's shape as far as capture cares, and the layers the draft reads."""

@@ -192,7 +192,7 @@ def check_capture_fits_draft(capture_dir: Path, draft_dir: Path, features: str =
 
     A capture made for another draft (another `target_layer_ids`) would otherwise train on the wrong layers
     whenever the number of taps agrees."""
-    from ..capture.run import read_target_layer_ids
+    from ..model.io import read_target_layer_ids
     from ..errors import DataError
 
     manifest = json.loads((Path(capture_dir) / "manifest.json").read_text(encoding="utf-8"))
@@ -406,7 +406,7 @@ class TrainSetup:
         )
         teacher = None
         if cfg.features == "online":
-            from ..capture.run import read_target_layer_ids
+            from ..model.io import read_target_layer_ids
             from ..capture.teacher import Teacher
 
             # the capture's dtype and the one component capture calls (`capture.teacher`), so the

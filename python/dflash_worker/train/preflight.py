@@ -113,7 +113,7 @@ def _device_memory(device: torch.device) -> tuple[int, str]:
 
 def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     """Measure the capture and optimization peaks of one near-max-length step; returns the report."""
-    from ..capture.run import read_target_layer_ids
+    from ..model.io import read_target_layer_ids
     from ..capture.teacher import Teacher
     from ..device import provenance, resolve_device
     from ..families import check_recipe_pair
