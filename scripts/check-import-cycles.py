@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Find module import circles in the run-manager crate; exit 1 when there is one.
+"""Find module import circles in the run-manager crate and the Python package; exit 1 when there is one.
 
 A circle (`error` uses `tls_fault`, which uses `transport`, which uses `error`) means no module in
-it can be read, tested or moved without the others (issue 37). This check builds the crate's
-module graph from the source text and prints every strongly connected component of more than one
-module (Tarjan), each with one shortest circle through it and the references that make it.
+it can be read, tested or moved without the others (issues 37 and 55). This check builds a module
+graph from the source text and prints every strongly connected component of more than one module
+(Tarjan), each with one shortest circle through it and the references that make it. Each SRC is a
+Rust crate's `src` directory (it holds `.rs` files) or a Python package (it holds `.py` files).
 
+Rust:
 - Modules: every `.rs` file under SRC is one (`a.rs` and `a/mod.rs` are `a`, `a/b.rs` is `a::b`;
   `lib.rs` and `main.rs` are the crate roots `crate` and `main`). Inline `mod x { ... }` blocks
   belong to their file's module.
@@ -16,22 +18,38 @@ module (Tarjan), each with one shortest circle through it and the references tha
 - Ignored: comments (doc comments too), string and char literals, and every item under
   `#[cfg(test)]` (`mod tests { ... }`, test helpers): tests may reach across layers.
 
+Python:
+- Modules: every `.py` file under SRC, named from SRC's own name (`pkg/a/b.py` is `pkg.a.b`); a
+  package's `__init__.py` is the package's module (`pkg.a`), importing it runs it like any other.
+- References: every `import` and `from ... import` statement, absolute (`pkg.*`) or relative
+  (`from . import x`, `from ..a import y`), at module level and inside functions alike: a lazy
+  import in a function is still a dependency, and the usual way a circle is hidden (the report
+  marks them `in f()`). `from a import x` goes to the module `a.x` when there is one, else to `a`
+  (a name defined or re-exported there, which goes through `a`'s `__init__.py` when `a` is a
+  package); `import a.b` goes to the longest module it names. Importing `a.b` also runs `a`'s
+  `__init__.py`, but that is not counted as a use of `a`.
+- Ignored: imports in the body of `if TYPE_CHECKING:` (type-only; its `else:` counts), modules
+  outside SRC, and names imported by string (`importlib.import_module`).
+
 Standard library only, so it runs before any environment is built.
 
-Usage: scripts/check-import-cycles.py [--graph] [SRC]   (SRC defaults to run-manager/src;
-`--graph` also prints every module's dependencies)
-Exit codes: 0 no circle, 1 circles found, 2 bad SRC.
+Usage: scripts/check-import-cycles.py [--graph] [SRC ...]   (SRC defaults to run-manager/src and
+python/dflash_worker; `--graph` also prints every module's dependencies)
+Exit codes: 0 no circle, 1 circles found, 2 a SRC with no Rust or Python file, or a Python file
+that does not parse (named with its line).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_SRC = Path(__file__).resolve().parent.parent / "run-manager" / "src"
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SRCS = [REPO / "run-manager" / "src", REPO / "python" / "dflash_worker"]
 ROOT = "crate"
 
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -42,6 +60,9 @@ PATH_RE = re.compile(rf"(?<![\w$:])((?:crate|super|self|{IDENT})(?:\s*::\s*{IDEN
 MOD_DECL_RE = re.compile(rf"(?<![\w$])(?:pub\s*(?:\([^)]*\))?\s*)?mod\s+({IDENT})\s*[;{{]")
 RAW_RE = re.compile(r'b?r(#*)"')
 CFG_TEST_RE = re.compile(r"#\s*\[\s*cfg\s*\(\s*test\s*\)\s*\]")
+
+
+# Rust -----------------------------------------------------------------------------------------
 
 
 def strip_comments_and_literals(text: str) -> str:
@@ -264,6 +285,104 @@ def graph(modules: dict[str, Module]) -> dict[str, dict[str, list[str]]]:
     return edges
 
 
+# Python ---------------------------------------------------------------------------------------
+
+
+class Unparsable(Exception):
+    """A Python file `ast` cannot read; the message names it with its line."""
+
+
+def display(path: Path) -> str:
+    """`path` relative to the working directory when under it (as the report names files)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else str(path)
+
+
+def python_module_name(rel: Path, package: str) -> str:
+    """`a/b.py` -> `package.a.b`; `a/__init__.py` -> `package.a`."""
+    parts = [package, *rel.with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def python_imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, str | None]]:
+    """Every import statement with the function it sits in (None outside functions),
+    the bodies of `if TYPE_CHECKING:` left out."""
+    out: list[tuple[ast.Import | ast.ImportFrom, str | None]] = []
+
+    def visit(node: ast.AST, scope: str, function: str | None) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append((node, function))
+            return
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            scope = f"{scope}{node.name}."
+            if not isinstance(node, ast.ClassDef):
+                function = scope[:-1]
+        children = node.orelse if isinstance(node, ast.If) and is_type_checking(node.test) else ast.iter_child_nodes(node)
+        for child in children:
+            visit(child, scope, function)
+
+    visit(tree, "", None)
+    return out
+
+
+def longest_module(modules: set[str], dotted: str) -> str | None:
+    """The longest module that `dotted` names (`a.b.Thing` -> `a.b`), or None outside the package."""
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        if ".".join(parts[:k]) in modules:
+            return ".".join(parts[:k])
+    return None
+
+
+def imported_modules(modules: set[str], here: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules of the package that one import statement in module `here` uses."""
+    if isinstance(node, ast.Import):
+        found = [longest_module(modules, alias.name) for alias in node.names]
+        return [m for m in found if m]
+    base = node.module or ""
+    if node.level:
+        # `from . import x` is relative to the package `here` belongs to (`here` itself for an `__init__`).
+        package = here.split(".") if is_package else here.split(".")[:-1]
+        if node.level - 1 >= len(package):
+            return []
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join(package + ([base] if base else []))
+    out = []
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        found = sub if sub in modules else longest_module(modules, base)
+        if found:
+            out.append(found)
+    return out
+
+
+def python_graph(src: Path) -> dict[str, dict[str, list[str]]]:
+    """module -> used module -> where (`file:line`, `in f()` for an import inside a function)."""
+    files = {python_module_name(path.relative_to(src), src.name): path for path in sorted(src.rglob("*.py"))}
+    modules = set(files)
+    edges: dict[str, dict[str, list[str]]] = {name: {} for name in files}
+    for here, path in files.items():
+        shown = display(path)
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        except SyntaxError as exc:
+            raise Unparsable(f"{shown}:{exc.lineno}: not Python this check can read: {exc.msg}") from exc
+        for node, function in python_imports(tree):
+            where = f"{shown}:{node.lineno}" + (f" in {function}()" if function else "")
+            for to in imported_modules(modules, here, path.name == "__init__.py", node):
+                if to != here and where not in edges[here].get(to, []):
+                    edges[here].setdefault(to, []).append(where)
+    return edges
+
+
+# Both ------------------------------------------------------------------------------------------
+
+
 def tarjan(edges: dict[str, dict[str, list[str]]]) -> list[list[str]]:
     """Strongly connected components (iterative Tarjan), each sorted."""
     index: dict[str, int] = {}
@@ -331,21 +450,12 @@ def shortest_cycle(edges: dict[str, dict[str, list[str]]], comp: list[str]) -> l
     return [start]
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="Find module import cycles in a Rust crate's src directory.")
-    parser.add_argument("src", nargs="?", type=Path, default=DEFAULT_SRC, help="the crate's src directory (default: run-manager/src)")
-    parser.add_argument("--graph", action="store_true", help="also print every module's dependencies")
-    args = parser.parse_args(argv[1:])
-    src: Path = args.src
-    if not src.is_dir() or not any(src.rglob("*.rs")):
-        print(f"error: no Rust files under `{src}`", file=sys.stderr)
-        return 2
-    modules = load(src)
-    edges = graph(modules)
+def report(src: Path, edges: dict[str, dict[str, list[str]]], show_graph: bool) -> int:
+    """Print the graph's size and every cycle in it; the number of cycles."""
     cycles = [c for c in tarjan(edges) if len(c) > 1]
     n_edges = sum(len(e) for e in edges.values())
-    print(f"{len(modules)} modules, {n_edges} module dependencies under `{src}`")
-    if args.graph:
+    print(f"{len(edges)} modules, {n_edges} module dependencies under `{src}`")
+    if show_graph:
         for v in sorted(edges):
             print(f"  {v} -> {', '.join(sorted(edges[v])) or '(nothing)'}")
     for i, comp in enumerate(cycles, 1):
@@ -355,10 +465,35 @@ def main(argv: list[str]) -> int:
                 if w in comp:
                     print(f"    {v} -> {w}  ({', '.join(edges[v][w])})")
     print(f"{len(cycles)} import cycle(s)", flush=True)
-    if cycles:
+    return len(cycles)
+
+
+def check(src: Path, show_graph: bool) -> int:
+    """Check one crate or package: 0 no cycle, 1 cycles, 2 nothing to read or a file that does not parse."""
+    if src.is_dir() and any(src.rglob("*.rs")):
+        edges = graph(load(src))
+    elif src.is_dir() and any(src.rglob("*.py")):
+        try:
+            edges = python_graph(src)
+        except Unparsable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        print(f"error: no Rust or Python files under `{src}`", file=sys.stderr)
+        return 2
+    if report(src, edges, show_graph):
         print("hint: move the types both sides need into a module below them, or the code that needs both above them", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="Find module import cycles in a Rust crate's src directory or a Python package.")
+    help_src = "a crate's src directory or a Python package (default: run-manager/src and python/dflash_worker)"
+    parser.add_argument("srcs", nargs="*", type=Path, default=DEFAULT_SRCS, metavar="SRC", help=help_src)
+    parser.add_argument("--graph", action="store_true", help="also print every module's dependencies")
+    args = parser.parse_args(argv[1:])
+    return max(check(src, args.graph) for src in args.srcs)
 
 
 if __name__ == "__main__":
