@@ -341,6 +341,170 @@ def dumps_row(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
 
 
+class _Reader:
+    """Reads input and replay files into kept rows: bad rows refused (or dropped and counted with
+    `skip_invalid`), exact duplicates of an earlier row dropped."""
+
+    def __init__(self, *, skip_invalid: bool, max_line_bytes: int, on_drop: Callable[[str, int, str, str], None] | None) -> None:
+        self.skip_invalid = skip_invalid
+        self.max_line_bytes = max_line_bytes
+        self.on_drop = on_drop
+        self.kept: list[_Kept] = []
+        self.seen: dict[str, tuple[str, int]] = {}
+        self.dropped: Counter[str] = Counter()
+        self.drops: list[dict[str, Any]] = []
+        self.ignored: Counter[str] = Counter()
+        self.schema_counts: Counter[str] = Counter()
+        self.inputs_meta: list[dict[str, Any]] = []  # the manifest's `inputs` (and `replay.inputs`) entries
+        self.replay_meta: list[dict[str, Any]] = []
+
+    def read_all(self, paths: Sequence[Path], replay_paths: Sequence[Path]) -> None:
+        """Read the inputs, then the replay files."""
+        self.inputs_meta += [self.read_file(p, replay=False) for p in paths]
+        self.replay_meta += [self.read_file(p, replay=True) for p in replay_paths]
+
+    def drop(self, file: str, line: int, reason: str, message: str) -> None:
+        self.dropped[reason] += 1
+        if len(self.drops) < MAX_LISTED_DROPS:
+            self.drops.append({"file": file, "line": line, "reason": reason, "message": message})
+        if self.on_drop is not None:
+            self.on_drop(file, line, reason, message)
+
+    def read_file(self, path: Path, *, replay: bool) -> dict[str, Any]:
+        """Read one file (in order: inputs first, then replay files); its manifest entry."""
+        if not path.is_file():
+            raise DataError(f"{'replay file' if replay else 'input'} `{path}` does not exist or is not a file")
+        stats = FileStats()
+        read = kept_here = 0
+        try:
+            for lineno, value in iter_jsonl(path, stats, max_line_bytes=self.max_line_bytes):
+                read += 1
+                kept_here += self._keep(path, lineno, value, replay=replay)
+        except OSError as exc:
+            raise DataError(f"cannot read input `{path}`: {exc.strerror or exc}") from None
+        return {
+            "file": path.name,
+            "sha256": sha256_file(path),
+            "bytes": path.stat().st_size,
+            "lines": stats.lines,
+            "rows_read": read,
+            "rows_kept": kept_here,
+            "blank_lines": stats.blank_lines,
+            "crlf_lines": stats.crlf_lines,
+            "bom": stats.bom,
+        }
+
+    def _keep(self, path: Path, lineno: int, value: Any, *, replay: bool) -> bool:
+        """Keep one line's row unless it is unusable or a duplicate; whether it was kept."""
+        name = path.name
+        row = value if isinstance(value, LineError) else normalize_row(value, line=lineno, default_source=name)
+        if isinstance(row, LineError):
+            if not self.skip_invalid:
+                raise DataError(
+                    f"`{path}` line {lineno}: {row.message}"
+                    + ("" if "\nhint:" in row.message else "\nhint: fix the line, or pass `--skip-invalid` to drop and count bad rows")
+                )
+            self.drop(name, lineno, row.reason, row.message)
+            return False
+        ek = exact_key(row)
+        if ek in self.seen:
+            f0, l0 = self.seen[ek]
+            self.drop(name, lineno, "duplicate", f"exact duplicate of `{f0}` line {l0}")
+            return False
+        self.seen[ek] = (name, lineno)
+        self.kept.append(_Kept(row=row, file=name, line=lineno, group=prompt_key(row), exact=ek, replay=replay))
+        self.schema_counts[row.schema] += 1
+        self.ignored.update(row.ignored)
+        return True
+
+
+def _split_files(rows: Sequence[_Kept], assigned: Sequence[str], n_own: int) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """The bytes of each split file and the per-split counts (the manifest's `counts` from `source` on).
+
+    `rows[n_own:]` are replay rows; those assigned to ``val`` are general validation rows."""
+    split_rows: dict[str, list[bytes]] = {s: [] for s in SPLIT_NAMES}
+    by_split: Counter[str] = Counter()
+    source_counts: Counter[str] = Counter()
+    source_split: dict[str, Counter[str]] = {}
+    groups_split: dict[str, set[str]] = {s: set() for s in SPLIT_NAMES}
+    prompt_only: Counter[str] = Counter()
+    for i, (k, s) in enumerate(zip(rows, assigned, strict=True)):
+        split_rows[s].append(dumps_row(_row_json(k, general=i >= n_own and s == "val")))
+        by_split[s] += 1
+        source_counts[k.row.source] += 1
+        source_split.setdefault(k.row.source, Counter())[s] += 1
+        groups_split[s].add(k.group)
+        if not k.row.has_response:
+            prompt_only[s] += 1
+    blobs = {f"{s}.jsonl": b"".join(split_rows[s]) for s in SPLIT_NAMES}
+    counts = {
+        "source": dict(sorted(source_counts.items())),
+        "split": {s: by_split[s] for s in SPLIT_NAMES},
+        "source_split": {src: {s: c[s] for s in SPLIT_NAMES} for src, c in sorted(source_split.items())},
+        "groups_split": {s: len(groups_split[s]) for s in SPLIT_NAMES},
+        "prompt_only_split": {s: prompt_only[s] for s in SPLIT_NAMES},
+    }
+    return blobs, counts
+
+
+def _check_plan(
+    plan: SplitPlan, paths: Sequence[Path], replay_paths: Sequence[Path], *, seed: int, max_line_bytes: int,
+    replay_fraction: float, replay_val_fraction: float | None,
+) -> None:
+    """Refuse arguments `prepare_data` cannot honour, before any file is read."""
+    _check_args([*paths, *replay_paths], seed, plan.val_fraction or 0.0, plan.test_fraction or 0.0, max_line_bytes)
+    if replay_paths:
+        _check_replay(plan, replay_fraction, replay_val_fraction)
+    elif replay_val_fraction is not None:
+        raise ConfigError("`--replay-val-fraction` is set but no `--replay` file is given\nhint: add `--replay FILE.jsonl`")
+
+
+def _groups_in_several_sources(kept: Sequence[_Kept]) -> int:
+    """How many prompt groups have rows from more than one source (the group key ignores the source)."""
+    sources_of: dict[str, set[str]] = {}
+    for k in kept:
+        sources_of.setdefault(k.group, set()).add(k.row.source)
+    return sum(1 for v in sources_of.values() if len(v) > 1)
+
+
+def _params(plan: SplitPlan, replay_meta: Sequence[dict[str, Any]], fraction: float, val_fraction: float | None) -> dict[str, Any]:
+    """What the split fingerprint covers: the plan's parameters, and the replay files and fractions when there are any."""
+    params = plan.params()
+    if replay_meta:
+        params["replay"] = {"fraction": fraction, "sha256": [m["sha256"] for m in replay_meta]}
+        if val_fraction is not None:
+            params["replay"]["val_fraction"] = val_fraction
+    return params
+
+
+def _manifest(
+    reader: _Reader, params: dict[str, Any], counts: dict[str, Any], blobs: dict[str, bytes], sections: dict[str, Any]
+) -> dict[str, Any]:
+    """The manifest of the prepared data; `sections` (`holdout`, `replay`) appear only when not None."""
+    files = {
+        name: {"sha256": sha256_bytes(blob), "bytes": len(blob), "rows": counts["split"][name.split(".")[0]]}
+        for name, blob in blobs.items()
+    }
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "params": {**params, "skip_invalid": reader.skip_invalid, "max_line_bytes": reader.max_line_bytes},
+        "inputs": reader.inputs_meta,
+        "counts": counts,
+        "dropped": dict(sorted(reader.dropped.items())),
+        "dropped_total": sum(reader.dropped.values()),
+        "drops_listed": reader.drops,
+        "ignored_fields": dict(sorted(reader.ignored.items())),
+        **{name: section for name, section in sections.items() if section is not None},
+        "files": files,
+        # Identifies the exact split contents; capture and training record it.
+        "split_fingerprint": fingerprint({"files": {n: f["sha256"] for n, f in files.items()}, **params}),
+        "inputs_fingerprint": fingerprint([[m["file"], m["sha256"]] for m in reader.inputs_meta]),
+        "software": {"dflash-worker": __version__},
+    }
+    manifest["fingerprint"] = fingerprint(manifest)
+    return manifest
+
+
 def prepare_data(
     inputs: Sequence[str | Path],
     output: str | Path,
@@ -376,144 +540,32 @@ def prepare_data(
     plan = SplitPlan.resolve(seed=seed, val_fraction=val_fraction, test_fraction=test_fraction,
                              split=split, holdout=holdout)
     replay_paths = [Path(p) for p in replay]
-    _check_args([*paths, *replay_paths], seed, plan.val_fraction or 0.0, plan.test_fraction or 0.0, max_line_bytes)
-    if replay_paths:
-        _check_replay(plan, replay_fraction, replay_val_fraction)
-    elif replay_val_fraction is not None:
-        raise ConfigError("`--replay-val-fraction` is set but no `--replay` file is given\nhint: add `--replay FILE.jsonl`")
+    _check_plan(plan, paths, replay_paths, seed=seed, max_line_bytes=max_line_bytes,
+                replay_fraction=replay_fraction, replay_val_fraction=replay_val_fraction)
     output = Path(output)
 
-    kept: list[_Kept] = []
-    seen: dict[str, tuple[str, int]] = {}
-    dropped: Counter[str] = Counter()
-    drops: list[dict[str, Any]] = []
-    ignored: Counter[str] = Counter()
-    schema_counts: Counter[str] = Counter()
-    inputs_meta: list[dict[str, Any]] = []
-
-    def drop(file: str, line: int, reason: str, message: str) -> None:
-        dropped[reason] += 1
-        if len(drops) < MAX_LISTED_DROPS:
-            drops.append({"file": file, "line": line, "reason": reason, "message": message})
-        if on_drop is not None:
-            on_drop(file, line, reason, message)
-
-    replay_meta: list[dict[str, Any]] = []
-    n_inputs = len(paths)
-    for i, path in enumerate([*paths, *replay_paths]):
-        name = path.name
-        if not path.is_file():
-            raise DataError(f"{'replay file' if i >= n_inputs else 'input'} `{path}` does not exist or is not a file")
-        stats = FileStats()
-        read = kept_here = 0
-        try:
-            lines = iter_jsonl(path, stats, max_line_bytes=max_line_bytes)
-            for lineno, value in lines:
-                read += 1
-                row = value if isinstance(value, LineError) else normalize_row(value, line=lineno, default_source=name)
-                if isinstance(row, LineError):
-                    if not skip_invalid:
-                        raise DataError(
-                            f"`{path}` line {lineno}: {row.message}"
-                            + ("" if "\nhint:" in row.message else "\nhint: fix the line, or pass `--skip-invalid` to drop and count bad rows")
-                        )
-                    drop(name, lineno, row.reason, row.message)
-                    continue
-                ek = exact_key(row)
-                if ek in seen:
-                    f0, l0 = seen[ek]
-                    drop(name, lineno, "duplicate", f"exact duplicate of `{f0}` line {l0}")
-                    continue
-                seen[ek] = (name, lineno)
-                kept.append(_Kept(row=row, file=name, line=lineno, group=prompt_key(row), exact=ek, replay=i >= n_inputs))
-                kept_here += 1
-                schema_counts[row.schema] += 1
-                ignored.update(row.ignored)
-        except OSError as exc:
-            raise DataError(f"cannot read input `{path}`: {exc.strerror or exc}") from None
-        (inputs_meta if i < n_inputs else replay_meta).append(
-            {
-                "file": name,
-                "sha256": sha256_file(path),
-                "bytes": path.stat().st_size,
-                "lines": stats.lines,
-                "rows_read": read,
-                "rows_kept": kept_here,
-                "blank_lines": stats.blank_lines,
-                "crlf_lines": stats.crlf_lines,
-                "bom": stats.bom,
-            }
-        )
-
-    pool = [k for k in kept if k.replay]
-    kept = [k for k in kept if not k.replay]
+    reader = _Reader(skip_invalid=skip_invalid, max_line_bytes=max_line_bytes, on_drop=on_drop)
+    reader.read_all(paths, replay_paths)
+    pool = [k for k in reader.kept if k.replay]
+    kept = [k for k in reader.kept if not k.replay]
     if not kept:
         raise DataError("no usable rows in " + ", ".join(f"`{p}`" for p in paths))
 
-    # Every row of a group gets the group's split; the group key ignores the source.
-    sources_of: dict[str, set[str]] = {}
-    for k in kept:
-        sources_of.setdefault(k.group, set()).add(k.row.source)
-    split_rows: dict[str, list[bytes]] = {s: [] for s in SPLIT_NAMES}
-    by_split: Counter[str] = Counter()
-    source_counts: Counter[str] = Counter()
-    source_split: dict[str, Counter[str]] = {}
-    groups_split: dict[str, set[str]] = {s: set() for s in SPLIT_NAMES}
-    prompt_only: Counter[str] = Counter()
+    # Every row of a group gets the group's split; replay rows join train (or val) after.
+    several_sources = _groups_in_several_sources(kept)
     assigned, holdout_section = _assign(kept, plan)
     replay_section = None
     n_own = len(kept)
     if replay_paths:
         mixed, general_val, replay_section = _replay(pool, kept, assigned, seed=seed, fraction=replay_fraction,
-                                                     inputs=replay_meta, val_fraction=replay_val_fraction)
+                                                     inputs=reader.replay_meta, val_fraction=replay_val_fraction)
         kept = [*kept, *mixed, *general_val]
         assigned = [*assigned, *(["train"] * len(mixed)), *(["val"] * len(general_val))]
-    for i, (k, s) in enumerate(zip(kept, assigned, strict=True)):
-        split_rows[s].append(dumps_row(_row_json(k, general=i >= n_own and s == "val")))
-        by_split[s] += 1
-        source_counts[k.row.source] += 1
-        source_split.setdefault(k.row.source, Counter())[s] += 1
-        groups_split[s].add(k.group)
-        if not k.row.has_response:
-            prompt_only[s] += 1
-
-    blobs = {f"{s}.jsonl": b"".join(split_rows[s]) for s in SPLIT_NAMES}
-    files = {
-        name: {"sha256": sha256_bytes(blob), "bytes": len(blob), "rows": by_split[name.split(".")[0]]}
-        for name, blob in blobs.items()
-    }
-    params = plan.params()
-    if replay_section is not None:
-        params["replay"] = {"fraction": replay_fraction, "sha256": [m["sha256"] for m in replay_meta]}
-        if replay_val_fraction is not None:
-            params["replay"]["val_fraction"] = replay_val_fraction
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "params": {**params, "skip_invalid": skip_invalid, "max_line_bytes": max_line_bytes},
-        "inputs": inputs_meta,
-        "counts": {
-            "rows": len(kept),
-            "schema": dict(sorted(schema_counts.items())),
-            "source": dict(sorted(source_counts.items())),
-            "split": {s: by_split[s] for s in SPLIT_NAMES},
-            "source_split": {src: {s: c[s] for s in SPLIT_NAMES} for src, c in sorted(source_split.items())},
-            "groups_split": {s: len(groups_split[s]) for s in SPLIT_NAMES},
-            "prompt_only_split": {s: prompt_only[s] for s in SPLIT_NAMES},
-            "groups_in_several_sources": sum(1 for v in sources_of.values() if len(v) > 1),
-        },
-        "dropped": dict(sorted(dropped.items())),
-        "dropped_total": sum(dropped.values()),
-        "drops_listed": drops,
-        "ignored_fields": dict(sorted(ignored.items())),
-        **({} if holdout_section is None else {"holdout": holdout_section}),
-        **({} if replay_section is None else {"replay": replay_section}),
-        "files": files,
-        # Identifies the exact split contents; capture and training record it.
-        "split_fingerprint": fingerprint({"files": {n: f["sha256"] for n, f in files.items()}, **params}),
-        "inputs_fingerprint": fingerprint([[m["file"], m["sha256"]] for m in inputs_meta]),
-        "software": {"dflash-worker": __version__},
-    }
-    manifest["fingerprint"] = fingerprint(manifest)
+    blobs, split_counts = _split_files(kept, assigned, n_own)
+    counts = {"rows": len(kept), "schema": dict(sorted(reader.schema_counts.items())), **split_counts,
+              "groups_in_several_sources": several_sources}
+    params = _params(plan, reader.replay_meta, replay_fraction, replay_val_fraction)
+    manifest = _manifest(reader, params, counts, blobs, {"holdout": holdout_section, "replay": replay_section})
 
     output.mkdir(parents=True, exist_ok=True)
     for name, blob in blobs.items():
