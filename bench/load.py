@@ -71,28 +71,14 @@ import threading
 import time
 from pathlib import Path
 
+from dflash_worker.family_registry import FAMILIES as _REGISTRY
+from dflash_worker.testing.full_size import QWEN3_0_6B, QWEN3_6_27B, QWEN3_6_35B_A3B
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
 SHARD_BYTES = 300 * 1024 * 1024
 TINY_SHARD_BYTES = 256 * 1024
 KINDS = ("ours", "ours-copy", "transformers")
-
-# Qwen3-0.6B geometry (public config of Qwen/Qwen3-0.6B).
-QWEN3_06B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-    bos_token_id=151643,
-    eos_token_id=151645,
-)
 
 # Qwen3-30B-A3B (hidden 2048, 48 layers, 32/4 heads, 128 experts, top-8, expert width 768)
 # narrowed to ~1.2 GiB: hidden 512, 12 layers, the expert width scaled with the hidden size.
@@ -117,43 +103,31 @@ QWEN3_30B_A3B_NARROW = dict(
     eos_token_id=151645,
 )
 
-# Text towers of Qwen3.6-35B-A3B (hidden 2048, 40 layers, 256 experts, top-8, expert and
-# shared-expert width 512) and of the dense 27B (hidden 5120, 64 layers), narrowed to ~1 GiB:
-# hidden 512 / 768, 8 layers (transformers' default 3 linear : 1 full attention), the
-# released head dimensions and vocabulary, head counts and widths scaled with the hidden size.
-QWEN3_5_TEXT_NARROW = dict(
-    vocab_size=248320,
-    num_hidden_layers=8,
-    head_dim=256,
-    num_key_value_heads=1,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_num_key_heads=4,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+# Text towers of Qwen3.6-35B-A3B and of the dense Qwen3.6-27B (`dflash_worker.testing.full_size`)
+# narrowed to ~1 GiB: hidden 512 / 768, 8 layers (transformers' default 3 linear : 1 full attention),
+# the released head dimensions and vocabulary, head counts and widths scaled with the hidden size.
+_QWEN3_5_NARROWING = dict(num_hidden_layers=8, num_key_value_heads=1, linear_num_key_heads=4, rms_norm_eps=1e-6)
 QWEN3_5_MOE_NARROW = dict(
-    QWEN3_5_TEXT_NARROW,
+    QWEN3_6_35B_A3B,
+    **_QWEN3_5_NARROWING,
     hidden_size=512,
     num_attention_heads=8,
     linear_num_value_heads=8,
-    num_experts=256,
-    num_experts_per_tok=8,
     moe_intermediate_size=128,
     shared_expert_intermediate_size=128,
 )
 QWEN3_5_DENSE_NARROW = dict(
-    QWEN3_5_TEXT_NARROW, hidden_size=768, intermediate_size=2560, num_attention_heads=6, linear_num_value_heads=12
+    QWEN3_6_27B, **_QWEN3_5_NARROWING, hidden_size=768, intermediate_size=2560, num_attention_heads=6, linear_num_value_heads=12
 )
 VISION_DEPTH = 4  # the default vision tower (27 blocks of width 1152) cut to 4 blocks: skipped bytes only
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
-WRAPPERS = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+FAMILIES = tuple(_REGISTRY)
+# family -> the multimodal wrapper class its checkpoints are released as
+WRAPPERS = {name: fam.architectures[0] for name, fam in _REGISTRY.items() if fam.wrapper}
 # Wall-time goal for ours / transformers (load + touch). MoE checkpoints with per-expert
 # tensors must be packed into [E, ...] parameters on load, which transformers does by
 # stacking; the goal there is half its time.
-WALL_GOALS = {"qwen3": 1.0, "qwen3_5": 1.0, "qwen3_moe": 0.5, "qwen3_5_moe": 0.5}
+WALL_GOALS = {name: 0.5 if fam.moe else 1.0 for name, fam in _REGISTRY.items()}
 RSS_GOAL = 1.10
 _EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
@@ -176,7 +150,7 @@ def bench_config(family: str, tiny: bool):
         else:
             config = tiny_qwen3_config() if family == "qwen3" else tiny_qwen3_moe_config()
     elif family == "qwen3":
-        config = Qwen3Config(**QWEN3_06B)
+        config = Qwen3Config(**QWEN3_0_6B)
     elif family == "qwen3_moe":
         config = Qwen3MoeConfig(**QWEN3_30B_A3B_NARROW)
     else:

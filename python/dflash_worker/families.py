@@ -1,17 +1,14 @@
 """Target families (Qwen3, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE) and target/draft pair validation.
 
-A family says which target checkpoints we can train drafts against: how to
-recognise them (``model_type``), how to load them (`dflash_worker.weights.load_model`),
-which released DFlash2 drafts seed them, and what a draft must agree on.
+The registry itself (`FAMILIES`, `Family`, the released drafts, `get_family`, `detect_family`) is
+`family_registry`, re-exported here; this module checks checkpoints against it: that a target is of a
+supported family and not quantized, with complete experts, that a draft is self-consistent, and that a
+pair agrees. Loading a target is `dflash_worker.weights.load_model`, whatever its family.
 
 Validation reads only ``config.json`` files and safetensors headers, never
 tensor data, so it is cheap enough to run before any download finishes
 loading. Problems are collected and raised together as one `FamilyError`
 whose lines each name the field at fault.
-
-Released-draft facts: there is no model hub here, so revisions and geometry we
-could not check are recorded as ``None`` with a note; validation always uses the
-configs actually found on disk, never these records.
 
 Qwen3.5 targets (``qwen3_5`` dense, ``qwen3_5_moe``; Qwen3.6 checkpoints share
 both types) are released as a multimodal wrapper: their geometry is read from
@@ -25,131 +22,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import FamilyError
+from .family_registry import FAMILIES, UNVERIFIED, Family, ReleasedDraft, detect_family, get_family
 from .weights.checkpoint import TEXT_TOWER_PREFIX, TensorEntry, is_skipped_tensor, list_tensors, read_config_json, text_config
 from .weights.header import INTEGER_DTYPES
-
-UNVERIFIED = "unverified: recorded without hub access; validation uses the config.json found on disk"
-
-
-@dataclass(frozen=True)
-class ReleasedDraft:
-    """A released target + DFlash2 draft pair used as a training seed.
-
-    Fields set to ``None`` are facts we could not verify offline.
-    """
-
-    target: str
-    draft: str
-    target_revision: str | None = None
-    draft_revision: str | None = None
-    hidden_size: int | None = None
-    num_hidden_layers: int | None = None
-    vocab_size: int | None = None
-    num_experts: int | None = None
-    num_experts_per_tok: int | None = None
-    target_layer_ids: tuple[int, ...] | None = None
-    block_size: int | None = None
-    note: str = UNVERIFIED
-
-
-@dataclass(frozen=True)
-class Family:
-    """A target family: recognised by ``model_type``; `moe` targets carry routed experts, `hybrid`
-    ones linear-attention layers (whose recurrent state speculative decoding must roll back)."""
-
-    name: str
-    model_types: tuple[str, ...]
-    architectures: tuple[str, ...]
-    moe: bool
-    description: str
-    released: tuple[ReleasedDraft, ...] = ()
-    hybrid: bool = False
-    shared_expert: bool = False
-
-    @property
-    def loader(self) -> Callable[..., Any]:
-        """`load_model(path, *, device="cpu", dtype=None)` for this family."""
-        from .weights.loader import load_model
-
-        return load_model
-
-    def load(self, path: str | os.PathLike[str], *, device: str = "cpu", dtype: Any = None):
-        return self.loader(path, device=device, dtype=dtype)
-
-
-FAMILIES: dict[str, Family] = {
-    "qwen3": Family(
-        name="qwen3",
-        model_types=("qwen3",),
-        architectures=("Qwen3ForCausalLM",),
-        moe=False,
-        description="dense Qwen3 decoder",
-    ),
-    "qwen3_moe": Family(
-        name="qwen3_moe",
-        model_types=("qwen3_moe",),
-        architectures=("Qwen3MoeForCausalLM",),
-        moe=True,
-        description="Qwen3 mixture-of-experts decoder (routers and experts stay frozen)",
-    ),
-    "qwen3_5": Family(
-        name="qwen3_5",
-        model_types=("qwen3_5", "qwen3_5_text"),
-        architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
-        moe=False,
-        hybrid=True,
-        description="dense Qwen3.5 / Qwen3.6 (Gated DeltaNet + gated attention; vision tower and MTP heads skipped)",
-        released=(
-            ReleasedDraft(
-                target="Qwen/Qwen3.8-27B", draft="incoai/Qwen3.8-27B-DFlash2", hidden_size=5120, num_hidden_layers=64,
-                vocab_size=248320, target_layer_ids=(1, 16, 31, 46, 61),
-                note=UNVERIFIED + "; geometry as published for the dense 27B line (5 draft layers, taps 1,16,31,46,61)",
-            ),
-        ),
-    ),
-    "qwen3_5_moe": Family(
-        name="qwen3_5_moe",
-        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
-        architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
-        moe=True,
-        hybrid=True,
-        shared_expert=True,
-        description="Qwen3.5 / Qwen3.6 mixture of experts (routed + shared expert, frozen; vision tower and MTP heads skipped)",
-        released=(
-            ReleasedDraft(
-                target="Qwen/Qwen3.6-35B-A3B", draft="incoai/Qwen3.6-35B-A3B-DFlash2", hidden_size=2048,
-                num_hidden_layers=40, vocab_size=248320, num_experts=256, num_experts_per_tok=8,
-                note=UNVERIFIED + "; geometry as published (6 draft layers, 8 taps of 40)",
-            ),
-        ),
-    ),
-}
-
-
-def get_family(name: str) -> Family:
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise FamilyError(f"unknown target family `{name}`\nhint: known families: {', '.join(FAMILIES)}") from None
-
-
-def detect_family(config: dict[str, Any], *, where: str = "config.json") -> Family:
-    """The family of a target from its config.json contents."""
-    mt = config.get("model_type")
-    for fam in FAMILIES.values():
-        if mt in fam.model_types:
-            return fam
-    raise FamilyError(
-        f"`{where}`: field `model_type`: `{mt}` is not a supported target family"
-        f"\nhint: supported: {', '.join(t for f in FAMILIES.values() for t in f.model_types)}"
-    )
-
 
 # --------------------------------------------------------------------------- reading
 
@@ -591,6 +471,7 @@ def _raise(probs: list[Problem], what: str) -> None:
 
 __all__ = [
     "FAMILIES",
+    "UNVERIFIED",
     "check_recipe_pair",
     "DraftGeometry",
     "Family",

@@ -65,17 +65,44 @@ def test_registry_records_released_pairs_without_invented_facts():
             assert r.target_revision is None and r.draft_revision is None
             assert r.note.startswith(UNVERIFIED)
     assert detect_family({"model_type": "qwen3_5_moe_text"}) is moe35 and detect_family({"model_type": "qwen3_5"}) is dense35
-    from dflash_worker.weights import load_model
-
-    assert all(get_family(f).loader is load_model for f in FAMILIES)
     with pytest.raises(FamilyError, match="unknown target family `llama`"):
         get_family("llama")
     with pytest.raises(FamilyError, match="field `model_type`: `llama`"):
         detect_family({"model_type": "llama"})
 
 
-def test_family_loader_loads(targets):
-    m = get_family("qwen3_moe").load(targets["qwen3_moe"])
+def test_the_lists_of_families_and_model_types_are_read_from_the_registry():
+    """The registry against literals (the oracle); every other list of family names or model types is derived from it."""
+    from dflash_worker import recipe
+    from dflash_worker.family_registry import MODEL_TYPES, WRAPPER_MODEL_TYPES
+    from dflash_worker.testing import tiny
+    from dflash_worker.weights import checkpoint, loader
+
+    assert MODEL_TYPES == ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+    assert WRAPPER_MODEL_TYPES == ("qwen3_5", "qwen3_5_moe")
+    assert [(f.model_types[0], f.architectures[0]) for f in FAMILIES.values() if f.wrapper] == [
+        ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+        ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+    ]
+    assert loader.SUPPORTED_MODEL_TYPES is MODEL_TYPES and checkpoint.WRAPPER_MODEL_TYPES is WRAPPER_MODEL_TYPES
+    assert recipe.FAMILIES == tiny.FAMILIES == tuple(FAMILIES)
+    assert tiny.HYBRID_FAMILIES == ("qwen3_5", "qwen3_5_moe")
+
+
+def test_the_registry_and_the_checks_import_neither_torch_nor_the_loader():
+    """`families` -> `weights.checkpoint` -> `family_registry`, never back: no import cycle, and header-only checks stay light."""
+    code = (
+        "import sys, dflash_worker.families, dflash_worker.weights.checkpoint\n"
+        "print(sorted(m for m in ('torch', 'dflash_worker.weights.loader') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert out.strip() == "[]", out
+
+
+def test_load_model_loads_a_registered_family(targets):
+    from dflash_worker.weights import load_model
+
+    m = load_model(targets["qwen3_moe"])
     assert type(m).__name__ == "Qwen3MoeForCausalLM" and not m.training
     assert m.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
 

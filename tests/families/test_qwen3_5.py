@@ -30,6 +30,7 @@ from dflash_worker.errors import ConfigError, FamilyError
 from dflash_worker.families import validate_pair, validate_target
 from dflash_worker.model import DraftConfig, build_draft, default_target_layer_ids, load_draft
 from dflash_worker.model.geometry import plan_draft
+from dflash_worker.testing.full_size import QWEN3_6_27B, QWEN3_6_35B_A3B
 from dflash_worker.testing.tiny import save_tiny_dflash2_draft, tiny_qwen3_5_config
 from dflash_worker.weights import check_model_checkpoint, load_model
 
@@ -402,17 +403,6 @@ def _full_size_wrapper(model_type: str, text: dict) -> dict:
     }
 
 
-QWEN3_6_35B_A3B = dict(
-    hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, linear_num_key_heads=16,
-    linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-    shared_expert_intermediate_size=512, mlp_only_layers=[], decoder_sparse_step=1,
-)
-QWEN3_5_27B = dict(
-    hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
-    linear_num_key_heads=16, linear_num_value_heads=48,
-)
-
-
 def _write_config(directory: Path, doc: dict) -> Path:
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(doc, indent=2))
@@ -422,7 +412,9 @@ def _write_config(directory: Path, doc: dict) -> Path:
 @pytest.mark.parametrize("text_only", [False, True])
 def test_standard_geometry_of_the_full_size_targets_from_config_alone(tmp_path, text_only):
     """No weights and no tokenizer: `plan_draft` reads config.json only when the mask id is given."""
-    docs = {"qwen3_5_moe": _full_size_wrapper("qwen3_5_moe", QWEN3_6_35B_A3B), "qwen3_5": _full_size_wrapper("qwen3_5", QWEN3_5_27B)}
+    # (with the MoE-layer fields `families` reads written out: every layer routed)
+    moe_text = dict(QWEN3_6_35B_A3B, mlp_only_layers=[], decoder_sparse_step=1)
+    docs = {"qwen3_5_moe": _full_size_wrapper("qwen3_5_moe", moe_text), "qwen3_5": _full_size_wrapper("qwen3_5", QWEN3_6_27B)}
     if text_only:  # the same towers as text-only configs
         docs = {k: d["text_config"] for k, d in docs.items()}
     moe = plan_draft(_write_config(tmp_path / "35b-a3b", docs["qwen3_5_moe"]), geometry="standard", mask_token_id=248077)

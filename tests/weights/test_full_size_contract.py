@@ -25,44 +25,11 @@ transformers = pytest.importorskip("transformers")
 
 from dflash_worker.errors import CheckpointError, FamilyError  # noqa: E402
 from dflash_worker.families import validate_target  # noqa: E402
+from dflash_worker.testing.full_size import QWEN3_6_27B, QWEN3_6_35B_A3B  # noqa: E402
 from dflash_worker.weights import check_model_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow  # ~30 s for the module on a 2-core CPU, most of it the 35B-A3B headers
 
-# Public text_config values (the vision tower keeps transformers' default config).
-QWEN3_6_35B_A3B = dict(
-    hidden_size=2048,
-    num_hidden_layers=40,
-    vocab_size=248320,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_conv_kernel_dim=4,
-    num_experts=256,
-    num_experts_per_tok=8,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    tie_word_embeddings=False,
-)
-QWEN3_6_27B = dict(
-    hidden_size=5120,
-    num_hidden_layers=64,
-    intermediate_size=17408,
-    vocab_size=248320,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    head_dim=256,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_num_key_heads=16,
-    linear_num_value_heads=48,
-    linear_conv_kernel_dim=4,
-    tie_word_embeddings=False,
-)
 TARGETS = {
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", QWEN3_6_35B_A3B),
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN3_6_27B),

@@ -60,7 +60,7 @@ _TINY_VISION: dict[str, Any] = dict(
 )
 
 FAMILIES = tuple(_REGISTRY)  # every registered family has a tiny builder here
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+HYBRID_FAMILIES = tuple(name for name, fam in _REGISTRY.items() if fam.hybrid)  # saved as the Qwen3.5 wrapper
 
 
 def tiny_qwen3_config(**overrides: Any):

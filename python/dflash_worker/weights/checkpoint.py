@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 from ..errors import CheckpointError
+from ..family_registry import WRAPPER_MODEL_TYPES
 from ..strict_json import DuplicateKeyError, no_duplicate_keys
 from .header import Header, read_header
 
@@ -191,12 +192,9 @@ def read_config_json(path: str | os.PathLike[str]) -> dict:
     return doc
 
 
-# Multimodal wrappers whose language model is the target: config.json holds the text
-# tower's geometry under `text_config`, and the checkpoint its weights under
-# `model.language_model.*` (next to `model.visual.*` and, in released files, `mtp.*`).
-WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
-
-
+# Multimodal wrappers whose language model is the target (`WRAPPER_MODEL_TYPES`, from the family
+# registry): config.json holds the text tower's geometry under `text_config`, and the checkpoint its
+# weights under `model.language_model.*` (next to `model.visual.*` and, in released files, `mtp.*`).
 def text_config(config: dict) -> dict:
     """The text tower's view of a target `config.json` dict: `text_config` of a multimodal
     wrapper (`qwen3_5`, `qwen3_5_moe`), the dict itself otherwise (never a copy to mutate)."""

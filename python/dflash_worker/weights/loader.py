@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from ..family_registry import MODEL_TYPES
 from .checkpoint import (
     TEXT_TOWER_PREFIX,
     _config_dir,
@@ -41,15 +42,8 @@ from .checkpoint import (
 )
 from .stream import TORCH_DTYPES, LoadReport, ProgressFn, Source, stream_into
 
-
-# model_type values this loader knows how to fill (the families in `dflash_worker.families`)
-def _supported_model_types() -> tuple[str, ...]:
-    from ..families import FAMILIES  # the registry is the one list (it imports no torch)
-
-    return tuple(t for fam in FAMILIES.values() for t in fam.model_types)
-
-
-SUPPORTED_MODEL_TYPES = _supported_model_types()
+# model_type values this loader knows how to fill: every registered family's
+SUPPORTED_MODEL_TYPES = MODEL_TYPES
 
 _DTYPE_NAMES = {
     "float32": torch.float32,

@@ -1,6 +1,6 @@
 """`spec.json`, typed: what the run-manager tells the worker before every start.
 
-The Rust writer is ``run-manager/src/jobdir.rs`` (``JobSpecFile``); `JobSpec` mirrors
+The Rust writer is ``run-manager/src/worker/jobdir.rs`` (``JobSpecFile``); `JobSpec` mirrors
 it field for field and `JobSpec.to_json()` gives back exactly what was read, so a
 test can round-trip a file the Rust code wrote. Everything is validated once, when
 the file is read, so a malformed spec fails before any stage writes anything:
@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..recipe import Recipe, recipe_from_dict
+from .fields import as_object, check_path, read_field, read_str_list, read_uint, refuse_unknown, short
 
 SPEC_SCHEMA_VERSION = 1
 SPEC_FILE = "spec.json"
@@ -42,65 +43,6 @@ STAGE_NAMES = ("prepare", "check", "capture", "train", "export", "evaluate", "no
 PIPELINE_STAGES = frozenset(STAGE_NAMES) - {"noop"}
 EXPORT_FORMATS = ("bf16", "af4g64")
 BACKENDS = ("cuda", "mps", "cpu")
-
-
-# ----------------------------------------------------------------- field readers
-def _get(obj: Mapping[str, Any], key: str, where: str, kinds: tuple[type, ...], what: str, default: Any = ...) -> Any:
-    """`obj[key]` checked against `kinds` (bool is never an int here); `default` when absent."""
-    if key not in obj:
-        if default is ...:
-            raise ConfigError(f"{where}: `{key}` is missing")
-        return default
-    v = obj[key]
-    if isinstance(v, bool) and bool not in kinds:
-        raise ConfigError(f"{where}: `{key}` must be {what}, got `{v!r}`")
-    if not isinstance(v, kinds):
-        raise ConfigError(f"{where}: `{key}` must be {what}, got `{_short(v)}`")
-    return v
-
-
-def _uint(obj: Mapping[str, Any], key: str, where: str, default: Any = ..., hi: int = 2**64 - 1) -> int:
-    v = _get(obj, key, where, (int,), "a non-negative integer", default)
-    if not 0 <= v <= hi:
-        raise ConfigError(f"{where}: `{key}` must be an integer in [0, {hi}], got `{v}`")
-    return v
-
-
-def _str_list(obj: Mapping[str, Any], key: str, where: str, default: Any = ...) -> tuple[str, ...]:
-    v = _get(obj, key, where, (list,), "a list of strings", default)
-    if not all(isinstance(s, str) for s in v):
-        raise ConfigError(f"{where}: `{key}` must be a list of strings")
-    return tuple(v)
-
-
-def _check_path(text: str, what: str) -> str:
-    """`text` if a filesystem could hold it: no NUL, no lone surrogate (os.fsencode refuses both)."""
-    if "\0" in text:
-        raise ConfigError(f"{what} contains a NUL character")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ConfigError(f"{what} is not valid Unicode (a lone surrogate at character {exc.start})") from None
-    return text
-
-
-def _refuse_unknown(obj: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
-    unknown = sorted(set(obj) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(f'`{k}`' for k in unknown[:8])}\nhint: known keys: {', '.join(f'`{k}`' for k in known)}"
-        )
-
-
-def _object(v: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(v, dict):
-        raise ConfigError(f"{where} must be a JSON object, got `{_short(v)}`")
-    return v
-
-
-def _short(v: Any) -> str:
-    text = json.dumps(v) if isinstance(v, (dict, list, str, int, float, type(None))) else type(v).__name__
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ----------------------------------------------------------------- run-manager facts
@@ -117,18 +59,18 @@ class DeviceInfo:
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> DeviceInfo:
-        obj = _object(obj, where)
-        _refuse_unknown(obj, ("backend", "device_count", "memory_bytes", "supports_bf16", "features", "platform"), where)
-        backend = _get(obj, "backend", where, (str,), "a string")
+        obj = as_object(obj, where)
+        refuse_unknown(obj, ("backend", "device_count", "memory_bytes", "supports_bf16", "features", "platform"), where)
+        backend = read_field(obj, "backend", where, (str,), "a string")
         if backend not in BACKENDS:
             raise ConfigError(f"{where}: `backend` is `{backend}`; known: {', '.join(BACKENDS)}")
         return cls(
             backend=backend,
-            device_count=_uint(obj, "device_count", where, hi=2**32 - 1),
-            memory_bytes=_uint(obj, "memory_bytes", where),
-            supports_bf16=_get(obj, "supports_bf16", where, (bool,), "true or false"),
-            features=_str_list(obj, "features", where),
-            platform=_get(obj, "platform", where, (str,), "a string"),
+            device_count=read_uint(obj, "device_count", where, hi=2**32 - 1),
+            memory_bytes=read_uint(obj, "memory_bytes", where),
+            supports_bf16=read_field(obj, "supports_bf16", where, (bool,), "true or false"),
+            features=read_str_list(obj, "features", where),
+            platform=read_field(obj, "platform", where, (str,), "a string"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -158,13 +100,13 @@ class LeaseInfo:
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> LeaseInfo:
-        obj = _object(obj, where)
-        _refuse_unknown(obj, cls._KEYS, where)
-        text = {k: _get(obj, k, where, (str,), "a string") for k in ("lease_id", "run_id", "job_id", "checkpoint_policy", "required_client_version")}
+        obj = as_object(obj, where)
+        refuse_unknown(obj, cls._KEYS, where)
+        text = {k: read_field(obj, k, where, (str,), "a string") for k in ("lease_id", "run_id", "job_id", "checkpoint_policy", "required_client_version")}
         return cls(
             **text,
-            attempt=_uint(obj, "attempt", where, hi=2**32 - 1),
-            required_features=_str_list(obj, "required_features", where),
+            attempt=read_uint(obj, "attempt", where, hi=2**32 - 1),
+            required_features=read_str_list(obj, "required_features", where),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -183,9 +125,9 @@ class Downgrade:
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> Downgrade:
-        obj = _object(obj, where)
-        _refuse_unknown(obj, ("feature", "replacement", "reason"), where)
-        return cls(**{k: _get(obj, k, where, (str,), "a string") for k in ("feature", "replacement", "reason")})
+        obj = as_object(obj, where)
+        refuse_unknown(obj, ("feature", "replacement", "reason"), where)
+        return cls(**{k: read_field(obj, k, where, (str,), "a string") for k in ("feature", "replacement", "reason")})
 
     def to_json(self) -> dict[str, Any]:
         return {"feature": self.feature, "replacement": self.replacement, "reason": self.reason}
@@ -231,13 +173,13 @@ class InputFile:
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> InputFile:
-        obj = _object(obj, where)
-        _refuse_unknown(obj, cls._KEYS, where)
-        text = {k: _get(obj, k, where, (str,), "a string") for k in ("name", "kind", "sha256", "uri")}
-        path = _check_path(_get(obj, "path", where, (str,), "a path"), f"{where}.path")
+        obj = as_object(obj, where)
+        refuse_unknown(obj, cls._KEYS, where)
+        text = {k: read_field(obj, k, where, (str,), "a string") for k in ("name", "kind", "sha256", "uri")}
+        path = check_path(read_field(obj, "path", where, (str,), "a path"), f"{where}.path")
         if len(text["sha256"]) != 64 or any(c not in "0123456789abcdef" for c in text["sha256"]):
-            raise ConfigError(f"{where}: `sha256` must be 64 lowercase hex digits, got `{_short(text['sha256'])}`")
-        return cls(**text, size_bytes=_uint(obj, "size_bytes", where), path=Path(path))
+            raise ConfigError(f"{where}: `sha256` must be 64 lowercase hex digits, got `{short(text['sha256'])}`")
+        return cls(**text, size_bytes=read_uint(obj, "size_bytes", where), path=Path(path))
 
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self._KEYS}
@@ -261,16 +203,16 @@ class GraphInfo:
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "`graph`") -> GraphInfo:
-        obj = _object(obj, where)
-        _refuse_unknown(obj, ("kind", "shard_index", "shard_count", "inputs"), where)
-        kind = _get(obj, "kind", where, (str,), "a string")
+        obj = as_object(obj, where)
+        refuse_unknown(obj, ("kind", "shard_index", "shard_count", "inputs"), where)
+        kind = read_field(obj, "kind", where, (str,), "a string")
         if kind not in GRAPH_KIND_STAGES:
-            raise ConfigError(f"{where}: `kind` is `{_short(kind)}`; known: {', '.join(GRAPH_KIND_STAGES)}")
-        count = _uint(obj, "shard_count", where, hi=MAX_SHARD_COUNT)
-        index = _uint(obj, "shard_index", where, hi=MAX_SHARD_COUNT)
+            raise ConfigError(f"{where}: `kind` is `{short(kind)}`; known: {', '.join(GRAPH_KIND_STAGES)}")
+        count = read_uint(obj, "shard_count", where, hi=MAX_SHARD_COUNT)
+        index = read_uint(obj, "shard_index", where, hi=MAX_SHARD_COUNT)
         if count < 1 or index >= count:
             raise ConfigError(f"{where}: shard `{index}` of `{count}` is not a shard (0 <= shard_index < shard_count)")
-        inputs = _get(obj, "inputs", where, (list,), "a list", [])
+        inputs = read_field(obj, "inputs", where, (list,), "a list", [])
         return cls(
             kind=kind,
             shard_index=index,
@@ -333,28 +275,28 @@ class PrepareOptions:
         from ..data.prepare import SPLIT_NAMES
 
         where = "`spec.prepare`"
-        obj = _object(obj, where)
-        _refuse_unknown(
+        obj = as_object(obj, where)
+        refuse_unknown(
             obj, ("seed", "val_fraction", "test_fraction", "skip_invalid", "split", "holdout_file", "replay", "replay_fraction",
                   "replay_val_fraction"),
             where,
         )
         opts = cls(
-            seed=_get(obj, "seed", where, (int,), "an integer", None),
-            val_fraction=_get(obj, "val_fraction", where, (int, float), "a number", None),
-            test_fraction=_get(obj, "test_fraction", where, (int, float), "a number", None),
-            skip_invalid=_get(obj, "skip_invalid", where, (bool,), "true or false", None),
-            split=_get(obj, "split", where, (str,), "a split name", None),
-            holdout_file=_get(obj, "holdout_file", where, (str,), "a path", None),
-            replay=_str_list(obj, "replay", where, None) if obj.get("replay") is not None else None,
-            replay_fraction=_get(obj, "replay_fraction", where, (int, float), "a number", None),
-            replay_val_fraction=_get(obj, "replay_val_fraction", where, (int, float), "a number", None),
+            seed=read_field(obj, "seed", where, (int,), "an integer", None),
+            val_fraction=read_field(obj, "val_fraction", where, (int, float), "a number", None),
+            test_fraction=read_field(obj, "test_fraction", where, (int, float), "a number", None),
+            skip_invalid=read_field(obj, "skip_invalid", where, (bool,), "true or false", None),
+            split=read_field(obj, "split", where, (str,), "a split name", None),
+            holdout_file=read_field(obj, "holdout_file", where, (str,), "a path", None),
+            replay=read_str_list(obj, "replay", where, None) if obj.get("replay") is not None else None,
+            replay_fraction=read_field(obj, "replay_fraction", where, (int, float), "a number", None),
+            replay_val_fraction=read_field(obj, "replay_val_fraction", where, (int, float), "a number", None),
         )
         if opts.replay is not None:
             if not opts.replay or not all(opts.replay):
                 raise ConfigError("`spec.prepare.replay` must be a non-empty list of JSONL paths")
             for i, path in enumerate(opts.replay):
-                _check_path(path, f"`spec.prepare.replay[{i}]`")
+                check_path(path, f"`spec.prepare.replay[{i}]`")
         else:
             for key in ("replay_fraction", "replay_val_fraction"):
                 if getattr(opts, key) is not None:
@@ -363,7 +305,7 @@ class PrepareOptions:
         if opts.holdout_file is not None:
             if not opts.holdout_file:
                 raise ConfigError("`spec.prepare.holdout_file` is empty; give the path of a holdout list")
-            _check_path(opts.holdout_file, "`spec.prepare.holdout_file`")
+            check_path(opts.holdout_file, "`spec.prepare.holdout_file`")
         if opts.split is not None:
             if opts.split not in SPLIT_NAMES:
                 raise ConfigError(f"`spec.prepare.split` must be one of {', '.join(f'`{n}`' for n in SPLIT_NAMES)}, found `{opts.split[:40]}`")
@@ -389,12 +331,12 @@ class EvaluateOptions:
     @classmethod
     def from_json(cls, obj: Any) -> EvaluateOptions:
         where = "`spec.evaluate`"
-        obj = _object(obj, where)
-        _refuse_unknown(obj, ("split", "max_prompts"), where)
-        max_prompts = _get(obj, "max_prompts", where, (int,), "a positive integer", None)
+        obj = as_object(obj, where)
+        refuse_unknown(obj, ("split", "max_prompts"), where)
+        max_prompts = read_field(obj, "max_prompts", where, (int,), "a positive integer", None)
         if max_prompts is not None and max_prompts < 1:
             raise ConfigError(f"{where}: `max_prompts` must be a positive integer, got `{max_prompts}`")
-        return cls(split=_get(obj, "split", where, (str,), "a split name", None), max_prompts=max_prompts)
+        return cls(split=read_field(obj, "split", where, (str,), "a split name", None), max_prompts=max_prompts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -407,8 +349,8 @@ class NoopOptions:
 
     @classmethod
     def from_json(cls, obj: Any) -> NoopOptions:
-        obj = _object(obj, "`spec.noop`")
-        _refuse_unknown(obj, ("steps", "step_seconds", "checkpoint_every"), "`spec.noop`")
+        obj = as_object(obj, "`spec.noop`")
+        refuse_unknown(obj, ("steps", "step_seconds", "checkpoint_every"), "`spec.noop`")
 
         def number(key: str, default: float, lo: float, hi: float, integer: bool) -> Any:
             v = obj.get(key, default)
@@ -446,8 +388,8 @@ class Job:
 
     @classmethod
     def from_json(cls, obj: Any, job_dir: Path) -> Job:
-        obj = _object(obj, "`spec`")
-        _refuse_unknown(obj, _JOB_KEYS, "`spec`")
+        obj = as_object(obj, "`spec`")
+        refuse_unknown(obj, _JOB_KEYS, "`spec`")
         stages = obj.get("stages")
         if not isinstance(stages, list) or not stages or not all(isinstance(s, str) for s in stages):
             raise ConfigError("`spec.stages` must be a non-empty list of stage names")
@@ -456,12 +398,12 @@ class Job:
             raise ConfigError(f"unknown stage(s) {', '.join(f'`{s}`' for s in unknown)}; known: {', '.join(STAGE_NAMES)}")
         inputs: tuple[str, ...] = ()
         if "prepare" in stages or "inputs" in obj:
-            inputs = _str_list(obj, "inputs", "`spec`", ())
+            inputs = read_str_list(obj, "inputs", "`spec`", ())
             if not inputs or not all(inputs):
                 raise ConfigError("`spec.inputs` must be a non-empty list of JSONL paths")
             for i, p in enumerate(inputs):
-                _check_path(p, f"`spec.inputs[{i}]`")
-        formats = _str_list(obj, "export_formats", "`spec`", ())
+                check_path(p, f"`spec.inputs[{i}]`")
+        formats = read_str_list(obj, "export_formats", "`spec`", ())
         bad = [f for f in formats if f not in EXPORT_FORMATS]
         if bad:
             raise ConfigError(f"`spec.export_formats` must be a list of `bf16` / `af4g64`, got `{bad[0]}`")
@@ -572,40 +514,40 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, doc: Any, *, job_dir: Path) -> JobSpec:
-        doc = _object(doc, "spec.json")
+        doc = as_object(doc, "spec.json")
         _check_depth(doc)
-        _refuse_unknown(doc, _FILE_KEYS, "spec.json")
+        refuse_unknown(doc, _FILE_KEYS, "spec.json")
         version = doc.get("schema_version")
         if version != SPEC_SCHEMA_VERSION or isinstance(version, bool):
             raise ConfigError(
-                f"schema_version `{_short(version)}`; this worker reads {SPEC_SCHEMA_VERSION}\n"
+                f"schema_version `{short(version)}`; this worker reads {SPEC_SCHEMA_VERSION}\n"
                 "hint: run-manager and dflash_worker come from one install; reinstall both"
             )
         if "job_dir" in doc:
-            written = Path(_check_path(_get(doc, "job_dir", "spec.json", (str,), "a path"), "`job_dir`"))
+            written = Path(check_path(read_field(doc, "job_dir", "spec.json", (str,), "a path"), "`job_dir`"))
             if written.resolve() != job_dir:
                 raise ConfigError(f"`job_dir` is `{written}` but the worker was started in `{job_dir}`")
-        resume = _get(doc, "resume_checkpoint", "spec.json", (str, type(None)), "a path or null", None)
+        resume = read_field(doc, "resume_checkpoint", "spec.json", (str, type(None)), "a path or null", None)
         if resume is not None and not resume:
             raise ConfigError("`resume_checkpoint` is an empty string")
         if resume:
-            _check_path(resume, "`resume_checkpoint`")
-        local_ranks = _uint(doc, "local_ranks", "spec.json", 1, hi=1024)
+            check_path(resume, "`resume_checkpoint`")
+        local_ranks = read_uint(doc, "local_ranks", "spec.json", 1, hi=1024)
         if local_ranks < 1:
             raise ConfigError("`local_ranks` must be at least 1")
-        downgrades = _get(doc, "downgrades", "spec.json", (list,), "a list", [])
+        downgrades = read_field(doc, "downgrades", "spec.json", (list,), "a list", [])
         return cls(
             schema_version=version,
             job=Job.from_json(doc.get("spec"), job_dir),
             job_dir=job_dir,
             lease=LeaseInfo.from_json(doc["lease"], "`lease`") if "lease" in doc else None,
             resume_checkpoint=Path(resume) if resume else None,
-            resume_step=_uint(doc, "resume_step", "spec.json", 0),
-            restart=_uint(doc, "restart", "spec.json", 0, hi=2**32 - 1),
+            resume_step=read_uint(doc, "resume_step", "spec.json", 0),
+            restart=read_uint(doc, "restart", "spec.json", 0, hi=2**32 - 1),
             device=DeviceInfo.from_json(doc["device"], "`device`") if "device" in doc else None,
             local_ranks=local_ranks,
             downgrades=tuple(Downgrade.from_json(d, f"`downgrades[{i}]`") for i, d in enumerate(downgrades)),
-            client_version=_get(doc, "client_version", "spec.json", (str,), "a string", None),
+            client_version=read_field(doc, "client_version", "spec.json", (str,), "a string", None),
             graph=GraphInfo.from_json(doc["graph"]) if doc.get("graph") is not None else None,
             present=frozenset(doc),
         )
