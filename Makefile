@@ -46,7 +46,7 @@ demo: install
 DOCKER_IMAGE_LOG := $(VENV)/docker-image-cpu.log
 # scripts/phases.sh times each phase and prints the table at the end (or at the first failure).
 # test-rust and fuzz build what they run in their own phases: a background build of them beside
-# pytest, even at nice 19, slowed pytest by far more than it saved (docs/testing.md: a clean clone
+# pytest, even at nice 19, slowed pytest by far more than it saved (docs/history/testing-runs.md: a clean clone
 # rebuilds the workspace crates, the fuzz targets' optimized and instrumented build the longest).
 test:
 	@scripts/phases.sh --reset

@@ -26,7 +26,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-
 # without it). Most of what the tests start now runs in forks of warm servers, so a worker spends a
 # fifth of its time waiting (on sockets, subprocesses, Docker): on 2 cores, clean clones of c903c28
 # ran test-python in 347.6-355.6 s at 80-81% CPU busy with 2 workers, 313.7 s at 95% with 3. (Before
-# the warm forks, at 92% busy, a third worker only added CPU seconds: docs/testing.md.)
+# the warm forks, at 92% busy, a third worker only added CPU seconds: docs/history/testing-runs.md.)
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 workers=${DFLASH_PYTEST_WORKERS:-$((cores + 1))}
 dist=()

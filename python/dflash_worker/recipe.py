@@ -8,7 +8,7 @@ the directory of the recipe file, so a recipe and its data can move together.
 Sections: ``[model]`` and ``[data]`` (required), ``[capture]``, ``[train]``,
 ``[export]`` and ``[evaluate]`` (each required by the stage that reads it).
 A new section is a dataclass plus one entry in ``SECTIONS``. Every key is
-explained in ``docs/training-quickstart.md``; ``docs/examples/recipe.toml`` is a
+explained in ``docs/training/recipe.md``; ``docs/examples/recipe.toml`` is a
 complete example.
 
 ``Recipe.resolved()`` is the plain-dict form written into every manifest and
@@ -207,7 +207,7 @@ def _check_number(section: str, name: str, value: Any, lo: float, hi: float = ma
 class TrainConfig:
     """`[train]`: what to train (scope), how (objective, optimizer, schedule) and how often to
     checkpoint and validate. Defined here so parsing a recipe never imports torch; the meaning
-    of every field is documented in `dflash_worker.train` and docs/training-quickstart.md."""
+    of every field is documented in `dflash_worker.train` and docs/training/recipe.md."""
 
     scope: str
     objective: str = "weighted_ce"

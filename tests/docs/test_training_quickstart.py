@@ -1,6 +1,9 @@
-"""docs/training-quickstart.md cannot rot: its marked blocks run, in order, against a tiny world.
+"""docs/training-quickstart.md and docs/training/ cannot rot: their marked blocks run, in order, against a tiny world.
 
-Fenced blocks in the guide, by info string:
+The guide is the quickstart followed by its topic pages, in the order of
+``PAGES`` (the order of the quickstart's "Where to go next"); every page of
+``docs/training/`` must be listed there, so a new page's blocks cannot be
+silently skipped. Fenced blocks in the guide, by info string:
 
 - ``sh test``: run with ``bash -euo pipefail`` in one temporary directory,
   in document order, with this environment's ``bin`` first on ``PATH``;
@@ -33,7 +36,19 @@ from pathlib import Path
 import pytest
 from prewarmed import CommandServer
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "training-quickstart.md"
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
+DOC = DOCS_DIR / "training-quickstart.md"
+# The quickstart, then its topic pages in the order their blocks run (later pages use what earlier ones made).
+PAGES = (
+    DOC,
+    *(
+        DOCS_DIR / "training" / f"{name}.md"
+        for name in (
+            "data", "recipe", "capture", "preflight", "train", "resume", "export", "evaluate", "distributed",
+            "families", "scratch", "coordinator-job",
+        )
+    ),
+)
 FENCE = re.compile(r"^```(?P<info>[^`\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
 BLOCK_TIMEOUT_S = 600
 
@@ -45,6 +60,7 @@ class Block:
     line: int
     info: tuple[str, ...]
     body: str
+    page: str = DOC.name
 
     @property
     def lang(self) -> str:
@@ -55,12 +71,17 @@ class Block:
         return next((w.split("=", 1)[1] for w in self.info if w.startswith("file=")), None)
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, page: str = DOC.name) -> list[Block]:
     """Every fenced block of `text` with its 1-based starting line and info words."""
     return [
-        Block(text.count("\n", 0, m.start()) + 1, tuple(m.group("info").split()), m.group("body"))
+        Block(text.count("\n", 0, m.start()) + 1, tuple(m.group("info").split()), m.group("body"), page)
         for m in FENCE.finditer(text)
     ]
+
+
+def guide_blocks() -> list[Block]:
+    """Every fenced block of every page of the guide, in the order they run."""
+    return [b for p in PAGES for b in blocks(p.read_text(encoding="utf-8"), str(p.relative_to(DOCS_DIR)))]
 
 
 def _env(first: Path | None = None) -> dict[str, str]:
@@ -80,14 +101,23 @@ def _run(block: Block, cwd: Path, first: Path | None = None) -> subprocess.Compl
 
 def _describe(block: Block, res: subprocess.CompletedProcess) -> str:
     return (
-        f"{DOC.name} line {block.line} (`{' '.join(block.info)}`) exited {res.returncode}\n"
+        f"{block.page} line {block.line} (`{' '.join(block.info)}`) exited {res.returncode}\n"
         f"--- block ---\n{block.body}--- stdout ---\n{res.stdout[-4000:]}--- stderr ---\n{res.stderr[-4000:]}"
     )
 
 
+def test_every_training_page_is_run():
+    """Every page of docs/training/ is in `PAGES` (its blocks run), and every page in `PAGES` exists."""
+    on_disk = {p.name for p in (DOCS_DIR / "training").glob("*.md")}
+    listed = {p.name for p in PAGES[1:]}
+    assert on_disk == listed, f"docs/training/ pages not in PAGES: {sorted(on_disk - listed)}; missing: {sorted(listed - on_disk)}"
+    quickstart = DOC.read_text(encoding="utf-8")
+    assert all(f"(training/{p.name})" in quickstart for p in PAGES[1:]), "the quickstart links every topic page"
+
+
 def test_parser_sees_marked_blocks():
     """The guide has the marked blocks this test relies on (a renamed marker must not silently skip them)."""
-    bs = blocks(DOC.read_text(encoding="utf-8"))
+    bs = guide_blocks()
     runnable = [b for b in bs if b.info[:2] == ("sh", "test")]
     assert len(runnable) >= 10
     assert any(b.info == ("sh", "test", "fails") for b in bs)
@@ -100,11 +130,11 @@ def test_recipe_reference_names_every_key():
     """Every key of every recipe section appears, backticked, in the guide."""
     from dflash_worker.recipe import SECTIONS
 
-    text = DOC.read_text(encoding="utf-8")
+    text = (DOCS_DIR / "training" / "recipe.md").read_text(encoding="utf-8")
     missing = [
         f"[{name}].{f.name}" for name, cls in SECTIONS.items() for f in fields(cls) if f.init and f"`{f.name}`" not in text
     ]
-    assert not missing, f"keys missing from {DOC.name}: {missing}"
+    assert not missing, f"keys missing from docs/training/recipe.md: {missing}"
     for name in SECTIONS:
         assert f"`[{name}]`" in text, name
 
@@ -114,7 +144,7 @@ def test_documented_flags_exist():
     from dflash_worker.cli import COMMANDS, build_parser
 
     seen = 0
-    for b in blocks(DOC.read_text(encoding="utf-8")):
+    for b in guide_blocks():
         if b.lang != "sh":
             continue
         for raw in b.body.replace("\\\n", " ").splitlines():
@@ -122,12 +152,12 @@ def test_documented_flags_exist():
             if "dflash-worker" not in words:
                 continue
             args = words[words.index("dflash-worker") + 1 :]
-            assert args and args[0] in COMMANDS, f"line {b.line}: unknown subcommand in `{raw}`"
+            assert args and args[0] in COMMANDS, f"{b.page} line {b.line}: unknown subcommand in `{raw}`"
             sub = build_parser(args[0])._subparsers._group_actions[0].choices[args[0]]
             known = {s for a in sub._actions for s in a.option_strings}
             for w in args[1:]:
                 if w.startswith("--"):
-                    assert w.split("=", 1)[0] in known, f"line {b.line}: `{args[0]}` has no flag `{w}`"
+                    assert w.split("=", 1)[0] in known, f"{b.page} line {b.line}: `{args[0]}` has no flag `{w}`"
             seen += 1
     assert seen >= 15
 
@@ -141,7 +171,7 @@ def _run_blocks(tmp_path: Path, server: CommandServer) -> None:
     from dflash_worker.recipe import load_recipe
 
     ran = 0
-    for b in blocks(DOC.read_text(encoding="utf-8")):
+    for b in guide_blocks():
         if b.file:
             (tmp_path / b.file).write_text(b.body, encoding="utf-8")
             if b.file.endswith(".toml"):

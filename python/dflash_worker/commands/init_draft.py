@@ -1,7 +1,7 @@
 """`dflash-worker init-draft`: a fresh, randomly initialised DFlash2 or DFlash (v1) draft for a target.
 
 The rules that pick each field are in `dflash_worker.model.geometry` and
-docs/training-quickstart.md ("Train a draft from scratch"). Train the result
+docs/training/scratch.md ("Train a draft from scratch"). Train the result
 with `[train] preset = "from_scratch"`.
 """
 
