@@ -45,10 +45,10 @@ from torch.nn import functional as F
 from dflash_worker.model import DraftConfig, build_draft
 from dflash_worker.testing.tiny import tiny_qwen3_config
 from dflash_worker.testing.tiny_draft import tiny_dflash2_config
-from dflash_worker.train.loop import _fused_adamw
 from dflash_worker.train.objectives import block_labels, position_weights, selector_loss_sum, token_loss_sum, weight_total
 from dflash_worker.train.preflight import _PeakRSS
 from dflash_worker.train.scopes import scope_names
+from dflash_worker.train.setup import fused_adamw as _fused_adamw
 
 
 def setup(args):

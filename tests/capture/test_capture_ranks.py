@@ -14,7 +14,7 @@ from prewarmed import worker_cli
 from warm_worker import job_pid, torchrun
 
 from dflash_worker.testing.procs import children, rank_pid
-from dflash_worker.train.loop import capture_fingerprint
+from dflash_worker.train.resume import capture_fingerprint
 
 from .conftest import payload, write_recipe
 

@@ -347,7 +347,7 @@ def test_general_tolerance_is_a_share(world, bad):
 
 def test_checkpoints_from_before_the_key_resume_with_the_default_tolerance():
     from dflash_worker.errors import ResumeError
-    from dflash_worker.train.loop import compare_for_resume
+    from dflash_worker.train.resume import compare_for_resume
 
     saved = {"recipe_view": {"train.lr": 1.0}, "data_fingerprint": "d", "draft_fingerprint": {}}
     compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.general_tolerance": 0.03}})
@@ -396,9 +396,9 @@ def _general_kl(t) -> float:
 
     total = positions = 0.0
     with torch.no_grad():
-        for b in t._val_blocks(t.parts.val_general):
+        for b in t.validator.blocks(t.parts.val_general):
             ones = torch.ones_like(t.parts.weights.positions)
-            total += float(kd_loss_sum(t.forward(b.seq, b.anchors)[1], t._start_logits(b), b.valid, ones))
+            total += float(kd_loss_sum(t.scorer.forward(b.seq, b.anchors)[1], t.scorer.start_logits(b), b.valid, ones))
             positions += float(b.valid.sum())
     return total / positions
 
@@ -409,14 +409,14 @@ def test_replay_kd_distils_on_the_replay_rows_toward_the_released_draft(replayed
     from dflash_worker.train.data import sample_anchors
 
     t = _trainer(replayed, "kd-probe", replay_kd=1.0, steps=12)
-    manifest_ids = set(t.train_split.reader.manifest["data"]["replay"]["train_ids"])
+    manifest_ids = set(t.parts.train_split.reader.manifest["data"]["replay"]["train_ids"])
     rows = t.parts.replay_rows
-    assert rows and {t.train_split.id_of(i) for i in rows} == manifest_ids
-    assert all(t.train_split.id_of(i) not in manifest_ids for i in set(range(len(t.train_split))) - rows)
-    seq = t.train_split.get(min(rows))
-    b = t.blocks(seq, sample_anchors(seq.loss_mask, 4, 7), replay=True)
+    assert rows and {t.parts.train_split.id_of(i) for i in rows} == manifest_ids
+    assert all(t.parts.train_split.id_of(i) not in manifest_ids for i in set(range(len(t.parts.train_split))) - rows)
+    seq = t.parts.train_split.get(min(rows))
+    b = t.scorer.blocks(seq, sample_anchors(seq.loss_mask, 4, 7), replay=True)
     # before any update the starting draft is the draft itself: the same logits, bit for bit
-    assert torch.equal(t._start_logits(b), t.forward(b.seq, b.anchors)[1])
+    assert torch.equal(t.scorer.start_logits(b), t.scorer.forward(b.seq, b.anchors)[1])
     lines = [t.train_step() for _ in range(12)]
     replay_steps = [x["step"] for x in lines if x["samples"][0] in manifest_ids]
     assert replay_steps and len(replay_steps) < len(lines)  # both kinds of rows were trained
@@ -424,7 +424,7 @@ def test_replay_kd_distils_on_the_replay_rows_toward_the_released_draft(replayed
         assert (x["replay_kd"] > 0) == (x["step"] in replay_steps and x["step"] > 1), x
     # the swap puts the trained tensors back: the same storage, the same values
     ptrs, values = [p.data_ptr() for p in t.parts.params], [p.detach().clone() for p in t.parts.params]
-    start, now = t._start_logits(b), t.forward(b.seq, b.anchors)[1]
+    start, now = t.scorer.start_logits(b), t.scorer.forward(b.seq, b.anchors)[1]
     assert not torch.equal(start, now)
     assert [p.data_ptr() for p in t.parts.params] == ptrs and all(torch.equal(p, v) for p, v in zip(t.parts.params, values))
     assert all(torch.equal(p, s) for p, s in zip(t.parts.start, (q.detach() for q in _trainer(replayed, "kd-fresh", replay_kd=1.0).parts.params)))

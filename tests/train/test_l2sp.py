@@ -11,9 +11,8 @@ import torch
 from dflash_worker.errors import ConfigError, ResumeError
 from dflash_worker.manifest import sha256_file
 from dflash_worker.recipe import load_recipe
-from dflash_worker.train import StopFlags, train
+from dflash_worker.train import StopFlags, Trainer, train
 from dflash_worker.train import checkpoint as ckpt
-from dflash_worker.train.loop import Trainer
 
 
 def _distance(trainer: Trainer) -> float:
@@ -21,7 +20,7 @@ def _distance(trainer: Trainer) -> float:
     from dflash_worker.model import load_draft
 
     start = dict(load_draft(trainer.recipe.model.draft, device=torch.device("cpu"), dtype=torch.float32).named_parameters())
-    return sum(float((p.detach() - start[n].detach()).square().sum()) for n, p in trainer.model.named_parameters() if n in trainer.name_set)
+    return sum(float((p.detach() - start[n].detach()).square().sum()) for n, p in trainer.parts.model.named_parameters() if n in trainer.parts.tensors.name_set)
 
 
 def _trainer(pipeline, run: str, **kw) -> Trainer:

@@ -113,7 +113,7 @@ def test_unknown_features_value_is_refused_with_the_file_named(pipeline):
 
 def test_checkpoints_from_before_the_key_resume_as_cache():
     from dflash_worker.errors import ResumeError
-    from dflash_worker.train.loop import compare_for_resume
+    from dflash_worker.train.resume import compare_for_resume
 
     saved = {"recipe_view": {"train.lr": 1.0}, "data_fingerprint": "d", "draft_fingerprint": {}}
     compare_for_resume(saved, {**saved, "recipe_view": {"train.lr": 1.0, "train.features": "cache"}})

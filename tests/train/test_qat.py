@@ -43,20 +43,20 @@ def test_qat_resume_after_sigkill_is_bit_identical(pipeline):
 
 
 def _snapshot(t: Trainer):
-    objs = {n: p for n, p in t.model.named_parameters()}
+    objs = {n: p for n, p in t.parts.model.named_parameters()}
     vals = {n: p.detach().clone() for n, p in objs.items()}
     return objs, vals
 
 
 def _assert_masters_intact(t: Trainer, objs, vals):
-    now = dict(t.model.named_parameters())
+    now = dict(t.parts.model.named_parameters())
     assert now.keys() == objs.keys()
     for n, p in now.items():
         assert p is objs[n], f"`{n}` is not the original parameter object"
         assert isinstance(p, nn.Parameter) and p.dtype == torch.float32
         assert torch.equal(p.detach(), vals[n]), f"`{n}` changed"
-    opt_ids = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
-    assert opt_ids == {id(p) for n, p in now.items() if n in t.name_set}
+    opt_ids = {id(p) for g in t.parts.optimizer.param_groups for p in g["params"]}
+    assert opt_ids == {id(p) for n, p in now.items() if n in t.parts.tensors.name_set}
 
 
 def test_validation_failure_midway_restores_fp32_masters(pipeline):
@@ -66,7 +66,7 @@ def test_validation_failure_midway_restores_fp32_masters(pipeline):
 
     def inside(t):
         # inside validation the export values are in place: not the masters
-        seen["swapped"] = {n for n, p in t.model.named_parameters() if not isinstance(p, nn.Parameter)}
+        seen["swapped"] = {n for n, p in t.parts.model.named_parameters() if not isinstance(p, nn.Parameter)}
         raise boom
 
     t = Trainer(recipe, pipeline.root / "qat-fail", hooks=Hooks(inside_validation=inside), skip_data_check=True)
@@ -75,7 +75,7 @@ def test_validation_failure_midway_restores_fp32_masters(pipeline):
     objs, vals = _snapshot(t)
     with pytest.raises(RuntimeError, match="injected"):
         t.validate()
-    assert seen["swapped"] >= set(t.qat_names)
+    assert seen["swapped"] >= set(t.parts.tensors.qat_names)
     _assert_masters_intact(t, objs, vals)
     # and training continues from the same masters
     t.hooks.inside_validation = None
@@ -94,7 +94,7 @@ def test_export_failure_midway_leaves_masters_and_no_partial_export(pipeline, tm
     t.setup()
     t.train_step()
     objs, vals = _snapshot(t)
-    values = export_values(dict(t.model.named_parameters()), t.names, qat_names=t.qat_names)
+    values = export_values(dict(t.parts.model.named_parameters()), t.parts.tensors.names, qat_names=t.parts.tensors.qat_names)
 
     def fault(i, key):
         if i == 5:
@@ -108,5 +108,5 @@ def test_export_failure_midway_leaves_masters_and_no_partial_export(pipeline, tm
     # the QAT values are the fake-quantized ones, computed from the masters (never stored back)
     from dflash_worker.model.quant import fake_quantize_af4g64
 
-    for n in t.qat_names:
+    for n in t.parts.tensors.qat_names:
         assert torch.equal(values[n], fake_quantize_af4g64(objs[n].detach(), torch.bfloat16))

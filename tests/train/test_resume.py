@@ -171,7 +171,7 @@ def test_incompatible_resume_names_the_differing_fields(pipeline):
     # other draft bytes: the draft fingerprint names the file
     run = pipeline.root / "resume-bad"
     state = json.loads((ckpt.latest(run) / "state.json").read_text())
-    from dflash_worker.train.loop import compare_for_resume
+    from dflash_worker.train.resume import compare_for_resume
 
     changed = dict(state, draft_fingerprint={"model.safetensors": "0" * 64, "config.json": state["draft_fingerprint"]["config.json"]})
     with pytest.raises(ResumeError, match="draft file `model.safetensors`"):

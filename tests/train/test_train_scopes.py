@@ -74,7 +74,7 @@ def test_scope_trains_only_its_tensors_and_loss_falls(pipeline, scope, objective
 
     last = ckpt.load(ckpt.latest(result.run_dir))
     with torch.no_grad():
-        for n, p in probe.model.named_parameters():
+        for n, p in probe.parts.model.named_parameters():
             if n in last.trainable:
                 p.copy_(last.trainable[n])
     loss1 = _objective_on_seen(probe)
@@ -92,16 +92,16 @@ def _objective_on_seen(t) -> float:
     total = denom = 0.0
     with torch.no_grad():
         for g in range(t.cfg.steps * t.cfg.grad_accum):
-            seq = t.train_split.get(t.order(g))
+            seq = t.parts.train_split.get(t.parts.order(g))
             anchors = sample_anchors(seq.loss_mask, t.cfg.blocks_per_sequence, mix(t.cfg.seed, 1, g))
-            labels, valid = block_labels(seq.input_ids, seq.loss_mask, anchors, t.T)
-            h, logits = t.forward(seq, anchors)
-            if t.main_weight:
-                loss = token_loss_sum(logits, labels, valid, t.pw, t.cfg.objective)
+            labels, valid = block_labels(seq.input_ids, seq.loss_mask, anchors, t.parts.weights.block_size)
+            h, logits = t.scorer.forward(seq, anchors)
+            if t.parts.weights.main:
+                loss = token_loss_sum(logits, labels, valid, t.parts.weights.positions, t.cfg.objective)
             else:
-                loss = selector_loss_sum(t.model.candidate_selector, h, logits, seq.input_ids[anchors], labels, valid, t.pw)
+                loss = selector_loss_sum(t.parts.model.candidate_selector, h, logits, seq.input_ids[anchors], labels, valid, t.parts.weights.positions)
             total += float(loss)
-            denom += weight_total(valid, t.pw)
+            denom += weight_total(valid, t.parts.weights.positions)
     return total / denom
 
 
@@ -110,14 +110,14 @@ def test_selector_scope_leaves_logits_alone(pipeline):
     recipe = load_recipe(pipeline.recipe("sel-logits", scope="selector", steps=2, val_every=2, checkpoint_every=2))
     t = Trainer(recipe, pipeline.root / "sel-logits", skip_data_check=True)
     t.setup()
-    seq = t.val_split.get(0)
+    seq = t.parts.val_split.get(0)
     from dflash_worker.train.data import sample_anchors
 
     anchors = sample_anchors(seq.loss_mask, 4, 0)
     with torch.no_grad():
-        _, before = t.forward(seq, anchors)
+        _, before = t.scorer.forward(seq, anchors)
     t.train_step()
     t.train_step()
     with torch.no_grad():
-        _, after = t.forward(seq, anchors)
+        _, after = t.scorer.forward(seq, anchors)
     assert torch.equal(before, after)

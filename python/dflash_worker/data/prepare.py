@@ -27,7 +27,7 @@ and recorded in the manifest's ``replay`` section (their ids in
 rows are held out into ``val`` instead, tagged ``"domain": "general"`` and
 listed in ``replay.val_ids``: training validates them apart from the own
 rows and its checkpoint selection keeps general-domain acceptance within a
-tolerance of the released draft's (`train.loop`, the general-domain guard).
+tolerance of the released draft's (`train.selection`, the general-domain guard).
 
 A prompt that appears in two sources (or with different spacing) is one
 group: all of its rows land in the same split, each keeping its own `source`

@@ -2,7 +2,9 @@
 
 `train(recipe, run_dir=..., resume=...)` runs (or resumes, or verifies) a run;
 `preflight(recipe)` measures one near-max-length step's memory. See
-`loop` for the run directory layout, step order and selection rule,
+`loop` for the run directory layout, step order and events, `selection` for the
+selection rule and the general-domain guard, `resume` for what a resume must agree on,
+`setup`, `forward` and `validate` for the components the loop is built from,
 `objectives` for the losses and metrics, `checkpoint` for the commit protocol.
 """
 

@@ -31,6 +31,8 @@ gradient accumulation gives the same update as one large batch):
   same block and ``p_k`` the trained draft's: on general text the draft is
   pulled toward what it proposed before adapting, every token's probability,
   not only the teacher's one token.
+- L2-SP (``[train].l2sp``, `add_l2sp_gradient`): ``l2sp / 2 * ||w - w_start||^2`` over the
+  trained tensors, added as its gradient once the step's gradients are summed.
 - selector objective (added with ``selector_weight`` when the scope trains the
   candidate selector; the only objective of scope ``selector``, whose tensors
   do not change the logits): at each valid position the selector scores the
@@ -110,6 +112,21 @@ def kd_loss_sum(logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.
     logq = F.log_softmax(target_logits.detach().float(), dim=-1)
     kl = (logq.exp() * (logq - logp)).sum(-1)  # [M, T-1]
     return (valid.float() * weights[None, :] * kl).sum()
+
+
+def add_l2sp_gradient(params: list[torch.nn.Parameter], start: list[torch.Tensor], lam: float) -> float:
+    """Add the gradient of ``lam / 2 * ||w - w_start||^2`` to each of `params` (`start`: their starting
+    values, in the same order; a missing gradient becomes that term alone); returns the penalty."""
+    total = 0.0
+    with torch.no_grad():
+        for p, p0 in zip(params, start):
+            diff = p.detach() - p0
+            total += float(diff.square().sum())
+            if p.grad is None:
+                p.grad = lam * diff
+            else:
+                p.grad.add_(diff, alpha=lam)
+    return 0.5 * lam * total
 
 
 def selector_scores(selector, hidden: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor):

@@ -38,6 +38,7 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,48 +112,46 @@ def _device_memory(device: torch.device) -> tuple[int, str]:
     return int(psutil.virtual_memory().total), "system memory"
 
 
-def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
-    """Measure the capture and optimization peaks of one near-max-length step; returns the report."""
-    from ..model.io import read_target_layer_ids
-    from ..capture.teacher import Teacher
-    from ..device import provenance, resolve_device
-    from ..families import check_recipe_pair
-    from ..model import load_draft
-    from ..weights import load_model
-    from .data import sample_anchors
-    from .objectives import block_labels, position_weights, selector_loss_sum, token_loss_sum, weight_total
-    from .params import load_target_head
-    from .scopes import includes_selector, scope_names
+@dataclasses.dataclass
+class _Probe:
+    """One near-max-length sequence of `recipe` on `device`: the capture phase and the optimization
+    step, drawing their random tokens and features from one generator in the order they run."""
 
-    cfg = recipe.require("train")
-    cap = recipe.capture
-    pair = check_recipe_pair(recipe.model.target, recipe.model.draft, recipe.model.family)
-    choice = resolve_device(cfg.device)
-    dev = choice.torch_device
-    L = int(length or recipe.data.max_length)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    recipe: Recipe
+    device: torch.device
+    length: int
+    gen: torch.Generator
+    layer_ids: list[int]
+    cap_dtype: torch.dtype
+    load_teacher: Callable[..., Any]  # `capture.teacher.Teacher.load`, imported before any phase is measured
+    loaded: dict[str, int] = dataclasses.field(default_factory=dict)  # `bytes_read` of the capture phase's load
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)  # `target_forward_seconds` of the online step
 
-    cap_dtype = getattr(torch, cap.dtype) if cap is not None else torch.bfloat16
-    layer_ids = read_target_layer_ids(recipe.model.draft)
-    loaded: dict[str, int] = {}
+    def capture(self) -> None:
+        """The frozen teacher's forward with ``output_hidden_states`` (the teacher is then released)."""
+        from ..weights import load_model
 
-    def capture_phase() -> None:
-        target = load_model(recipe.model.target, device=dev, dtype=cap_dtype)
-        loaded["bytes_read"] = target.load_report.bytes_read
+        dev, L = self.device, self.length
+        target = load_model(self.recipe.model.target, device=dev, dtype=self.cap_dtype)
+        self.loaded["bytes_read"] = target.load_report.bytes_read
         vocab = target.config.vocab_size
-        ids = torch.randint(0, vocab, (1, L), generator=gen).to(dev)
+        ids = torch.randint(0, vocab, (1, L), generator=self.gen).to(dev)
         with torch.no_grad():
             target(ids, output_hidden_states=True)
         del target
 
-    capture = _measure(dev, capture_phase)
-    gc.collect()
+    def optimize(self, online: bool = False) -> None:
+        """The draft's forward, backward and AdamW update; `online`: the target sits beside the draft
+        and computes the features in the step."""
+        from ..model import load_draft
+        from .data import sample_anchors
+        from .objectives import block_labels, position_weights, selector_loss_sum, token_loss_sum, weight_total
+        from .params import load_target_head
+        from .scopes import includes_selector, scope_names
 
-    timing: dict[str, float] = {}
-
-    def optimize_phase(online: bool = False) -> None:
-        # online: the target sits beside the draft and computes the features in the step
-        teacher = Teacher.load(recipe.model.target, layer_ids, device=str(dev), dtype=str(cap_dtype).removeprefix("torch.")) if online else None
+        recipe, dev, L, gen, cfg = self.recipe, self.device, self.length, self.gen, self.recipe.require("train")
+        dtype = str(self.cap_dtype).removeprefix("torch.")
+        teacher = self.load_teacher(recipe.model.target, self.layer_ids, device=str(dev), dtype=dtype) if online else None
         model = load_draft(recipe.model.draft, device=dev, dtype=torch.float32)
         head = load_target_head(recipe.model.target, device=dev, dtype=torch.float32)
         names = set(scope_names(cfg.scope, [n for n, _ in model.named_parameters()]))
@@ -170,7 +169,7 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
             teacher.features(ids.tolist())  # warm-up: the first call pays one-time kernel setup
             t0 = time.perf_counter()
             feats = teacher.features(ids.tolist()).clone().to(dev, torch.float32)[None]
-            timing["target_forward_seconds"] = time.perf_counter() - t0
+            self.timing["target_forward_seconds"] = time.perf_counter() - t0
         anchors = sample_anchors(mask, cfg.blocks_per_sequence, cfg.seed)
         labels, valid = block_labels(ids, mask, anchors, model.block_size)
         labels, valid = labels.to(dev), valid.to(dev)
@@ -199,20 +198,41 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    optimization = _measure(dev, optimize_phase)
+
+def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
+    """Measure the capture and optimization peaks of one near-max-length step; returns the report."""
+    from ..capture.teacher import Teacher
+    from ..device import provenance, resolve_device
+    from ..families import check_recipe_pair
+    from ..model.io import read_target_layer_ids
+
+    cfg = recipe.require("train")
+    cap = recipe.capture
+    pair = check_recipe_pair(recipe.model.target, recipe.model.draft, recipe.model.family)
+    choice = resolve_device(cfg.device)
+    dev = choice.torch_device
+    probe = _Probe(
+        recipe, dev, int(length or recipe.data.max_length), torch.Generator().manual_seed(cfg.seed),
+        read_target_layer_ids(recipe.model.draft), getattr(torch, cap.dtype) if cap is not None else torch.bfloat16,
+        Teacher.load,
+    )
+    capture = _measure(dev, probe.capture)
     gc.collect()
-    online = _measure(dev, lambda: optimize_phase(online=True))
+    optimization = _measure(dev, probe.optimize)
+    gc.collect()
+    online = _measure(dev, lambda: probe.optimize(online=True))
     total, what = _device_memory(dev)
     need = max(capture["bytes"], optimization["bytes"], *([online["bytes"]] if cfg.features == "online" else []))
     go = need * MARGIN <= total
+    forward_seconds = probe.timing["target_forward_seconds"]
     return {
-        "sequence_length": L,
+        "sequence_length": probe.length,
         "blocks": cfg.blocks_per_sequence,
-        "teacher": dataclasses.asdict(pair.target) | loaded,
+        "teacher": dataclasses.asdict(pair.target) | probe.loaded,
         "capture_peak": capture,
         "optimization_peak": optimization,
         "online_peak": online,
-        "plans": plans(recipe, layer_ids, pair.target.hidden_size, online["bytes"], timing["target_forward_seconds"], total),
+        "plans": plans(recipe, probe.layer_ids, pair.target.hidden_size, online["bytes"], forward_seconds, total),
         "device_memory_bytes": total,
         "device_memory": what,
         "margin": MARGIN,

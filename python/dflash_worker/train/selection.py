@@ -1,0 +1,185 @@
+"""Which checkpoint a run selects, and the general-domain guard: pure functions of the validation history.
+
+A validation entry (`validate.Validator.validate`) is a dict with ``step``, the `VAL_KEYS` of the own
+rows and, with general val rows, ``general`` (the same keys on those rows); ``blocks == 0`` means
+nothing was scored. The functions here read such lists and never touch a model or a file, so each
+rule is testable on plain lists (tests/train/test_selection.py).
+
+Selection rule: the validated checkpoint with the highest mean matching
+proposals on the validation split (ties: the earliest step). A checkpoint is
+committed at every validation step and the best one is never pruned. Without
+a validation split (or with ``val_every = 0`` and no val examples) the last
+step is selected.
+
+General-domain guard: when the capture's val split holds general rows
+(`prepare-data --replay-val-fraction`, listed in the capture manifest's
+``data.replay.val_ids``), validation measures the own rows and the general
+rows apart (the first `val_examples` of each), and the run measures the
+released draft on the general rows once, before the first update, through the
+same export-values path (``released_general``, kept in every checkpoint). The
+rule then becomes: among validated checkpoints whose general matching
+proposals are at least ``(1 - [train].general_tolerance) x`` the released
+draft's, the highest own matching proposals (ties: the earliest step). A
+fresh guarded run commits a checkpoint at step 0 (the released draft as
+loaded, never pruned) after measuring it, own rows too
+(``released_general.own``); when no trained checkpoint passes, that one is
+selected: the export is the released draft, ``selection.json``'s
+``guard.passed`` is false and a warning says so. (A run resumed from
+checkpoints written before step 0 was committed falls back to the checkpoint
+with the highest general matching proposals.)
+``guard`` lists every validated step and whether the guard rejected it. With
+``[train].guard_patience = P > 0`` the run stops once the guard rejected P
+validations in a row (training further only forgets more), selects and
+exports as above, and ``selection.json``'s ``guard.stopped_at`` names the step
+(None when the run trained every step). Without general rows nothing of this
+exists: validation, metrics and ``selection.json`` are what they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The measures of one validation that the history, the metrics line (``val``, ``val_general``) and
+# ``selection.json`` keep.
+VAL_KEYS = ("matching_proposals", "ce", "selector_ce", "blocks", "reached", "covered", "selected")
+
+RULE = ("highest validation matching proposals (mean accepted tokens per block against the "
+        "teacher's continuation), earliest step on ties; the last step when nothing was validated")
+GUARDED_RULE = ("highest own-domain validation matching proposals among the checkpoints whose general-domain "
+                "matching proposals are at least (1 - tolerance) x the released draft's, earliest step on ties; "
+                "when none is, the released draft itself (step 0; `guard.passed` false)")
+
+
+def guard_report(
+    history: list[dict[str, Any]],
+    released: dict[str, Any] | None,
+    *,
+    tolerance: float,
+    patience: int,
+    stopped_at: int | None,
+) -> dict[str, Any] | None:
+    """The general-domain guard over `history` (module docstring), as ``selection.json`` records it;
+    None when the run has no released general baseline (`released`: no general val rows)."""
+    if released is None or not released.get("blocks"):
+        return None
+    floor = (1.0 - tolerance) * released["matching_proposals"]
+    steps = []
+    for v in history:
+        if v.get("blocks", 0) <= 0:
+            continue
+        g = v.get("general") or {}
+        kept = bool(g.get("blocks")) and g["matching_proposals"] >= floor
+        steps.append({"step": v["step"], "matching_proposals": v["matching_proposals"],
+                      "general_matching_proposals": g.get("matching_proposals"), "rejected": not kept})
+    return {
+        "tolerance": tolerance,
+        "released_general_matching_proposals": released["matching_proposals"],
+        "released_general_blocks": released["blocks"],
+        "floor": floor,
+        "passed": any(not c["rejected"] for c in steps),
+        "rejected_steps": [c["step"] for c in steps if c["rejected"]],
+        "patience": patience,
+        "stopped_at": stopped_at,
+        "checkpoints": steps,
+    }
+
+
+def guard_exhausted(guard: dict[str, Any] | None, patience: int) -> bool:
+    """Whether `[train].guard_patience` (`patience`, 0: off) stops the run: the guard rejected the
+    last `patience` validations, all of them."""
+    if patience <= 0 or guard is None or len(guard["checkpoints"]) < patience:
+        return False
+    return all(c["rejected"] for c in guard["checkpoints"][-patience:])
+
+
+def best(
+    history: list[dict[str, Any]],
+    guard: dict[str, Any] | None,
+    released: dict[str, Any] | None,
+    *,
+    released_committed: bool,
+) -> dict[str, Any] | None:
+    """The selected validation entry: highest matching proposals, earliest step on ties; with the
+    general-domain `guard`, among the checkpoints it keeps (none kept: the released draft, step 0,
+    when the run committed it (`released_committed`), else, for runs from before it was committed,
+    the highest general ones). None when nothing was validated."""
+    scored = [v for v in history if v.get("blocks", 0) > 0]
+    if not scored:
+        return None
+    if guard is None:
+        return max(scored, key=lambda v: (v["matching_proposals"], -v["step"]))
+    kept = {c["step"] for c in guard["checkpoints"] if not c["rejected"]}
+    if kept:
+        return max((v for v in scored if v["step"] in kept), key=lambda v: (v["matching_proposals"], -v["step"]))
+    rel = released or {}
+    if released_committed:
+        return {"step": 0, **(rel.get("own") or {}), "general": {k: rel.get(k) for k in VAL_KEYS}}
+    return max(scored, key=lambda v: ((v.get("general") or {}).get("matching_proposals", -1.0), -v["step"]))
+
+
+def selected_step(chosen: dict[str, Any] | None, last_step: int) -> int:
+    """The step a run selects: `best`'s, else (nothing validated) the last step trained."""
+    return chosen["step"] if chosen else last_step
+
+
+def protected_steps(chosen: dict[str, Any] | None, released: dict[str, Any] | None) -> set[int]:
+    """Checkpoints pruning must keep: the best one, and step 0 (the released draft the guard falls
+    back to) once the run measured a released baseline."""
+    protect = {chosen["step"]} if chosen else set()
+    if released is not None:
+        protect.add(0)
+    return protect
+
+
+def record(
+    chosen: dict[str, Any] | None,
+    guard: dict[str, Any] | None,
+    history: list[dict[str, Any]],
+    *,
+    step: int,
+    checkpoint: str,
+    checkpoint_manifest_sha256: str,
+    total_steps: int,
+) -> dict[str, Any]:
+    """``selection.json`` before its export is added: the rule, the selected `step` and its `checkpoint`
+    (directory name and manifest sha256), its validation entry (`chosen`), each validation's step and
+    matching proposals (and, guarded, its general matching proposals), and the `guard` report."""
+    rows = [{"step": v["step"], "matching_proposals": v["matching_proposals"]} for v in history]
+    if guard is not None:
+        for h, v in zip(rows, history, strict=True):
+            h["general_matching_proposals"] = (v.get("general") or {}).get("matching_proposals")
+    return {
+        "rule": RULE if guard is None else GUARDED_RULE,
+        "step": step,
+        "checkpoint": checkpoint,
+        "checkpoint_manifest_sha256": checkpoint_manifest_sha256,
+        "validation": chosen,
+        "history": rows,
+        "total_steps": total_steps,
+        **({} if guard is None else {"guard": guard}),
+    }
+
+
+def released_note(released: dict[str, Any], tolerance: float) -> str:
+    """The message that reports the guard's baseline, the released draft's general acceptance."""
+    return (
+        f"released draft: general-domain matching proposals {released['matching_proposals']:.4f} on "
+        f"{released['examples']} examples ({released['blocks']} blocks); the general-domain guard keeps checkpoints "
+        f"at or above {(1.0 - tolerance) * released['matching_proposals']:.4f} (`general_tolerance` {tolerance})"
+    )
+
+
+def guard_note(guard: dict[str, Any], released_committed: bool) -> tuple[str, str | None]:
+    """(the guard's part of the result message, the warning to emit when no checkpoint passed it, else None)."""
+    rejected = ", ".join(str(s) for s in guard["rejected_steps"]) or "none"
+    if guard["passed"]:
+        return f"; the general-domain guard rejected steps: {rejected}", None
+    warning = (
+        f"no checkpoint kept general-domain matching proposals within {guard['tolerance']:.0%} of the released "
+        f"draft's ({guard['released_general_matching_proposals']:.4f}); "
+        + ("selected the released draft itself (step 0): the export adapts nothing" if released_committed
+           else "selected the one with the highest general acceptance instead")
+        + "\nhint: lower `[train].lr`, validate earlier (`[train].val_every`), add replay rows "
+        "(`prepare-data --replay-fraction`) or `[train].l2sp`"
+    )
+    return "; no checkpoint passed the general-domain guard (selection.json `guard.passed` false)", warning
