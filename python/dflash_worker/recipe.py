@@ -217,9 +217,9 @@ class TrainConfig:
     steps: int = 100
     lr: float = 1e-4
     weight_decay: float = 0.0
-    l2sp: float = 0.0  # strength of the pull toward the starting draft's weights (0: off); see `train.loop`
+    l2sp: float = 0.0  # strength of the pull toward the starting draft's weights (0: off); see `train.objectives`
     # on replay rows (`prepare-data --replay`): weight of the KL from the starting draft's block
-    # distributions to the trained draft's (0: off); see `train.loop`
+    # distributions to the trained draft's (0: off); see `train.forward`
     replay_kd: float = 0.0
     betas: tuple[float, ...] = (0.9, 0.95)
     warmup_steps: int = 0
@@ -235,7 +235,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     val_every: int = 50
     val_examples: int = 64
-    # the general-domain guard (`train.loop`): a checkpoint whose general validation acceptance is
+    # the general-domain guard (`train.selection`): a checkpoint whose general validation acceptance is
     # below (1 - general_tolerance) x the released draft's is never selected; 1 turns it off
     general_tolerance: float = 0.03
     # with the guard: stop after this many validations in a row that it rejected (0: run every step)
