@@ -248,11 +248,27 @@ def evaluate_run(
         dist.shutdown(ranks)
 
 
+def _evaluate_share(models: _Models, prompts: list[tuple[str, list[int]]], share: list[int], ranks, emit) -> list[tuple[int, dict]]:
+    """Evaluate the prompts `share` lists (this part's), split over the ranks; every rank's `(index, row)`
+    pairs gathered, in prompt order."""
+    from .. import dist
+
+    mine = [i for j, i in enumerate(share) if j % ranks.world == ranks.rank]
+    local = []
+    for j, i in enumerate(mine):
+        pid, ids = prompts[i]
+        local.append((i, _evaluate_prompt(models, i, pid, ids)))
+        emit(Progress(phase="evaluate", step=min((j + 1) * ranks.world, len(share)), total_steps=len(share)))
+    pairs = sorted((pair for piece in dist.gather(ranks, local) for pair in piece), key=lambda p: p[0])
+    if [i for i, _ in pairs] != share:  # (a rank that lost prompts is a bug, not a smaller report)
+        raise RuntimeError(f"evaluation gathered {len(pairs)} rows for {len(share)} prompts over {ranks.world} ranks")
+    return pairs
+
+
 def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir, part):
     """`evaluate_run` once the device is placed: this rank's prompts, then rank 0's report (module docstring)."""
     import torch
 
-    from .. import dist
     from ..data import load_tokenizer
     from ..device import provenance
     from ..model import load_draft
@@ -271,15 +287,7 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
     T = models.block_size
 
     share = [i for i in range(len(prompts)) if i % part.count == part.index]
-    mine = [i for j, i in enumerate(share) if j % ranks.world == ranks.rank]
-    local = []
-    for j, i in enumerate(mine):
-        pid, ids = prompts[i]
-        local.append((i, _evaluate_prompt(models, i, pid, ids)))
-        emit(Progress(phase="evaluate", step=min((j + 1) * ranks.world, len(share)), total_steps=len(share)))
-    pairs = sorted((pair for piece in dist.gather(ranks, local) for pair in piece), key=lambda p: p[0])
-    if [i for i, _ in pairs] != share:  # (a rank that lost prompts is a bug, not a smaller report)
-        raise RuntimeError(f"evaluation gathered {len(pairs)} rows for {len(share)} prompts over {ranks.world} ranks")
+    pairs = _evaluate_share(models, prompts, share, ranks, emit)
     out = Path(out_dir) if out_dir is not None else run_dir / f"evaluate-{split}"
     facts = {"split": split, "prompts": len(prompts), "selection_step": selection["step"], "temperature": ecfg.temperature,
              "max_new_tokens": ecfg.max_new_tokens}

@@ -137,6 +137,95 @@ def _propose(draft: DraftModel, block: torch.Tensor, features, d_cache, embed_w,
     return d_logits.argmax(dim=-1), None, None
 
 
+def _accept(proposal: torch.Tensor, logits: torch.Tensor, draft_probs, support, s: _Sampling) -> tuple[int, torch.Tensor]:
+    """How many of the block's proposed tokens the target accepts, and its bonus token after them:
+    greedy, the longest prefix equal to the target's argmax; sampled, rejection sampling."""
+    if s.temperature > 0:
+        t_probs = sampling_probs(logits, s.temperature, s.top_p, s.top_k)
+        return accept_by_rejection(proposal, t_probs, draft_probs, support, s.generator)
+    best = logits.argmax(dim=-1)
+    agree = (proposal == best[:, :-1]).to(torch.int64)
+    accepted = int(agree.cumprod(dim=1).sum())
+    return accepted, best[0, accepted]
+
+
+def _commit(tokens: torch.Tensor, pos: int, proposal: torch.Tensor, accepted: int, bonus, limit: int, stops) -> tuple[int, int | None]:
+    """Write the accepted tokens and the bonus after `pos`; how many tokens the step produced (cut at
+    `limit` and after the first of `stops`) and the stop token it ended on (None when none)."""
+    tokens[:, pos + 1 : pos + 1 + accepted] = proposal[:, :accepted]
+    tokens[0, pos + 1 + accepted] = bonus
+    produced = min(accepted + 1, limit - pos - 1)
+    if stops is not None:
+        hit = torch.isin(tokens[0, pos + 1 : pos + 1 + produced], stops).nonzero()
+        if hit.numel():
+            produced = int(hit[0, 0]) + 1
+            return produced, int(tokens[0, pos + produced])
+    return produced, None
+
+
+class _Generation:
+    """One speculative generation: the token buffer (prompt, verified tokens, room for one more block),
+    both caches, the target features of the tokens verified last step, and `pos`, the position of the
+    last verified token (the next block's anchor)."""
+
+    def __init__(self, draft: DraftModel, target, input_ids: torch.Tensor, *, max_new_tokens: int, stop_token_ids, bs: int, s: _Sampling):
+        dev = input_ids.device
+        self.draft, self.target, self.bs, self.s = draft, target, bs, s
+        self.head = _head(target)
+        self.embed_w = target.get_input_embeddings().weight
+        self.n = n = input_ids.shape[1]
+        self.limit = n + max_new_tokens
+        self.tokens = torch.full((1, self.limit + 1), draft.mask_token_id, dtype=torch.long, device=dev)
+        self.tokens[:, :n] = input_ids
+        self.positions = torch.arange(self.limit + 1, device=dev)[None]
+        self.stops = None if not stop_token_ids else torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
+        self.t_cache = _target_cache(target)
+        self.rollback = RecurrentRollback.for_target(target, self.t_cache)  # None: no linear-attention layers
+        self.recording = self.rollback.recording if self.rollback is not None else contextlib.nullcontext
+        self.d_cache = draft.new_cache()
+        self.pos = n
+        self.features = None
+        self.stopped_on: int | None = None
+
+    def prefill(self, input_ids: torch.Tensor) -> None:
+        """The target's forward over the prompt: the first new token and the draft's first features."""
+        n = self.n
+        out = self.target(input_ids, position_ids=self.positions[:, :n], cache=self.t_cache, use_cache=True, logits_to_keep=1,
+                          output_hidden_states=True)
+        if self.rollback is not None:
+            _crop(self.t_cache, n, trim=True)  # the conv states recorded the whole prompt; keep the kernel's width
+        self.tokens[:, n] = pick(out.logits[:, -1], self.s.temperature, self.s.top_p, self.s.top_k, self.s.generator)
+        self.features = context_features(out.hidden_states, self.draft.target_layer_ids)
+
+    def step(self, clock) -> tuple[int, list[float]]:
+        """One block: the draft proposes, the target verifies, the accepted tokens are written and
+        both caches roll back to them. The tokens produced, and `clock()` between the phases."""
+        pos, t_cache = self.pos, self.t_cache
+        marks = [clock()]
+        span = min(self.bs, self.limit - pos)
+        block = self.tokens[:, pos : pos + span].clone()
+        proposal, support, draft_probs = _propose(self.draft, block, self.features, self.d_cache, self.embed_w, self.head, self.s)
+        block[:, 1:] = proposal
+        marks.append(clock())
+
+        with self.recording():
+            out = self.target(block, position_ids=self.positions[:, pos : pos + span], cache=t_cache, use_cache=True,
+                              output_hidden_states=True)
+        marks.append(clock())
+        accepted, bonus = _accept(proposal, out.logits, draft_probs, support, self.s)
+        produced, self.stopped_on = _commit(self.tokens, pos, proposal, accepted, bonus, self.limit, self.stops)
+        self.pos = pos = pos + produced
+        marks.append(clock())
+        if self.rollback is not None:
+            self.rollback.replay(t_cache, produced)
+            marks.append(clock())
+        _crop(t_cache, pos, trim=self.rollback is not None)
+        # the verify pass computed target features for the block; keep those now verified
+        self.features = context_features(out.hidden_states, self.draft.target_layer_ids)[:, :produced]
+        marks.append(clock())
+        return produced, marks
+
+
 @torch.inference_mode()
 def speculative_generate(
     draft: DraftModel,
@@ -168,79 +257,26 @@ def speculative_generate(
     check_sampling(temperature, top_p, top_k)
     bs = _check_pair(draft, target, input_ids, max_new_tokens, block_size)
     sampling = _Sampling(temperature, top_p, top_k, generator)
-    dev = input_ids.device
-    head = _head(target)
-    embed_w = target.get_input_embeddings().weight
-    layer_ids = draft.target_layer_ids
-
-    n = input_ids.shape[1]
-    limit = n + max_new_tokens
-    tokens = torch.full((1, limit + 1), draft.mask_token_id, dtype=torch.long, device=dev)
-    tokens[:, :n] = input_ids
-    positions = torch.arange(limit + 1, device=dev)[None]
-    stops = None if not stop_token_ids else torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
-    t_cache = _target_cache(target)
-    rollback = RecurrentRollback.for_target(target, t_cache)  # None: no linear-attention layers
-    d_cache = draft.new_cache()
+    run = _Generation(draft, target, input_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, bs=bs, s=sampling)
+    dev, n = input_ids.device, run.n
 
     t0 = now(dev)
-    out = target(input_ids, position_ids=positions[:, :n], cache=t_cache, use_cache=True, logits_to_keep=1, output_hidden_states=True)
-    if rollback is not None:
-        _crop(t_cache, n, trim=True)  # the conv states recorded the whole prompt; keep the kernel's width
-    tokens[:, n] = pick(out.logits[:, -1], temperature, top_p, top_k, generator)
-    features = context_features(out.hidden_states, layer_ids)
+    run.prefill(input_ids)
     t1 = now(dev)
 
-    pos = n  # position of the last verified token = the next block's anchor
     lengths: list[int] = []
-    stopped_on = None
-    phase = dict.fromkeys(("draft", "verify", "accept", *(("rollback",) if rollback else ()), "crop"), 0.0)
+    phase = dict.fromkeys(("draft", "verify", "accept", *(("rollback",) if run.rollback else ()), "crop"), 0.0)
     clock = (lambda: now(dev)) if profile else (lambda: 0.0)
-    recording = rollback.recording if rollback is not None else contextlib.nullcontext
-    if stops is not None and bool(torch.isin(tokens[0, n], stops)):
-        stopped_on = int(tokens[0, n])
-    while stopped_on is None and pos + 1 < limit:
-        marks = [clock()]
-        span = min(bs, limit - pos)
-        block = tokens[:, pos : pos + span].clone()
-        proposal, support, draft_probs = _propose(draft, block, features, d_cache, embed_w, head, sampling)
-        block[:, 1:] = proposal
-        marks.append(clock())
-
-        with recording():
-            out = target(block, position_ids=positions[:, pos : pos + span], cache=t_cache, use_cache=True, output_hidden_states=True)
-        marks.append(clock())
-        if temperature > 0:
-            t_probs = sampling_probs(out.logits, temperature, top_p, top_k)
-            accepted, bonus = accept_by_rejection(proposal, t_probs, draft_probs, support, generator)
-        else:
-            best = out.logits.argmax(dim=-1)
-            agree = (proposal == best[:, :-1]).to(torch.int64)
-            accepted = int(agree.cumprod(dim=1).sum())
-            bonus = best[0, accepted]
-        tokens[:, pos + 1 : pos + 1 + accepted] = proposal[:, :accepted]
-        tokens[0, pos + 1 + accepted] = bonus
-        produced = min(accepted + 1, limit - pos - 1)
-        if stops is not None:
-            hit = torch.isin(tokens[0, pos + 1 : pos + 1 + produced], stops).nonzero()
-            if hit.numel():
-                produced = int(hit[0, 0]) + 1
-                stopped_on = int(tokens[0, pos + produced])
-        pos += produced
-        marks.append(clock())
-        if rollback is not None:
-            rollback.replay(t_cache, produced)
-            marks.append(clock())
-        _crop(t_cache, pos, trim=rollback is not None)
+    if run.stops is not None and bool(torch.isin(run.tokens[0, n], run.stops)):
+        run.stopped_on = int(run.tokens[0, n])
+    while run.stopped_on is None and run.pos + 1 < run.limit:
+        produced, marks = run.step(clock)
         lengths.append(produced)
-        # the verify pass computed target features for the block; keep those now verified
-        features = context_features(out.hidden_states, layer_ids)[:, :produced]
-        marks.append(clock())
         for k, a, b in zip(phase, marks, marks[1:]):
             phase[k] += b - a
 
     t2 = now(dev)
-    output = tokens[:, : min(pos + 1, limit)]
+    output = run.tokens[:, : min(run.pos + 1, run.limit)]
     return SpeculativeResult(
         output_ids=output,
         acceptance_lengths=lengths,
@@ -248,7 +284,7 @@ def speculative_generate(
         num_output_tokens=output.shape[1] - n,
         prefill_seconds=t1 - t0,
         decode_seconds=t2 - t1,
-        stopped_on=stopped_on,
+        stopped_on=run.stopped_on,
         extra={"phase_seconds": phase} if profile else {},
     )
 
