@@ -139,7 +139,7 @@ def main() -> int:
         for ex in prepared.examples(("train",)):
             render_example(tok, ex.messages, thinking="off")
         render_s = time.perf_counter() - t
-        from dflash_worker.capture.run import _commit_shard
+        from dflash_worker.capture.shards import _commit_shard
 
         items = [{"index": i, "split": "train", "id": str(i), "ids": s, "mask": [1] * len(s),
                   "features": torch.zeros(len(s), len(layer_ids) * args.hidden, dtype=dtype)} for i, s in enumerate(seqs)]

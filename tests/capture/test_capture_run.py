@@ -19,9 +19,9 @@ from prewarmed import worker_cli
 from warm_worker import job_pid, module_command
 
 from dflash_worker.capture import open_capture, run_capture
-from dflash_worker.model.io import read_target_layer_ids
 from dflash_worker.data import PreparedData, render_example
 from dflash_worker.errors import DataError, ResumeError
+from dflash_worker.model.io import read_target_layer_ids
 from dflash_worker.recipe import load_recipe
 
 from .conftest import LAYER_IDS, one_thread_env, payload, write_recipe
@@ -277,7 +277,7 @@ def test_streamed_shard_is_a_valid_safetensors_file(tmp_path, dtype):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from dflash_worker.capture.run import _write_shard
+    from dflash_worker.capture.shards import _write_shard
 
     g = torch.Generator().manual_seed(0)
     lens = [3, 1, 7]  # odd lengths: the uint8 mask ends unaligned, nothing may follow it

@@ -327,10 +327,10 @@ def test_progress_and_bytes_read(tiny_target):
 @pytest.mark.parametrize("want", [None, torch.bfloat16])
 def test_chunked_threaded_reads(tiny_target, monkeypatch, want):
     """Force many odd-sized chunks over several threads; direct and converting paths stay exact."""
-    from dflash_worker.weights import stream
+    from dflash_worker.weights import stream_read
 
-    monkeypatch.setattr(stream, "CHUNK_BYTES", 1000)  # not a multiple of 4: chunks must stay element-aligned
-    monkeypatch.setattr(stream, "_threads", lambda: 3)
+    monkeypatch.setattr(stream_read, "CHUNK_BYTES", 1000)  # not a multiple of 4: chunks must stay element-aligned
+    monkeypatch.setattr(stream_read, "_threads", lambda: 3)
     path, _ = tiny_target("qwen3_moe", "float32", True)
     ours = load_model(path, dtype=want, mmap=False)
     assert ours.load_report.bytes_mapped == 0
@@ -340,12 +340,12 @@ def test_chunked_threaded_reads(tiny_target, monkeypatch, want):
 
 def test_prefaulted_direct_reads_are_byte_identical(tiny_target, monkeypatch):
     """With the prefault threshold at 0 every direct chunk is `madvise`d before its read."""
-    from dflash_worker.weights import stream
+    from dflash_worker.weights import stream_read
 
     calls = []
-    real = stream._prefault
-    monkeypatch.setattr(stream, "_PREFAULT_MIN_BYTES", 0)
-    monkeypatch.setattr(stream, "_prefault", lambda addr, n: (calls.append(n), real(addr, n)))
+    real = stream_read._prefault
+    monkeypatch.setattr(stream_read, "_PREFAULT_MIN_BYTES", 0)
+    monkeypatch.setattr(stream_read, "_prefault", lambda addr, n: (calls.append(n), real(addr, n)))
     path, _ = tiny_target("qwen3", "float32", False)
     ours = load_model(path, mmap=False)
     assert calls, "no direct chunk was prefaulted"
@@ -355,17 +355,17 @@ def test_prefaulted_direct_reads_are_byte_identical(tiny_target, monkeypatch):
 def test_per_expert_reads_are_batched_and_prefaulted_as_merged_ranges(tiny_target, monkeypatch):
     """Thousands of small per-expert tensors: a pool task reads many of them, and the batch
     backs their adjacent destination rows (gate then up of one expert, and the next) in one range."""
-    from dflash_worker.weights import stream
+    from dflash_worker.weights import stream_read
 
     calls: list[int] = []
-    real = stream._prefault
-    monkeypatch.setattr(stream, "_PREFAULT_MIN_BYTES", 0)
-    monkeypatch.setattr(stream, "_prefault", lambda addr, n: (calls.append(n), real(addr, n)))
-    monkeypatch.setattr(stream, "_threads", lambda: 2)
-    monkeypatch.setattr(stream, "CHUNK_BYTES", 4096)  # several batches, over a pool of 2
+    real = stream_read._prefault
+    monkeypatch.setattr(stream_read, "_PREFAULT_MIN_BYTES", 0)
+    monkeypatch.setattr(stream_read, "_prefault", lambda addr, n: (calls.append(n), real(addr, n)))
+    monkeypatch.setattr(stream_read, "_threads", lambda: 2)
+    monkeypatch.setattr(stream_read, "CHUNK_BYTES", 4096)  # several batches, over a pool of 2
     submitted: list[int] = []
-    real_run = stream._run_batch
-    monkeypatch.setattr(stream, "_run_batch", lambda batch, fd: (submitted.append(len(batch)), real_run(batch, fd)))
+    real_run = stream_read._run_batch
+    monkeypatch.setattr(stream_read, "_run_batch", lambda batch, fd: (submitted.append(len(batch)), real_run(batch, fd)))
     path, _ = tiny_target("qwen3_moe", "bfloat16", False)
     piece = max(e.nbytes for n, e in list_tensors(path).items() if ".experts.0." in n)
     ours = load_model(path, mmap=False)
@@ -376,10 +376,10 @@ def test_per_expert_reads_are_batched_and_prefaulted_as_merged_ranges(tiny_targe
 
 
 def test_batches_keep_order_and_limit():
-    from dflash_worker.weights import stream
+    from dflash_worker.weights import stream_read
 
-    units = [stream._Unit(item=None, nbytes=n, fn=lambda fd: None) for n in (3, 3, 3, 10, 1, 1, 4)]
-    got = [[u.nbytes for u in b] for b in stream._batches(units, limit=6)]
+    units = [stream_read._Unit(item=None, nbytes=n, fn=lambda fd: None) for n in (3, 3, 3, 10, 1, 1, 4)]
+    got = [[u.nbytes for u in b] for b in stream_read._batches(units, limit=6)]
     assert got == [[3, 3], [3], [10], [1, 1, 4]]
-    assert [u for b in stream._batches(units, limit=6) for u in b] == units
-    assert stream._batches([], limit=6) == []
+    assert [u for b in stream_read._batches(units, limit=6) for u in b] == units
+    assert stream_read._batches([], limit=6) == []

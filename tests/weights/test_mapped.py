@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from dflash_worker.errors import CheckpointError
-from dflash_worker.weights import load_model, stream_into
-from dflash_worker.weights import stream as stream_mod
+from dflash_worker.weights import load_model, stream_into, stream_read
 
 from .test_loader import _reference, assert_identical, assert_tied
 
@@ -147,7 +146,7 @@ def test_a_file_that_cannot_be_mapped_is_copied(tiny_target, monkeypatch):
     def refuse(*a, **k):
         raise OSError(19, "No such device")  # what mmap says on file systems without it
 
-    monkeypatch.setattr(stream_mod._mmap, "mmap", refuse)
+    monkeypatch.setattr(stream_read._mmap, "mmap", refuse)
     m = load_model(path)
     assert m.load_report.bytes_mapped == 0 and not m.load_report.mapped
     assert_identical(m, _reference(path))
@@ -213,7 +212,7 @@ def _truncate_last_shard_around_mapping(tiny_target, tmp_path, monkeypatch, *, b
     src, _ = tiny_target("qwen3", "float32", False)
     path = tmp_path / "ckpt"
     shutil.copytree(src, path)
-    real = stream_mod._map_items
+    real = stream_read._map_items
     victim = sorted(path.glob("*.safetensors"))[-1]
 
     def truncate_around(fd, p, items):
@@ -225,7 +224,7 @@ def _truncate_last_shard_around_mapping(tiny_target, tmp_path, monkeypatch, *, b
             os.truncate(victim, size(victim.stat().st_size))
         return ok
 
-    monkeypatch.setattr(stream_mod, "_map_items", truncate_around)
+    monkeypatch.setattr(stream_read, "_map_items", truncate_around)
     return path, victim
 
 
@@ -238,7 +237,7 @@ def test_file_truncated_before_mapping_names_file_and_tensor(tiny_target, tmp_pa
 @linux_only
 def test_file_shrinking_while_pages_are_faulted_in_is_an_error_not_sigbus(tiny_target, tmp_path, monkeypatch):
     """MADV_POPULATE_READ reports EFAULT where a read would raise SIGBUS; the loader turns it into an error."""
-    if stream_mod._madvise is None or not stream_mod._populate_read_ok:
+    if stream_read._madvise is None or not stream_read._populate_read_ok:
         pytest.skip("madvise(MADV_POPULATE_READ) is not available on this kernel")
     # after the mapping, every tensor of the shard lies past the end of the file
     path, victim = _truncate_last_shard_around_mapping(tiny_target, tmp_path, monkeypatch, before=False, size=lambda n: 8)

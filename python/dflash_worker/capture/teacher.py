@@ -23,7 +23,7 @@ from ..data import Example, render_example, render_prompt
 from ..errors import DataError
 
 if TYPE_CHECKING:
-    from .run import CapturePlan
+    from .plan import CapturePlan
 
 
 def teacher_features(model: Any, input_ids: list[int], layer_ids: list[int], device: Any):

@@ -193,27 +193,11 @@ def write_af4g64(
     Raises:
         ExportError: naming the offending tensor, for every refused input.
     """
-    if variant not in VARIANTS:
-        raise ExportError(f"refusing to export: unknown af4g64 variant `{variant}`")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"refusing to export: `{out_dir}` already exists\nhint: choose a new directory or pass overwrite")
-    if not isinstance(named_tensors, Mapping):
-        raise ExportError(
-            f"refusing to export: tensors are a `{type(named_tensors).__name__}`, expected a name -> tensor mapping"
-        )
-    if isinstance(quantize_names, str):
-        raise ExportError("refusing to export: quantize_names must be a list of names, not one string")
-    qnames = list(dict.fromkeys(quantize_names))
-    extra = dict(manifest_extra or {})
-    reserved = sorted(set(extra) & set(_RESERVED_MANIFEST_KEYS))
-    if reserved:
-        raise ExportError(f"refusing to export: manifest_extra reuses reserved key(s) `{reserved}`")
-
+    qnames, extra = _check_args(named_tensors, out_dir, quantize_names, manifest_extra, variant=variant, overwrite=overwrite)
     _validate(named_tensors, qnames)
     cfg = _config(config_dict)
     tensors = _convert(named_tensors, qnames, variant)
-
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "quantization": dict(MLX_QUANTIZATION),
@@ -227,7 +211,38 @@ def write_af4g64(
         pretty_json(manifest)
     except (TypeError, ValueError) as exc:
         raise ExportError(f"refusing to export: manifest_extra is not JSON-serialisable: {exc}") from exc
+    files = _write_dir(out_dir, tensors, cfg, manifest, overwrite=overwrite)
+    return AF4G64Export(out_dir=out_dir, files=files, quantized=tuple(sorted(qnames)), manifest=manifest)
 
+
+def _check_args(
+    named_tensors: Any, out_dir: Path, quantize_names: Any, manifest_extra: Mapping[str, Any] | None, *,
+    variant: str, overwrite: bool,
+) -> tuple[list[str], dict[str, Any]]:
+    """The arguments' own checks, before any tensor is looked at: `(quantize names, manifest_extra)`."""
+    if variant not in VARIANTS:
+        raise ExportError(f"refusing to export: unknown af4g64 variant `{variant}`")
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"refusing to export: `{out_dir}` already exists\nhint: choose a new directory or pass overwrite")
+    if not isinstance(named_tensors, Mapping):
+        raise ExportError(
+            f"refusing to export: tensors are a `{type(named_tensors).__name__}`, expected a name -> tensor mapping"
+        )
+    if isinstance(quantize_names, str):
+        raise ExportError("refusing to export: quantize_names must be a list of names, not one string")
+    qnames = list(dict.fromkeys(quantize_names))
+    extra = dict(manifest_extra or {})
+    reserved = sorted(set(extra) & set(_RESERVED_MANIFEST_KEYS))
+    if reserved:
+        raise ExportError(f"refusing to export: manifest_extra reuses reserved key(s) `{reserved}`")
+    return qnames, extra
+
+
+def _write_dir(
+    out_dir: Path, tensors: dict[str, torch.Tensor], cfg: dict[str, Any], manifest: dict[str, Any], *, overwrite: bool
+) -> dict[str, str]:
+    """Write the three files under a temporary sibling and rename it into place (an existing `out_dir`
+    is put back if anything fails); fills `manifest["files"]` and returns it."""
     from safetensors.torch import save_file
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -261,7 +276,7 @@ def write_af4g64(
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return AF4G64Export(out_dir=out_dir, files=files, quantized=tuple(sorted(qnames)), manifest=manifest)
+    return files
 
 
 def read_manifest(out_dir: str | Path) -> dict[str, Any]:

@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,29 +86,16 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
         )
 
 
-def write_bf16(
-    released_dir: str | Path,
-    trained: Mapping[str, torch.Tensor],
-    out_dir: str | Path,
-    *,
-    manifest_extra: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    _fault: Any = None,
-) -> BF16Export:
-    """Write the export (see module docstring). `trained`: our parameter name -> BF16 tensor."""
-    from ..weights.stream import TORCH_DTYPES
+def _plan(entries: list, trained: Mapping[str, torch.Tensor], released_dir: Path) -> list[tuple[str, str, list[int], bytes]]:
+    """`(released key, dtype, shape, bytes)` of every tensor to write, in released order: the trained
+    value where there is one, else the released bytes. Checks every tensor first; nothing is written."""
+    from ..weights.dtypes import TORCH_DTYPES
 
-    released_dir, out_dir = Path(released_dir), Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"export directory `{out_dir}` already exists\nhint: pass `overwrite=True` (CLI: `--overwrite`)")
-    entries = _released_tensors(released_dir)
     released_names = {_our_name(k) for k, _, _ in entries}
     unknown = sorted(set(trained) - released_names)
     if unknown:
         raise ExportError(f"trained tensors `{unknown[:5]}` do not exist in the released draft `{released_dir}`")
-
-    # Plan and check every tensor before writing anything.
-    plan = []  # (key, dtype str, shape, source) source = bytes or (path, begin, end)
+    plan = []
     for key, info, path in entries:
         name = _our_name(key)
         if name in trained:
@@ -126,37 +112,71 @@ def write_bf16(
             if dt.is_floating_point and info.numel:
                 _check_finite(name, torch.frombuffer(bytearray(raw), dtype=dt).float())
             plan.append((key, info.dtype, list(info.shape), raw))
+    return plan
 
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, dtype, shape, data in plan:
-        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hbytes += b" " * (-len(hbytes) % 8)
+
+def _write_weights(path: Path, plan: list[tuple[str, str, list[int], bytes]], fault: Any) -> None:
+    """`model.safetensors` (`weights.write`): the planned tensors in order, metadata `{"format": "pt"}`.
+    `fault(i, key)`, when given, runs before tensor `i`'s bytes are written (tests inject failures)."""
+    from ..weights.write import RawTensor, write_safetensors
+
+    def parts(i: int, key: str, data: bytes):
+        if fault is not None:
+            fault(i, key)
+        yield data
+
+    tensors = {key: RawTensor(dtype, tuple(shape), parts(i, key, data)) for i, (key, dtype, shape, data) in enumerate(plan)}
+    write_safetensors(path, tensors, {"format": "pt"})
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished `tmp` into place; an existing `out_dir` goes only once the new one is there."""
+    if out_dir.exists():
+        trash = out_dir.parent / f".tmp-old-{out_dir.name}-{os.getpid()}"
+        os.replace(out_dir, trash)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+
+
+def write_bf16(
+    released_dir: str | Path,
+    trained: Mapping[str, torch.Tensor],
+    out_dir: str | Path,
+    *,
+    manifest_extra: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    _fault: Any = None,
+) -> BF16Export:
+    """Write the export (see module docstring). `trained`: our parameter name -> BF16 tensor."""
+    released_dir, out_dir = Path(released_dir), Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"export directory `{out_dir}` already exists\nhint: pass `overwrite=True` (CLI: `--overwrite`)")
+    entries = _released_tensors(released_dir)
+    plan = _plan(entries, trained, released_dir)  # every tensor checked before anything is written
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        tensor_sha = {}
-        with open(tmp / WEIGHTS, "wb") as f:
-            f.write(struct.pack("<Q", len(hbytes)))
-            f.write(hbytes)
-            for i, (key, _, _, data) in enumerate(plan):
-                if _fault is not None:
-                    _fault(i, key)
-                f.write(data)
-                tensor_sha[key] = hashlib.sha256(data).hexdigest()
-            f.flush()
-            os.fsync(f.fileno())
+        _write_weights(tmp / WEIGHTS, plan, _fault)
         shutil.copyfile(released_dir / "config.json", tmp / "config.json")
         files = {name: {"sha256": sha256_file(tmp / name), "size": (tmp / name).stat().st_size} for name in (WEIGHTS, "config.json")}
         manifest = {
             "format": FORMAT,
             "files": files,
-            "tensors": tensor_sha,
+            "tensors": {key: hashlib.sha256(data).hexdigest() for key, _, _, data in plan},
             "trained": sorted(k for k, *_ in plan if _our_name(k) in trained),
             "released": {
                 "dir": str(released_dir),
@@ -168,20 +188,9 @@ def write_bf16(
         }
         (tmp / "manifest.json").write_bytes(pretty_json(manifest))
         for name in ("config.json", "manifest.json"):
-            fd = os.open(tmp / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(tmp / name)
         _fsync_dir(tmp)
-        if out_dir.exists():
-            trash = out_dir.parent / f".tmp-old-{out_dir.name}-{os.getpid()}"
-            os.replace(out_dir, trash)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
+        _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -35,7 +35,7 @@ def _codebook_alias(key: str) -> str:
 
 def _checkpoint_dtype(path: Path) -> torch.dtype:
     from ..weights import resolve_checkpoint
-    from ..weights.stream import TORCH_DTYPES
+    from ..weights.dtypes import TORCH_DTYPES
 
     for shard in resolve_checkpoint(path).shards:
         for info in shard.tensors.values():

@@ -1,7 +1,8 @@
-"""Safetensors checkpoints: header validation, shard resolution and streamed loading.
+"""Safetensors checkpoints: header validation, shard resolution, streamed loading and the writer.
 
 `read_header` and `list_tensors` read headers only and import no torch; the
-loaders (`stream_into`, `load_model`) are imported lazily on first use.
+loaders (`stream_into`, `load_model`) and the one safetensors writer
+(`write_safetensors`, `weights.write`) are imported lazily on first use.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from .header import DTYPE_SIZES, MAX_HEADER_BYTES, Header, TensorInfo, read_head
 if TYPE_CHECKING:
     from .loader import check_model_checkpoint, load_model
     from .stream import LoadReport, stream_into
+    from .write import write_safetensors
 
-_LAZY = {"load_model": ".loader", "check_model_checkpoint": ".loader", "stream_into": ".stream", "LoadReport": ".stream"}
+_LAZY = {"load_model": ".loader", "check_model_checkpoint": ".loader", "stream_into": ".stream", "LoadReport": ".stream",
+         "write_safetensors": ".write"}
 
 
 def __getattr__(name: str) -> Any:
@@ -40,4 +43,5 @@ __all__ = [
     "read_header",
     "resolve_checkpoint",
     "stream_into",
+    "write_safetensors",
 ]

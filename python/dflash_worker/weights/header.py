@@ -117,8 +117,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> Header:
-    """Validate header JSON `raw` (the bytes after the length prefix) of a file of `file_size` bytes."""
+def _parse_json(path: Path, raw: bytes) -> dict[str, Any]:
+    """The header's JSON object: UTF-8, no duplicate key at any level, no NaN/Infinity."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -131,69 +131,65 @@ def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> Header:
         raise _err(path, f"header is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise _err(path, f"header must be a JSON object, found `{type(doc).__name__}`")
+    return doc
 
-    data_start = 8 + len(raw)
-    data_bytes = file_size - data_start
-    metadata: dict[str, str] = {}
-    raw_meta = doc.pop("__metadata__", None)
-    if raw_meta is not None:
-        if not isinstance(raw_meta, dict):
-            raise _err(path, "`__metadata__` must be an object of strings", tensor="__metadata__")
-        for k, v in raw_meta.items():
-            if not isinstance(v, str):
-                raise _err(path, f"`__metadata__` value of `{k}` must be a string, found `{type(v).__name__}`", tensor="__metadata__")
-        metadata = dict(raw_meta)
 
-    infos: list[TensorInfo] = []
-    for name, entry in doc.items():
-        if not name:
-            raise _err(path, "empty tensor name in header", tensor=name)
-        if not isinstance(entry, dict):
-            raise _err(path, f"header entry must be an object, found `{type(entry).__name__}`", tensor=name)
-        missing = _ENTRY_FIELDS - entry.keys()
-        if missing:
-            raise _err(path, f"header entry lacks {', '.join(f'`{m}`' for m in sorted(missing))}", tensor=name)
-        extra = entry.keys() - _ENTRY_FIELDS
-        if extra:
-            raise _err(path, f"header entry has unknown field(s) {', '.join(f'`{m}`' for m in sorted(extra))}", tensor=name)
-        dtype = entry["dtype"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise _err(
-                path,
-                f"unknown dtype `{dtype}`",
-                tensor=name,
-                hint=f"supported dtypes: {', '.join(DTYPE_SIZES)}",
-            )
-        shape = entry["shape"]
-        if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
-            raise _err(path, f"shape must be a list of integers, found `{shape}`", tensor=name)
-        if any(d < 0 for d in shape):
-            raise _err(path, f"shape has a negative dimension: `{shape}`", tensor=name)
-        offsets = entry["data_offsets"]
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-            raise _err(path, f"`data_offsets` must be two integers, found `{offsets}`", tensor=name)
-        begin, end = offsets
-        if begin < 0 or end < begin:
-            raise _err(path, f"invalid `data_offsets` `{offsets}` (need 0 <= begin <= end)", tensor=name)
-        expected = math.prod(shape) * DTYPE_SIZES[dtype]
-        if end - begin != expected:
-            raise _err(
-                path,
-                f"byte count `{end - begin}` does not match shape `{shape}` x `{dtype}` (`{expected}` bytes)",
-                tensor=name,
-            )
-        if end > data_bytes:
-            raise _err(
-                path,
-                f"data_offsets `{offsets}` run past the end of the data section (`{data_bytes}` bytes): "
-                "offsets out of range or file truncated",
-                tensor=name,
-                hint="re-download or re-save the file",
-            )
-        infos.append(TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end))
+def _parse_metadata(path: Path, raw_meta: Any) -> dict[str, str]:
+    """`__metadata__` (absent: empty): an object of strings."""
+    if raw_meta is None:
+        return {}
+    if not isinstance(raw_meta, dict):
+        raise _err(path, "`__metadata__` must be an object of strings", tensor="__metadata__")
+    for k, v in raw_meta.items():
+        if not isinstance(v, str):
+            raise _err(path, f"`__metadata__` value of `{k}` must be a string, found `{type(v).__name__}`", tensor="__metadata__")
+    return dict(raw_meta)
 
-    # Sort by (begin, end) so zero-sized tensors sharing an offset are not "overlaps".
-    infos.sort(key=lambda t: (t.begin, t.end))
+
+def _parse_entry(path: Path, name: str, entry: Any, data_start: int, data_bytes: int) -> TensorInfo:
+    """One tensor's entry: exactly `dtype`, `shape`, `data_offsets`, consistent with each other and in range."""
+    if not name:
+        raise _err(path, "empty tensor name in header", tensor=name)
+    if not isinstance(entry, dict):
+        raise _err(path, f"header entry must be an object, found `{type(entry).__name__}`", tensor=name)
+    missing = _ENTRY_FIELDS - entry.keys()
+    if missing:
+        raise _err(path, f"header entry lacks {', '.join(f'`{m}`' for m in sorted(missing))}", tensor=name)
+    extra = entry.keys() - _ENTRY_FIELDS
+    if extra:
+        raise _err(path, f"header entry has unknown field(s) {', '.join(f'`{m}`' for m in sorted(extra))}", tensor=name)
+    dtype = entry["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise _err(path, f"unknown dtype `{dtype}`", tensor=name, hint=f"supported dtypes: {', '.join(DTYPE_SIZES)}")
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        raise _err(path, f"shape must be a list of integers, found `{shape}`", tensor=name)
+    if any(d < 0 for d in shape):
+        raise _err(path, f"shape has a negative dimension: `{shape}`", tensor=name)
+    offsets = entry["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise _err(path, f"`data_offsets` must be two integers, found `{offsets}`", tensor=name)
+    begin, end = offsets
+    if begin < 0 or end < begin:
+        raise _err(path, f"invalid `data_offsets` `{offsets}` (need 0 <= begin <= end)", tensor=name)
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - begin != expected:
+        raise _err(
+            path, f"byte count `{end - begin}` does not match shape `{shape}` x `{dtype}` (`{expected}` bytes)", tensor=name
+        )
+    if end > data_bytes:
+        raise _err(
+            path,
+            f"data_offsets `{offsets}` run past the end of the data section (`{data_bytes}` bytes): "
+            "offsets out of range or file truncated",
+            tensor=name,
+            hint="re-download or re-save the file",
+        )
+    return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_tiling(path: Path, infos: list[TensorInfo], data_start: int, file_size: int) -> None:
+    """Sorted by offset (`infos` is), the tensors tile the data section: no overlap, no hole, no trailing bytes."""
     cursor = data_start
     prev: TensorInfo | None = None
     for info in infos:
@@ -215,10 +211,21 @@ def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> Header:
     if cursor != file_size:
         raise _err(
             path,
-            f"`{file_size - cursor}` trailing bytes after the last tensor (data section is `{data_bytes}` bytes, "
+            f"`{file_size - cursor}` trailing bytes after the last tensor (data section is `{file_size - data_start}` bytes, "
             f"tensors cover `{cursor - data_start}`)",
             tensor=prev.name if prev else None,
         )
+
+
+def parse_header_bytes(path: Path, raw: bytes, file_size: int) -> Header:
+    """Validate header JSON `raw` (the bytes after the length prefix) of a file of `file_size` bytes."""
+    doc = _parse_json(path, raw)
+    data_start = 8 + len(raw)
+    metadata = _parse_metadata(path, doc.pop("__metadata__", None))
+    infos = [_parse_entry(path, name, entry, data_start, file_size - data_start) for name, entry in doc.items()]
+    # Sort by (begin, end) so zero-sized tensors sharing an offset are not "overlaps".
+    infos.sort(key=lambda t: (t.begin, t.end))
+    _check_tiling(path, infos, data_start, file_size)
     return Header(
         path=path,
         header_bytes=len(raw),
