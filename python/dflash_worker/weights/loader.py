@@ -40,7 +40,8 @@ from .checkpoint import (
     resolve_checkpoint,
     skips_outside_text_tower,
 )
-from .stream import TORCH_DTYPES, LoadReport, ProgressFn, Source, stream_into
+from .dtypes import TORCH_DTYPES
+from .stream import LoadReport, ProgressFn, Source, stream_into
 
 # model_type values this loader knows how to fill: every registered family's
 SUPPORTED_MODEL_TYPES = MODEL_TYPES

@@ -254,4 +254,4 @@ def _swap_in(slots: dict[str, _Slot], dev: torch.device) -> None:
         slot.old = None  # type: ignore[assignment]
 
 
-__all__ = ["LoadReport", "TORCH_DTYPES", "stream_into"]
+__all__ = ["LoadReport", "stream_into"]
