@@ -59,7 +59,7 @@ def recipe_seeds() -> list[bytes]:
 
 
 def spec_seeds() -> list[bytes]:
-    # The layout `JobSpecFile::write` (run-manager/src/jobdir.rs) produces; job_dir is
+    # The layout `JobSpecFile::write` (run-manager/src/worker/jobdir.rs) produces; job_dir is
     # left out (the fuzz target's directory differs per process).
     noop = {"stages": ["noop"], "noop": {"steps": 3, "step_seconds": 0.0, "checkpoint_every": 1}}
     full = {

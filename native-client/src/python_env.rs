@@ -174,8 +174,8 @@ mod tests {
     fn error_event_is_a_valid_event() {
         let line = error_event_line("boom \"quoted\"\nnext", true);
         assert!(!line.contains('\n'));
-        match run_manager::events::parse_event(&line).expect("parses") {
-            run_manager::events::WorkerEvent::Error { message, retryable } => {
+        match run_manager::worker::events::parse_event(&line).expect("parses") {
+            run_manager::worker::events::WorkerEvent::Error { message, retryable } => {
                 assert!(retryable);
                 assert!(message.contains("quoted"));
             }

@@ -93,9 +93,9 @@ fn native_client_maps_python_failures_to_exit_codes() {
         .last()
         .unwrap_or_default()
         .to_string();
-    let ev = run_manager::events::parse_event(&last).expect("event");
+    let ev = run_manager::worker::events::parse_event(&last).expect("event");
     assert!(
-        matches!(ev, run_manager::events::WorkerEvent::Error { retryable: false, ref message } if message.contains("warp_drive")),
+        matches!(ev, run_manager::worker::events::WorkerEvent::Error { retryable: false, ref message } if message.contains("warp_drive")),
         "{ev:?}"
     );
     // No usable environment: exit 2 with a hint, never a crash.

@@ -33,7 +33,7 @@ rank is done, so the shards and the manifest's payload are the bytes one
 rank writes.
 
 A coordinator job (`dflash_worker.job`) leased N local ranks runs as N processes the
-run-manager starts with this same environment (``run-manager/src/ranks.rs``). The job
+run-manager starts with this same environment (``run-manager/src/worker/ranks.rs``). The job
 joins the group once for all its stages (`hold`), so capture and training share it;
 the stages only rank 0 runs (prepare, check) end with `publish`, which the other
 ranks `await_published` before they go on.

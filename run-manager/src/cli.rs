@@ -155,12 +155,12 @@ pub struct Cli {
     pub launch_mode: LaunchModeArg,
 
     /// Docker launch mode: the docker executable (a path, or a name looked up on PATH).
-    #[arg(long, env = env_vars::DOCKER, value_name = "PATH", default_value = crate::docker::DOCKER_PROGRAM)]
+    #[arg(long, env = env_vars::DOCKER, value_name = "PATH", default_value = crate::worker::docker::DOCKER_PROGRAM)]
     pub docker: PathBuf,
 
     /// Docker launch mode: image repository for runs that name no image; the tag is the run's
     /// required client version.
-    #[arg(long, env = env_vars::IMAGE_REPOSITORY, value_name = "REPO", default_value = crate::docker::DEFAULT_IMAGE_REPOSITORY)]
+    #[arg(long, env = env_vars::IMAGE_REPOSITORY, value_name = "REPO", default_value = crate::worker::docker::DEFAULT_IMAGE_REPOSITORY)]
     pub image_repository: String,
 
     /// Docker launch mode: also mount this host directory read-only at the same path in the

@@ -162,7 +162,7 @@ pub const CPU_RANKS_FEATURE: &str = "cpu_ranks";
 /// The feature every run-manager offers: it runs one job of a job graph (a lease whose
 /// `kind` is `prepare`, `capture`, `train` or `evaluate`), downloading the lease's
 /// `inputs` into the job directory and naming them in `spec.json`'s `graph`
-/// (`crate::inputs`). Graph runs require it (the coordinator's `policy.JOB_GRAPH_FEATURE`).
+/// (`crate::artifacts::inputs`). Graph runs require it (the coordinator's `policy.JOB_GRAPH_FEATURE`).
 pub const JOB_GRAPH_FEATURE: &str = "job_graph";
 
 /// `caps` of a CPU provider that offers `ranks` local ranks (`--cpu-ranks`).

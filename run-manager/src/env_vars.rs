@@ -106,12 +106,12 @@ pub const PYTHONUNBUFFERED: &str = "PYTHONUNBUFFERED";
 /// it again once the interpreter is up, so the job's subprocesses never see it.
 pub const PYTHONHOME: &str = "PYTHONHOME";
 
-/// Test-only: where the `jobdir::tests::writes_fixture_spec_json_for_python`
+/// Test-only: where the `worker::jobdir::tests::writes_fixture_spec_json_for_python`
 /// unit test writes a sample `spec.json` for the Python side's round-trip test
 /// (`tests/worker/test_rust_spec.py`); unset, it writes nothing.
 pub const SPEC_FIXTURE_OUT: &str = "DFLASH_SPEC_FIXTURE_OUT";
 
-// The standard `torch.distributed` environment each local rank gets (`crate::ranks`),
+// The standard `torch.distributed` environment each local rank gets (`crate::worker::ranks`),
 // as `torchrun` sets it.
 pub const RANK: &str = "RANK";
 pub const LOCAL_RANK: &str = "LOCAL_RANK";

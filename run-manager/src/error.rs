@@ -5,12 +5,12 @@
 //! 10 version upgrade required, 128+N stopped by signal N (130 SIGINT, 143 SIGTERM).
 //!
 //! Types only, so that every module can use them: the one import from the
-//! crate is `crate::tls_fault` (itself types only, importing nothing of the
+//! crate is `crate::coordinator::tls_fault` (itself types only, importing nothing of the
 //! crate), for the `hint:` and exit code of a call that failed on TLS.
 
 use std::path::PathBuf;
 
-use crate::tls_fault::fault_of;
+use crate::coordinator::tls_fault::fault_of;
 
 /// Exit code: success.
 pub const EXIT_OK: u8 = 0;

@@ -5,26 +5,38 @@
 //! everything else lives in this library so tests can call it. Nothing here
 //! needs or links Python: the native client, the worker launcher that embeds
 //! it, is the `dflash-native-client` crate (`native-client/`).
+//!
+//! The folders are the architecture, each using only those above it in this list
+//! and the shared modules at the root:
+//! - `coordinator/`: the connection to the coordinator (target, TLS, channel,
+//!   clients with their retries, certificates, the provider token);
+//! - `worker/`: the worker as a process (command, environment, local ranks,
+//!   docker, native or container launch), its event protocol and its job directory;
+//! - `artifacts/`: what moves between the job directory and the coordinator
+//!   (verification, checkpoints, uploads, downloads, the resume checkpoint, a
+//!   graph job's inputs);
+//! - `attempt/`: one lease from admission to FinishAttempt (the supervisor and
+//!   its heartbeats);
+//! - `provider`, `setup` and `commands/`: the provider loop, the configuration
+//!   from the command line, and the two modes (`--local`, join).
+//!
+//! At the root, besides those: the vocabulary every part speaks (`error`,
+//! `env_vars`, `paths`, `version`, `backoff`, `proto`, `policy`, `device`,
+//! `lease_lost`, `signal`, `shutdown`) and the shell (`cli`, `logging`, `lockdown`).
 
-pub mod artifact;
+// The parts, each a folder (its `mod.rs` says what it holds):
+pub mod artifacts;
 pub mod attempt;
-pub mod backoff;
-pub mod cert;
-pub mod channel;
-pub mod checkpoint;
-pub mod cli;
-pub mod client;
 pub mod commands;
+pub mod coordinator;
+pub mod worker;
+
+// The shared vocabulary the parts speak, and the shell around them.
+pub mod backoff;
+pub mod cli;
 pub mod device;
-pub mod docker;
 pub mod env_vars;
 pub mod error;
-pub mod events;
-pub mod fetch;
-pub mod graph;
-pub mod heartbeat;
-pub mod jobdir;
-pub mod launch;
 pub mod lease_lost;
 pub mod lockdown;
 pub mod logging;
@@ -32,19 +44,10 @@ pub mod paths;
 pub mod policy;
 pub mod proto;
 pub mod provider;
-pub mod ranks;
-pub mod resume;
 pub mod setup;
 pub mod shutdown;
 pub mod signal;
-pub mod tls_fault;
-pub mod token;
-pub mod transfer;
-pub mod transport;
-pub mod upload;
 pub mod version;
-pub mod worker;
-pub mod worker_env;
 
 pub use error::{Error, Result};
 pub use shutdown::shutdown_signals;

@@ -11,9 +11,9 @@
 //! - reads `DFLASH_PROVIDER_TOKEN` into memory ([`Cli::env_token`]; clap has
 //!   read the flags already);
 //! - on Linux overwrites with NUL bytes, in those original blocks, the values
-//!   of the run-manager's credentials ([`crate::worker_env::CREDENTIALS`]: the
+//!   of the run-manager's credentials ([`crate::worker::environment::CREDENTIALS`]: the
 //!   tokens, and the paths of the token and TLS key files) and of every other
-//!   variable that looks like a secret ([`crate::worker_env::is_secret`]), and
+//!   variable that looks like a secret ([`crate::worker::environment::is_secret`]), and
 //!   the values of `--token`, `--token-file` and `--client-key` ([`SECRET_FLAGS`]);
 //! - removes the credentials from the live environment, so no child (the
 //!   docker CLI, the `--local` coordinator) inherits them; the other secrets are
@@ -33,7 +33,7 @@ use std::ops::Range;
 
 use crate::cli::Cli;
 use crate::env_vars;
-use crate::worker_env;
+use crate::worker::environment;
 
 /// Flags whose values are credentials or name the files holding them.
 pub const SECRET_FLAGS: &[&str] = &["--token", "--token-file", "--client-key"];
@@ -59,10 +59,10 @@ pub fn lock_down(cli: &mut Cli) -> Report {
     let mut report = Report::default();
     // The other secrets' values, copied before their bytes are overwritten.
     let kept: Vec<(OsString, OsString)> = std::env::vars_os()
-        .filter(|(k, _)| worker_env::is_secret(k) && !is_credential(k))
+        .filter(|(k, _)| environment::is_secret(k) && !is_credential(k))
         .collect();
     platform::scrub_blocks(&mut report);
-    for name in worker_env::CREDENTIALS {
+    for name in environment::CREDENTIALS {
         std::env::remove_var(name);
     }
     for (k, v) in kept {
@@ -87,7 +87,7 @@ pub fn log(report: &Report) {
 
 fn is_credential(name: &OsStr) -> bool {
     name.to_str()
-        .is_some_and(|n| worker_env::CREDENTIALS.contains(&n))
+        .is_some_and(|n| environment::CREDENTIALS.contains(&n))
 }
 
 /// The NUL-terminated entries of a block (`/proc/PID/environ` or `cmdline`
@@ -179,7 +179,7 @@ mod platform {
     use std::ops::Range;
 
     use super::{arg_spans, env_spans, Report, SECRET_FLAGS};
-    use crate::worker_env;
+    use crate::worker::environment;
 
     /// `arg_start`, `arg_end`, `env_start`, `env_end` of `/proc/self/stat`
     /// (fields 48 to 51, Linux 3.5+): the blocks `cmdline` and `environ` show.
@@ -231,7 +231,7 @@ mod platform {
             report.failures.push("`/proc/self/stat` shows no argument and environment blocks: the credentials stay in them".into());
             return;
         };
-        let (spans, names) = env_spans(&read(&(env_start..env_end)), worker_env::is_secret);
+        let (spans, names) = env_spans(&read(&(env_start..env_end)), environment::is_secret);
         blank(env_start, &spans);
         report.env_scrubbed = names;
         let (spans, flags) = arg_spans(&read(&(arg_start..arg_end)), SECRET_FLAGS);
@@ -287,7 +287,7 @@ mod tests {
     #[test]
     fn env_values_of_secrets_are_found_and_nothing_else() {
         let block = b"PATH=/bin\0DFLASH_PROVIDER_TOKEN=tok-s3cret\0HOME=/h\0AWS_SECRET_ACCESS_KEY=aws-s3cret\0DFLASH_PROVIDER_TOKEN_FILE=/etc/t\0EMPTY_TOKEN=\0NOEQ\0DFLASH_PROVIDER_TOKEN=again-s3cret\0";
-        let (spans, names) = env_spans(block, worker_env::is_secret);
+        let (spans, names) = env_spans(block, environment::is_secret);
         assert_eq!(
             names,
             [

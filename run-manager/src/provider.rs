@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use crate::attempt::{run_attempt, AttemptConfig, AttemptResult};
-use crate::client::{retry, AdminClient, ProviderClient};
+use crate::coordinator::client::{retry, AdminClient, ProviderClient};
 use crate::error::{Error, Result};
 use crate::proto::{
     acquire_lease_response, AcquireLeaseRequest, AcquireLeaseResponse, ArtifactInfo, GetRunRequest,

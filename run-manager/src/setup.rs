@@ -9,17 +9,17 @@ use std::time::Duration;
 use crate::attempt::AttemptConfig;
 use crate::backoff::Backoff;
 use crate::cli::{Cli, LaunchModeArg};
-use crate::client::RetryPolicy;
+use crate::coordinator::client::RetryPolicy;
+use crate::coordinator::token;
+use crate::coordinator::transport::{Target, TlsFiles};
 use crate::device;
-use crate::docker::{self, DockerConfig};
 use crate::error::{Error, Result};
 use crate::policy::PolicyContext;
 use crate::proto::{DeviceCapabilities, LaunchMode};
 use crate::provider::ProviderConfig;
-use crate::token;
-use crate::transport::{Target, TlsFiles};
 use crate::version::CLIENT_VERSION;
-use crate::worker::WorkerCommand;
+use crate::worker::docker::{self, DockerConfig};
+use crate::worker::process::WorkerCommand;
 
 /// File name of the native client binary.
 pub const NATIVE_CLIENT_NAME: &str = "dflash-native-client";

@@ -5,7 +5,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
 use crate::error::{Error, Result};
-use crate::worker;
+use crate::worker::process;
 
 /// The receiving end: `None` until a signal arrives, then `Some(signal)`.
 pub type Shutdown = watch::Receiver<Option<i32>>;
@@ -25,7 +25,7 @@ pub fn shutdown_signals() -> Result<Shutdown> {
             };
             tracing::warn!(
                 "received {}; stopping after the worker",
-                worker::signal_name(sig)
+                process::signal_name(sig)
             );
             if tx.send(Some(sig)).is_err() {
                 return;

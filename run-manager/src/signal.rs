@@ -1,6 +1,6 @@
 //! What an attempt's helper tasks tell its supervisor (`crate::attempt`): the
-//! heartbeat task's directives and lost leases (`crate::heartbeat`) and the
-//! upload queue's failures (`crate::upload`) arrive as one [`Signal`] stream.
+//! heartbeat task's directives and lost leases (`crate::attempt::heartbeat`) and the
+//! upload queue's failures (`crate::artifacts::upload`) arrive as one [`Signal`] stream.
 //!
 //! Not an operating-system signal: SIGINT/SIGTERM are `crate::shutdown`'s.
 //! Both senders import these types from here, so neither imports the other.
@@ -14,7 +14,7 @@ pub enum Signal {
     CheckpointNow,
     /// The lease is lost: stale (ABORTED) or this provider's token refused.
     Lost(LeaseLost),
-    /// An upload failed for good (`crate::upload`).
+    /// An upload failed for good (`crate::artifacts::upload`).
     Upload(UploadFailure),
 }
 

@@ -14,14 +14,14 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use run_manager::client::admin_client;
-use run_manager::commands::local::EmbeddedCoordinator;
+use run_manager::commands::local::embedded::EmbeddedCoordinator;
+use run_manager::coordinator::client::admin_client;
+use run_manager::coordinator::transport::Target;
 use run_manager::proto::{
     download_artifact_response, AdminDownloadRequest, ArtifactInfo, CancelJobRequest,
     CreateProviderRequest, CreateRunRequest, GetRunRequest, ListArtifactsRequest,
     RequestCheckpointRequest, RevokeProviderRequest, RunSpec,
 };
-use run_manager::transport::Target;
 use sha2::Digest;
 
 const RUN_MANAGER: &str = env!("CARGO_BIN_EXE_run-manager");
@@ -129,7 +129,7 @@ fn sha256_hex(path: &Path) -> String {
         .collect()
 }
 
-type Admin = run_manager::client::AdminClient;
+type Admin = run_manager::coordinator::client::AdminClient;
 
 /// Every attempt's artifact records of a job (all pages).
 async fn list_artifacts(admin: &mut Admin, run_id: &str, job_id: &str) -> Vec<ArtifactInfo> {
@@ -1611,7 +1611,7 @@ fn docker_mode_runs_the_image_with_a_hardened_container() {
     // No image in the run: the default repository, tagged with the run's client version.
     let image = format!(
         "{}:{}",
-        run_manager::docker::DEFAULT_IMAGE_REPOSITORY,
+        run_manager::worker::docker::DEFAULT_IMAGE_REPOSITORY,
         run_manager::version::CLIENT_VERSION
     );
     let calls = docker_calls(&state);

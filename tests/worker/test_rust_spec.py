@@ -1,4 +1,4 @@
-"""The worker reads a `spec.json` that the Rust run-manager wrote (`JobSpecFile`, run-manager/src/jobdir.rs)
+"""The worker reads a `spec.json` that the Rust run-manager wrote (`JobSpecFile`, run-manager/src/worker/jobdir.rs)
 and applies its `device` and `downgrades`.
 
 The file comes from the real Rust serializer: a cargo unit test writes it when
@@ -20,7 +20,7 @@ from prewarmed import run_main
 from dflash_worker.worker.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURE_TEST = "jobdir::tests::writes_fixture_spec_json_for_python"
+FIXTURE_TEST = "worker::jobdir::tests::writes_fixture_spec_json_for_python"
 
 
 @pytest.fixture(scope="module")

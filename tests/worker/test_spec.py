@@ -17,7 +17,7 @@ from dflash_worker.worker.spec import JobSpec
 
 
 def rust_doc(job_dir: Path, **over) -> dict:
-    """What `JobSpecFile::write` (run-manager/src/jobdir.rs) writes, field for field."""
+    """What `JobSpecFile::write` (run-manager/src/worker/jobdir.rs) writes, field for field."""
     doc = {
         "schema_version": 1,
         "spec": {"stages": ["noop"], "noop": {"steps": 3, "step_seconds": 0.0, "checkpoint_every": 1}},

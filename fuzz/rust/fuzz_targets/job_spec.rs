@@ -9,8 +9,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use run_manager::commands::local::RunSpecFile;
-use run_manager::jobdir::parse_spec;
+use run_manager::commands::local::submit::RunSpecFile;
+use run_manager::worker::jobdir::parse_spec;
 
 fuzz_target!(|data: &[u8]| {
     // Both readers take `&str`: a lease field is a proto string, the spec file

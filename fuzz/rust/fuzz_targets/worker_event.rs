@@ -7,7 +7,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use run_manager::events::{
+use run_manager::worker::events::{
     parse_event, WorkerEvent, ARTIFACT_KINDS, MAX_MESSAGE_CHARS, MAX_METRICS, MAX_METRIC_NAME,
     PHASES,
 };

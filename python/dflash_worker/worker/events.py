@@ -1,7 +1,7 @@
 """Typed worker events: the one definition of what a worker tells the run-manager.
 
 The wire format is ``docs/worker-events.md`` (one JSON object per line on stdout); the
-Rust reader is ``run-manager/src/events.rs``. Library code (capture, training,
+Rust reader is ``run-manager/src/worker/events.rs``. Library code (capture, training,
 evaluation) reports through an `EventSink` callback with these objects and never
 prints; the job runner's `JsonLinesSink` is the only writer of the wire format.
 

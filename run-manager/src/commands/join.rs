@@ -3,7 +3,7 @@
 use tokio::sync::watch;
 
 use crate::cli::Cli;
-use crate::client::provider_client;
+use crate::coordinator::client::provider_client;
 use crate::error::Result;
 use crate::provider::{run_loop, Until};
 use crate::setup::{coordinator_target, prepare_work_dir, provider_config, provider_token};
@@ -21,7 +21,10 @@ pub async fn run(cli: &Cli, shutdown: &mut watch::Receiver<Option<i32>>) -> Resu
     Ok(())
 }
 
-fn log_connection(target: &crate::transport::Target, source: &crate::token::TokenSource) {
+fn log_connection(
+    target: &crate::coordinator::transport::Target,
+    source: &crate::coordinator::token::TokenSource,
+) {
     let security = match &target.tls {
         None => "plaintext".to_string(),
         Some(tls) => {

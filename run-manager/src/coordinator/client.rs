@@ -8,12 +8,12 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 
 use crate::backoff::{jitter_fraction, Backoff};
-use crate::channel::{self, Diagnosed};
+use crate::coordinator::channel::{self, Diagnosed};
+use crate::coordinator::tls_fault::fault_of;
+use crate::coordinator::transport::Target;
 use crate::error::{Error, Result};
 use crate::proto::admin_service_client::AdminServiceClient;
 use crate::proto::provider_service_client::ProviderServiceClient;
-use crate::tls_fault::fault_of;
-use crate::transport::Target;
 
 /// Adds `authorization: Bearer <token>` to every call.
 #[derive(Clone)]
@@ -124,7 +124,7 @@ mod tests {
 
     #[test]
     fn tls_faults_that_cannot_heal_are_not_retried() {
-        use crate::tls_fault::TlsFault;
+        use crate::coordinator::tls_fault::TlsFault;
         let with = |fault: TlsFault| {
             let mut s = tonic::Status::unavailable(fault.to_string());
             s.set_source(std::sync::Arc::new(fault));

@@ -35,8 +35,8 @@ use tokio::time::Instant;
 
 use crate::env_vars;
 use crate::error::{Error, Result};
-use crate::events::WorkerEvent;
-use crate::worker::{self, describe_exit, LogRelay, LogTags, WorkerCommand};
+use crate::worker::events::WorkerEvent;
+use crate::worker::process::{self, describe_exit, LogRelay, LogTags, WorkerCommand};
 
 /// How long the other ranks may run on after rank 0 exited.
 pub const LINGER: Duration = Duration::from_secs(10);
@@ -131,12 +131,12 @@ pub fn spawn(
             rank,
             ..tags.clone()
         };
-        let w = match worker::spawn(cmd, job_dir, rank_vars, tags.clone()) {
+        let w = match process::spawn(cmd, job_dir, rank_vars, tags.clone()) {
             Ok(w) => w,
             Err(e) => {
                 // The ranks already started would wait for this one forever.
                 for &pid in &pids {
-                    let _ = worker::kill_group(pid);
+                    let _ = process::kill_group(pid);
                 }
                 return Err(e);
             }
@@ -203,7 +203,7 @@ impl RankGroup {
     /// Send `sig` to every rank still running.
     pub fn signal(&self, sig: i32) {
         for pid in self.running() {
-            let _ = worker::signal(pid, sig);
+            let _ = process::signal(pid, sig);
         }
     }
 
@@ -211,7 +211,7 @@ impl RankGroup {
     pub fn kill(&mut self) {
         self.reaped = true;
         for pid in self.running().collect::<Vec<_>>() {
-            let _ = worker::kill_group(pid);
+            let _ = process::kill_group(pid);
         }
     }
 
@@ -282,7 +282,7 @@ impl Drop for RankGroup {
     fn drop(&mut self) {
         // As `kill_on_drop` does for one worker: no rank outlives its supervisor's interest.
         for pid in self.running().collect::<Vec<_>>() {
-            let _ = worker::kill_group(pid);
+            let _ = process::kill_group(pid);
         }
     }
 }

@@ -15,12 +15,12 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint::{self, ListedFile};
-use crate::fetch::{blocking, FetchError, Fetcher};
-use crate::jobdir::{hash_file, RESUME_DIR};
+use crate::artifacts::checkpoint::{self, ListedFile};
+use crate::artifacts::fetch::{blocking, FetchError, Fetcher};
+use crate::artifacts::transfer::{is_sha256, Transfer};
 use crate::lease_lost::LeaseLost;
 use crate::paths::check_artifact_name;
-use crate::transfer::{is_sha256, Transfer};
+use crate::worker::jobdir::{hash_file, RESUME_DIR};
 
 impl<T: Transfer> Fetcher<'_, T> {
     /// The local manifest to resume from and its step; None (with a warning)
@@ -103,13 +103,13 @@ fn file_is(path: &Path, f: &ListedFile) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fetch::testing::{fetcher, part_files, sha, tmp};
+    use crate::artifacts::fetch::testing::{fetcher, part_files, sha, tmp};
+    use crate::artifacts::transfer::testing::{Call, FakeStore, Fault};
     use crate::proto::{Artifact, Lease};
-    use crate::transfer::testing::{Call, FakeStore, Fault};
 
     /// A checkpoint `ckpt/step-4` with one 3 MiB file, offered by `store`; returns the lease.
     fn offered(store: &FakeStore) -> (Lease, Vec<u8>, Vec<u8>) {
-        let weights: Vec<u8> = (0..3 * crate::transfer::CHUNK_BYTES + 17)
+        let weights: Vec<u8> = (0..3 * crate::artifacts::transfer::CHUNK_BYTES + 17)
             .map(|i| (i % 253) as u8)
             .collect();
         let manifest = format!(

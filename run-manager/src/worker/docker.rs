@@ -363,7 +363,7 @@ async fn docker(
         let err = String::from_utf8_lossy(&out.stderr);
         Err(format!(
             "{what} {}: {}",
-            crate::worker::describe_exit(&out.status),
+            crate::worker::process::describe_exit(&out.status),
             err.trim().chars().take(2000).collect::<String>()
         ))
     }

@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::artifacts::transfer::is_sha256;
 use crate::paths::check_artifact_name;
-use crate::transfer::is_sha256;
 
 /// Largest manifest accepted (the files' hashes, not their bytes, live in it).
 pub const MAX_MANIFEST_BYTES: u64 = 1 << 20;

@@ -13,8 +13,8 @@
 //! Every TLS file is read and checked here, before any connection, so a bad
 //! file is named by its flag and path (an expired client certificate too: the
 //! coordinator would only close the connection). The channel itself is
-//! `crate::channel`'s, which names what goes wrong during a handshake
-//! (`crate::tls_fault`).
+//! `crate::coordinator::channel`'s, which names what goes wrong during a handshake
+//! (`crate::coordinator::tls_fault`).
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -24,9 +24,9 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-use crate::cert;
+use crate::coordinator::cert;
+use crate::coordinator::tls_fault::error_chain;
 use crate::error::{Error, Result};
-use crate::tls_fault::error_chain;
 
 /// How long a TCP connect, and separately a TLS handshake, may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -232,7 +232,7 @@ impl Target {
     }
 
     /// The endpoint to connect to: timeouts, keep-alive and, for `https://`,
-    /// the TLS settings (`crate::channel::open` connects it).
+    /// the TLS settings (`crate::coordinator::channel::open` connects it).
     pub fn endpoint(&self) -> Result<Endpoint> {
         let url = self.address.url();
         let mut endpoint = Endpoint::from_shared(url.clone())

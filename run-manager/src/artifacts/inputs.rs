@@ -33,11 +33,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use crate::fetch::{FetchError, Fetched, Fetcher};
-use crate::jobdir::{GraphInfo, InputFile, RESUME_DIR, SPEC_FILE, SPEC_TMP_FILE};
+use crate::artifacts::fetch::{FetchError, Fetched, Fetcher};
+use crate::artifacts::transfer::{is_sha256, Transfer};
 use crate::paths::check_artifact_name;
 use crate::proto::{Artifact, Lease};
-use crate::transfer::{is_sha256, Transfer};
+use crate::worker::jobdir::{GraphInfo, InputFile, RESUME_DIR, SPEC_FILE, SPEC_TMP_FILE};
 
 /// Whether `lease` runs one job of a graph (not the whole pipeline).
 pub fn is_graph(lease: &Lease) -> bool {
@@ -177,7 +177,7 @@ impl<T: Transfer> Fetcher<'_, T> {
     }
 }
 
-// `GraphInfo` is `spec.json`'s, so it is defined with it in `crate::jobdir`;
+// `GraphInfo` is `spec.json`'s, so it is defined with it in `crate::worker::jobdir`;
 // what fills it in is decided here.
 impl GraphInfo {
     /// The `graph` of a graph lease whose planned inputs are `inputs`; None
@@ -209,9 +209,9 @@ impl GraphInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fetch::testing::{fetcher, input, part_files, sha, tmp};
+    use crate::artifacts::fetch::testing::{fetcher, input, part_files, sha, tmp};
+    use crate::artifacts::transfer::testing::{Call, FakeStore, Fault};
     use crate::lease_lost::LeaseLost;
-    use crate::transfer::testing::{Call, FakeStore, Fault};
 
     /// A capture lease whose inputs are `files`, each offered by `store`.
     fn capture_lease(store: &FakeStore, files: &[(&str, &[u8])]) -> Lease {
@@ -232,7 +232,7 @@ mod tests {
     }
 
     fn big() -> Vec<u8> {
-        (0..3 * crate::transfer::CHUNK_BYTES + 17)
+        (0..3 * crate::artifacts::transfer::CHUNK_BYTES + 17)
             .map(|i| (i % 251) as u8)
             .collect()
     }

@@ -1,51 +1,15 @@
-//! One job attempt: preflight, job directory, the resume checkpoint, worker
-//! supervision with restarts, heartbeats, artifact uploads, and the
-//! FinishAttempt that ends it.
+//! The attempt's loop: [`run_attempt`] admits the lease (`super::admit`), then
+//! a [`Supervisor`] holds everything an attempt shares across worker starts
+//! (client, config, lease, job directory, heartbeat channels, shutdown, resume
+//! checkpoint), makes the inputs and the resume checkpoint local, and runs one
+//! worker start per [`Supervisor::run_once`], restarting after a crash; the
+//! uploads drain before the attempt concludes (`super::finish`).
 //!
-//! Outcomes:
-//! - worker emitted `done` and exited 0 -> SUCCEEDED;
-//! - worker emitted `error` with `retryable: false` and exited -> FAILED
-//!   (not restarted: another try would fail the same way);
-//! - CANCEL directive -> SIGTERM (the worker checkpoints and exits) -> CANCELLED;
-//! - worker crashed (non-zero exit, signal, or exit 0 without `done`) ->
-//!   restarted from its last committed checkpoint after an exponential
-//!   backoff, at most `max_restarts` times, then RETRYABLE;
-//! - preflight refusal -> FAILED with the reason; version mismatch ->
-//!   RETRYABLE (another provider may take it) and the run-manager exits 10;
-//! - a graph job's inputs (`crate::graph`): a wrong list (an unsafe name, a
-//!   malformed sha256, one name listed with two contents, a name that is the
-//!   run-manager's own) -> FAILED naming the input, before anything is
-//!   fetched; an input that cannot be downloaded (refused, e.g. NOT_FOUND, or
-//!   bytes that do not hash right) -> RETRYABLE with the reason, the worker
-//!   never started;
-//! - the run-manager itself got SIGINT/SIGTERM -> SIGTERM to the worker, wait
-//!   for it, RETRYABLE so the job is requeued at once;
-//! - the coordinator answered ABORTED (the lease is stale) -> the worker is
-//!   killed and the attempt is abandoned without FinishAttempt;
-//! - the coordinator refused this provider's token (UNAUTHENTICATED /
-//!   PERMISSION_DENIED on a reopened Heartbeat stream, an artifact transfer or
-//!   FinishAttempt: revoked, or rotated past its grace) -> the same, and the
-//!   run-manager exits 1 ([`Error::TokenRefused`]);
-//! - the coordinator refused an upload (INVALID_ARGUMENT, ALREADY_EXISTS,
-//!   RESOURCE_EXHAUSTED, FAILED_PRECONDITION, NOT_FOUND) -> the worker is
-//!   killed, FAILED with the refusal; an artifact that cannot be read any more
-//!   -> RETRYABLE; the coordinator unavailable until the lease would expire ->
-//!   abandoned like a stale lease.
-//!
-//! Uploads run on `crate::upload`'s queue, in announcement order, while the
-//! worker runs; FinishAttempt goes only once the queue has drained (heartbeats
-//! keep the lease alive meanwhile), so a SUCCEEDED attempt's artifacts are
-//! all recorded.
-//!
-//! Structure: [`run_attempt`] admits the lease (or [`refuse`]s it, the one
-//! way a lease is turned down), then a [`Supervisor`] holds everything an
-//! attempt shares across worker starts (client, config, lease, job directory,
-//! heartbeat channels, shutdown, resume checkpoint) and runs one start per
-//! [`Supervisor::run_once`]. How a worker is started and signalled (native or
-//! container) is `crate::launch`'s; heartbeats are `crate::heartbeat`'s;
-//! artifact checks are `crate::artifact`'s, uploads `crate::upload`'s, the
-//! downloads `crate::fetch`'s (the resume checkpoint: `crate::resume`; a graph
-//! job's inputs: `crate::graph`).
+//! How a worker is started and signalled (native or container) is
+//! `crate::worker::launch`'s; heartbeats are `super::heartbeat`'s; artifact
+//! checks are `crate::artifacts::verify`'s, uploads `crate::artifacts::upload`'s,
+//! the downloads `crate::artifacts::fetch`'s (the resume checkpoint:
+//! `crate::artifacts::resume`; a graph job's inputs: `crate::artifacts::inputs`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -54,185 +18,29 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::artifact::{self, LocalArtifact};
-use crate::backoff::Backoff;
-use crate::client::{retry_until, ProviderClient, RetryPolicy};
-use crate::docker::DockerConfig;
+use super::admit::{admit, refuse, Admission};
+use super::config::{lease_ttl, AttemptConfig};
+use super::finish::{conclude, failed_inputs, failed_upload, AttemptResult, RunEnd};
+use super::heartbeat::{apply_progress, heartbeat_task, Pace};
+use crate::artifacts::fetch::Fetcher;
+use crate::artifacts::transfer::LeaseClock;
+use crate::artifacts::upload::{UploadQueue, Uploader};
+use crate::artifacts::verify::{self, LocalArtifact};
+use crate::coordinator::client::ProviderClient;
 use crate::error::{Error, Result};
-use crate::events::{ArtifactEvent, WorkerEvent};
-use crate::fetch::{FetchError, Fetcher};
-use crate::graph;
-use crate::heartbeat::{apply_progress, heartbeat_task, Pace};
-use crate::jobdir::{parse_spec, GraphInfo, JobSpecFile};
-use crate::launch::{Launch, Launcher};
 use crate::lease_lost::LeaseLost;
-use crate::paths::check_id;
-use crate::policy::{preflight, Decision, Downgrade, PolicyContext};
-use crate::proto::{
-    Artifact, AttemptOutcome, FinishAttemptRequest, HeartbeatRequest, Lease, Phase,
-};
-use crate::ranks::RankPlan;
+use crate::proto::{Artifact, HeartbeatRequest, Lease, Phase};
 use crate::shutdown::{next_signal, signalled, Shutdown};
 use crate::signal::{Signal, UploadFailure};
-use crate::transfer::LeaseClock;
-use crate::upload::{UploadQueue, Uploader};
-use crate::worker::{self, WorkerCommand};
+use crate::worker::events::{ArtifactEvent, WorkerEvent};
+use crate::worker::jobdir::{GraphInfo, JobSpecFile};
+use crate::worker::launch::{Launch, Launcher};
+use crate::worker::process;
 
 /// How long events still in the pipe are read after the worker exited.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the log relay may take to finish after the worker exited.
 const LOG_FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// How attempts are run on this provider.
-#[derive(Debug, Clone)]
-pub struct AttemptConfig {
-    pub work_dir: PathBuf,
-    pub worker: WorkerCommand,
-    /// Docker launch mode: run each worker in a container (`worker` is then unused).
-    pub docker: Option<DockerConfig>,
-    pub policy: PolicyContext,
-    /// Restarts of a crashed worker before the attempt ends RETRYABLE.
-    pub max_restarts: u32,
-    pub restart_backoff: Backoff,
-    pub rpc: RetryPolicy,
-    /// Heartbeat (and lease renewal) interval.
-    pub heartbeat_interval: Duration,
-    /// Time a worker has to exit after SIGTERM before it is killed.
-    pub grace: Duration,
-}
-
-/// Lease TTL assumed when a lease names none.
-const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(60);
-
-/// How an attempt ended.
-#[derive(Debug)]
-pub struct AttemptResult {
-    pub job_id: String,
-    /// None when the lease was lost and no FinishAttempt was sent.
-    pub outcome: Option<AttemptOutcome>,
-    pub message: String,
-    /// Job state after FinishAttempt, as the coordinator reported it.
-    pub job_state: Option<String>,
-    /// Set when the run-manager must stop after this attempt (exit 10, signal, token refused).
-    pub stop: Option<Error>,
-    /// The verified artifacts and where they are on this machine.
-    pub local_artifacts: Vec<LocalArtifact>,
-}
-
-/// Where the attempt stands after one worker run.
-enum RunEnd {
-    Succeeded,
-    Failed(String),
-    Cancelled,
-    /// The worker crashed or ended without `done`; restart if the budget allows.
-    Crashed(String),
-    /// RETRYABLE without a restart (an artifact could not be uploaded from here).
-    Retryable(String),
-    /// Stale or refused: no FinishAttempt.
-    Lost(LeaseLost),
-    Signalled(i32),
-}
-
-/// Why a lease is not run: the FinishAttempt to send, and whether the
-/// run-manager must stop afterwards.
-struct Refusal {
-    outcome: AttemptOutcome,
-    message: String,
-    stop: Option<Error>,
-}
-
-impl Refusal {
-    fn failed(message: String) -> Self {
-        Refusal {
-            outcome: AttemptOutcome::Failed,
-            message,
-            stop: None,
-        }
-    }
-}
-
-/// What the preflight admitted: everything a worker start needs but the job directory.
-struct Admission {
-    spec: serde_json::Value,
-    local_ranks: u32,
-    downgrades: Vec<Downgrade>,
-    launcher: Launcher,
-    /// The lease's inputs, checked, each once (`graph::plan`).
-    inputs: Vec<Artifact>,
-}
-
-/// Preflight, spec, inputs and image checks, in that order; the first that fails refuses the lease.
-fn admit(cfg: &AttemptConfig, lease: &Lease) -> std::result::Result<Admission, Refusal> {
-    let (local_ranks, downgrades) = match preflight(lease, &cfg.policy) {
-        Decision::Run {
-            local_ranks,
-            downgrades,
-        } => (local_ranks, downgrades),
-        Decision::Refuse { outcome, message } => {
-            return Err(Refusal {
-                outcome,
-                message,
-                stop: None,
-            })
-        }
-        Decision::UpgradeRequired { required, message } => {
-            let stop = Error::UpgradeRequired {
-                required,
-                have: cfg.policy.worker_version.clone(),
-                message: message.clone(),
-            };
-            return Err(Refusal {
-                outcome: AttemptOutcome::Retryable,
-                message,
-                stop: Some(stop),
-            });
-        }
-    };
-    for d in &downgrades {
-        tracing::warn!(job_id = %lease.job_id, "downgrade: {} -> {} ({})", d.feature, d.replacement, d.reason);
-    }
-    let spec = parse_spec(&lease.spec_json)
-        .and_then(|s| {
-            check_id(&lease.job_id)
-                .map(|_| s)
-                .map_err(|e| e.to_string())
-        })
-        .map_err(Refusal::failed)?;
-    let inputs = graph::plan(lease).map_err(Refusal::failed)?;
-    let plan = RankPlan {
-        world: local_ranks,
-        cpu: cfg.policy.capabilities.backend == "cpu",
-    };
-    let launcher = Launcher::for_lease(&cfg.worker, cfg.docker.as_ref(), lease, plan)
-        .map_err(Refusal::failed)?;
-    Ok(Admission {
-        spec,
-        local_ranks,
-        downgrades,
-        launcher,
-        inputs,
-    })
-}
-
-/// Turn the lease down: log why, send FinishAttempt, end the attempt.
-async fn refuse(
-    client: &ProviderClient,
-    cfg: &AttemptConfig,
-    lease: &Lease,
-    r: Refusal,
-) -> Result<AttemptResult> {
-    tracing::error!(job_id = %lease.job_id, "refusing the lease: {}", r.message);
-    let until = tokio::time::Instant::now() + lease_ttl(lease);
-    let job_state = finish(client, &cfg.rpc, until, lease, r.outcome, &r.message).await?;
-    Ok(AttemptResult {
-        job_id: lease.job_id.clone(),
-        outcome: Some(r.outcome),
-        message: r.message,
-        job_state,
-        stop: r.stop,
-        local_artifacts: Vec::new(),
-    })
-}
 
 /// Run one lease to its end. Errors are returned for failures of the
 /// run-manager itself (e.g. it cannot write the job directory) and when
@@ -264,14 +72,6 @@ pub async fn run_attempt(
     Ok(result)
 }
 
-/// How long the lease lives without a heartbeat.
-fn lease_ttl(lease: &Lease) -> Duration {
-    match lease.ttl_seconds {
-        0 => DEFAULT_LEASE_TTL,
-        s => Duration::from_secs(u64::from(s)),
-    }
-}
-
 /// `<work-dir>/jobs/<job_id>`, created and resolved to its canonical path.
 fn create_job_dir(work_dir: &Path, job_id: &str) -> Result<PathBuf> {
     let job_dir = work_dir.join("jobs").join(job_id);
@@ -280,118 +80,6 @@ fn create_job_dir(work_dir: &Path, job_id: &str) -> Result<PathBuf> {
     job_dir
         .canonicalize()
         .map_err(Error::io("cannot resolve job directory", &job_dir))
-}
-
-/// Send the FinishAttempt that `end` calls for (none for a lost lease).
-async fn conclude(
-    client: &ProviderClient,
-    cfg: &AttemptConfig,
-    until: Instant,
-    lease: &Lease,
-    end: RunEnd,
-) -> Result<AttemptResult> {
-    let job_id = &lease.job_id;
-    let (outcome, message, stop) = match outcome_of(end) {
-        Ok(o) => o,
-        Err(lost) => return Ok(abandon(job_id, lost)),
-    };
-    let job_state = finish(client, &cfg.rpc, until, lease, outcome, &message).await?;
-    tracing::info!(job_id = %job_id, outcome = ?outcome, job_state = job_state.as_deref().unwrap_or("?"), reason = %message, "attempt finished");
-    Ok(AttemptResult {
-        job_id: job_id.clone(),
-        outcome: Some(outcome),
-        message,
-        job_state,
-        stop,
-        local_artifacts: Vec::new(),
-    })
-}
-
-/// The outcome, message and stop error `end` reports; Err for a lost lease (nothing is reported).
-fn outcome_of(
-    end: RunEnd,
-) -> std::result::Result<(AttemptOutcome, String, Option<Error>), LeaseLost> {
-    Ok(match end {
-        RunEnd::Succeeded => (AttemptOutcome::Succeeded, String::new(), None),
-        RunEnd::Failed(m) => (AttemptOutcome::Failed, m, None),
-        RunEnd::Cancelled => (
-            AttemptOutcome::Cancelled,
-            "cancelled by the coordinator".to_string(),
-            None,
-        ),
-        RunEnd::Crashed(m) | RunEnd::Retryable(m) => (AttemptOutcome::Retryable, m, None),
-        RunEnd::Signalled(sig) => (
-            AttemptOutcome::Retryable,
-            format!(
-                "the run-manager was stopped by {}",
-                worker::signal_name(sig)
-            ),
-            Some(Error::Interrupted(sig)),
-        ),
-        RunEnd::Lost(lost) => return Err(lost),
-    })
-}
-
-/// An attempt whose lease was lost: logged, no FinishAttempt; a refused token stops the run-manager.
-fn abandon(job_id: &str, lost: LeaseLost) -> AttemptResult {
-    let stop = lost.stop_error(job_id);
-    let message = match &lost {
-        LeaseLost::Stale(m) => {
-            tracing::warn!(job_id = %job_id, "lease is stale (ABORTED): {m}; abandoning the attempt");
-            m.clone()
-        }
-        LeaseLost::Refused { call, status } => {
-            tracing::error!(job_id = %job_id, call, code = ?status.code(), "the coordinator refused this provider's token: {}; abandoning the attempt without FinishAttempt", status.message());
-            status.message().to_string()
-        }
-    };
-    AttemptResult {
-        job_id: job_id.to_string(),
-        outcome: None,
-        message,
-        job_state: None,
-        stop,
-        local_artifacts: Vec::new(),
-    }
-}
-
-/// Send FinishAttempt (UNAVAILABLE retried until `until`, when the lease
-/// would expire); returns the job state, or None when the lease was stale; a
-/// refused token is [`Error::TokenRefused`].
-async fn finish(
-    client: &ProviderClient,
-    rpc: &RetryPolicy,
-    until: Instant,
-    lease: &Lease,
-    outcome: AttemptOutcome,
-    message: &str,
-) -> Result<Option<String>> {
-    let req = FinishAttemptRequest {
-        lease_id: lease.lease_id.clone(),
-        outcome: outcome as i32,
-        message: message.chars().take(4096).collect(),
-    };
-    let res = retry_until(rpc, until, "FinishAttempt", || {
-        let mut c = client.clone();
-        let r = req.clone();
-        async move { c.finish_attempt(r).await }
-    })
-    .await;
-    match res {
-        Ok(resp) => Ok(Some(resp.job_state)),
-        Err(Error::Rpc { call, status }) => match LeaseLost::of(call, &status) {
-            Some(LeaseLost::Stale(m)) => {
-                tracing::warn!(job_id = %lease.job_id, "lease is no longer valid; the coordinator already moved on: {m}");
-                Ok(None)
-            }
-            Some(lost) => {
-                let stop = lost.stop_error(&lease.job_id);
-                Err(stop.unwrap_or(Error::Rpc { call, status }))
-            }
-            None => Err(Error::Rpc { call, status }),
-        },
-        Err(e) => Err(e),
-    }
 }
 
 /// Await `fut` unless CANCEL, a lost lease, a failed upload or a shutdown
@@ -413,24 +101,6 @@ async fn interruptible<T>(
             },
             sig = signalled(shutdown) => return Err(RunEnd::Signalled(sig)),
         }
-    }
-}
-
-/// What a failed upload makes of the attempt.
-fn failed_upload(failure: UploadFailure) -> RunEnd {
-    match failure {
-        UploadFailure::Lost(lost) => RunEnd::Lost(lost),
-        refused @ UploadFailure::Refused { .. } => RunEnd::Failed(refused.to_string()),
-        local @ UploadFailure::Local { .. } => RunEnd::Retryable(local.to_string()),
-    }
-}
-
-/// What inputs that could not be made local make of the attempt: the worker
-/// never starts without them; another try may find them.
-fn failed_inputs(e: FetchError) -> RunEnd {
-    match e {
-        FetchError::Lost(lost) => RunEnd::Lost(lost),
-        FetchError::Unusable(m) => RunEnd::Retryable(m),
     }
 }
 
@@ -663,7 +333,7 @@ impl<'a> Supervisor<'a> {
                 Some(ev) = events.recv() => self.on_event(ev, run).await,
                 Some(s) = self.signals.recv() => self.on_directive(s, launch, run),
                 sig = signalled(self.shutdown), if self.shutdown_signal.is_none() => {
-                    tracing::warn!(job_id = %self.lease.job_id, "received {}: asking the worker to checkpoint and stop (SIGTERM)", worker::signal_name(sig));
+                    tracing::warn!(job_id = %self.lease.job_id, "received {}: asking the worker to checkpoint and stop (SIGTERM)", process::signal_name(sig));
                     self.shutdown_signal = Some(sig);
                     self.stop_worker(launch, run);
                 }
@@ -703,14 +373,14 @@ impl<'a> Supervisor<'a> {
             return;
         }
         let job_id = &self.lease.job_id;
-        let verified = match artifact::verify(&self.job_dir, a).await {
+        let verified = match verify::verify(&self.job_dir, a).await {
             Ok(v) => v,
             Err(message) => {
                 tracing::error!(job_id = %job_id, artifact = %a.name, "{message}");
                 return;
             }
         };
-        let (item, local) = match artifact::upload_item(&self.job_dir, a, &verified).await {
+        let (item, local) = match verify::upload_item(&self.job_dir, a, &verified).await {
             Ok(x) => x,
             Err(message) => {
                 tracing::error!(job_id = %job_id, artifact = %a.name, "{message}");
@@ -745,7 +415,7 @@ impl<'a> Supervisor<'a> {
                         return RunEnd::Lost(lost);
                     },
                     sig = next_signal(self.shutdown) => {
-                        tracing::warn!(job_id = %job_id, "received {} while uploading artifacts; not waiting for them", worker::signal_name(sig));
+                        tracing::warn!(job_id = %job_id, "received {} while uploading artifacts; not waiting for them", process::signal_name(sig));
                         return match end {
                             RunEnd::Signalled(first) => RunEnd::Signalled(first),
                             _ => RunEnd::Signalled(sig),
@@ -837,104 +507,5 @@ fn log_lost(job_id: &str, lost: &LeaseLost) {
         LeaseLost::Refused { call, status } => {
             tracing::error!(job_id = %job_id, call, code = ?status.code(), "the coordinator refused this provider's token: killing the worker")
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::fetch::testing::{fetcher, input, tmp};
-    use crate::transfer::testing::FakeStore;
-
-    fn config() -> AttemptConfig {
-        let quick = Backoff::doubling(Duration::from_millis(1), Duration::from_millis(2));
-        AttemptConfig {
-            work_dir: std::env::temp_dir(),
-            worker: WorkerCommand {
-                program: PathBuf::from("true"),
-                args: vec![],
-            },
-            docker: None,
-            policy: PolicyContext {
-                launch_mode: crate::proto::LaunchMode::Native,
-                capabilities: crate::proto::DeviceCapabilities {
-                    backend: "cpu".into(),
-                    device_count: 1,
-                    features: vec!["cpu".into(), crate::device::JOB_GRAPH_FEATURE.into()],
-                    ..Default::default()
-                },
-                worker_version: crate::version::CLIENT_VERSION.into(),
-                declared_native_version: None,
-            },
-            max_restarts: 0,
-            restart_backoff: quick,
-            rpc: RetryPolicy {
-                retries: 1,
-                backoff: quick,
-            },
-            heartbeat_interval: Duration::from_secs(1),
-            grace: Duration::from_secs(1),
-        }
-    }
-
-    fn graph_lease(inputs: Vec<Artifact>) -> Lease {
-        Lease {
-            lease_id: "lease-1".into(),
-            run_id: "run-1".into(),
-            job_id: "capture-1".into(),
-            attempt: 1,
-            spec_json: r#"{"stages": ["capture"]}"#.into(),
-            checkpoint_policy: "durable".into(),
-            required_features: vec![crate::device::JOB_GRAPH_FEATURE.into()],
-            required_client_version: crate::version::CLIENT_VERSION.into(),
-            kind: "capture".into(),
-            shard_count: 2,
-            inputs,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn a_graph_lease_is_admitted_with_its_inputs_once_and_wrong_inputs_fail_it() {
-        let cfg = config();
-        let train = input("data/train.jsonl", b"train");
-        let lease = graph_lease(vec![train.clone(), train.clone()]);
-        let admitted = admit(&cfg, &lease)
-            .map_err(|r| r.message)
-            .expect("admitted");
-        assert_eq!(admitted.inputs, vec![train.clone()]);
-        let conflicting = graph_lease(vec![train.clone(), input("data/train.jsonl", b"other")]);
-        let Err(refusal) = admit(&cfg, &conflicting) else {
-            panic!("admitted")
-        };
-        assert_eq!(refusal.outcome, AttemptOutcome::Failed);
-        assert!(
-            refusal.message.contains("input `data/train.jsonl`"),
-            "{}",
-            refusal.message
-        );
-        assert!(refusal.stop.is_none());
-    }
-
-    #[tokio::test]
-    async fn an_input_that_cannot_be_downloaded_ends_the_attempt_retryable() {
-        let dir = tmp("attempt-inputs");
-        let store = FakeStore::default();
-        let lease = graph_lease(vec![input("data/train.jsonl", b"never offered")]);
-        let planned = graph::plan(&lease).expect("plan");
-        let err = fetcher(&store, &lease, &dir)
-            .inputs(&planned)
-            .await
-            .expect_err("not found");
-        let (outcome, message, stop) = outcome_of(failed_inputs(err)).expect("not lost");
-        assert_eq!(outcome, AttemptOutcome::Retryable);
-        assert!(
-            message.contains("input `data/train.jsonl`") && message.contains("NotFound"),
-            "{message}"
-        );
-        assert!(stop.is_none());
-        let lost = failed_inputs(FetchError::Lost(LeaseLost::Stale("gone".into())));
-        assert!(matches!(outcome_of(lost), Err(LeaseLost::Stale(_))));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -23,7 +23,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 
 use crate::backoff::{jitter_fraction, Backoff};
-use crate::client::{is_transient, ProviderClient};
+use crate::coordinator::client::{is_transient, ProviderClient};
 use crate::lease_lost::LeaseLost;
 use crate::proto::{
     DownloadArtifactRequest, DownloadArtifactResponse, UploadArtifactRequest,
@@ -329,7 +329,7 @@ pub(crate) mod testing {
             if a.kind == "checkpoint" {
                 let m: serde_json::Value = serde_json::from_slice(&bytes)
                     .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
-                let dir = crate::checkpoint::artifact_dir(&a.name);
+                let dir = crate::artifacts::checkpoint::artifact_dir(&a.name);
                 for file in m["files"].as_object().into_iter().flat_map(|o| o.keys()) {
                     let want = format!("{dir}/{file}");
                     if !st.committed.contains_key(&want) {

@@ -4,16 +4,16 @@
 //! - `spec.json`: written by the run-manager before every worker start;
 //! - `resume/NAME`: the lease's resume checkpoint (manifest and listed files)
 //!   as the run-manager downloaded it, when it was not here already
-//!   (`crate::resume`);
+//!   (`crate::artifacts::resume`);
 //! - `NAME` for each of a graph job's `inputs` (e.g. `data/train.jsonl`),
-//!   downloaded and verified before the worker starts (`crate::graph`);
+//!   downloaded and verified before the worker starts (`crate::artifacts::inputs`);
 //! - everything else (checkpoints, exports, logs) is the worker's, reported
 //!   back through `artifact` events with paths inside this directory.
 //!
 //! The layout's names, `spec.json`'s types (the `graph` key's too) and
 //! [`hash_file`] live here, below the modules that fill the directory:
-//! `crate::fetch` downloads into it, and `crate::resume` and `crate::graph`
-//! fetch through `crate::fetch`. This module imports none of them.
+//! `crate::artifacts::fetch` downloads into it, and `crate::artifacts::resume` and `crate::artifacts::inputs`
+//! fetch through `crate::artifacts::fetch`. This module imports none of them.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -30,7 +30,7 @@ pub const SPEC_SCHEMA_VERSION: u32 = 1;
 pub const SPEC_FILE: &str = "spec.json";
 /// The temporary file [`JobSpecFile::write`] renames into place.
 pub const SPEC_TMP_FILE: &str = ".spec.json.tmp";
-/// Where downloaded checkpoints go inside the job directory (`crate::resume`).
+/// Where downloaded checkpoints go inside the job directory (`crate::artifacts::resume`).
 pub const RESUME_DIR: &str = "resume";
 
 /// Device facts the worker needs (a serializable copy of the capabilities).
@@ -147,7 +147,7 @@ impl JobSpecFile {
 }
 
 /// `spec.json`'s `graph`: which job of its graph the worker runs, and its inputs
-/// (filled in by `crate::graph`, which checks and fetches them).
+/// (filled in by `crate::artifacts::inputs`, which checks and fetches them).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct GraphInfo {
     /// `prepare`, `capture`, `train` or `evaluate` (the lease's `kind`).
@@ -330,7 +330,7 @@ mod tests {
         s.resume_checkpoint = Some(job_dir.join("checkpoints/step-000004/manifest.json"));
         s.resume_step = 4;
         s.restart = 1;
-        let inputs = crate::graph::plan(&lease).expect("plan");
+        let inputs = crate::artifacts::inputs::plan(&lease).expect("plan");
         s.graph = GraphInfo::new(&lease, &inputs, job_dir);
         s
     }
@@ -373,7 +373,7 @@ mod tests {
         };
         let caps = DeviceCapabilities::default();
         let written = |lease: &Lease| {
-            let inputs = crate::graph::plan(lease).expect("plan");
+            let inputs = crate::artifacts::inputs::plan(lease).expect("plan");
             let mut s = JobSpecFile::new(lease, serde_json::json!({}), &dir, &caps, 1, vec![]);
             s.graph = GraphInfo::new(lease, &inputs, &dir);
             let p = s.write().expect("write");

@@ -5,7 +5,7 @@
 //! [`Diagnosed`] wraps the channel: when a call fails with a transport error,
 //! the error is examined once and, if it has a TLS cause, replaced by a
 //! `tonic::Status` with the **same code** whose message names the cause and
-//! whose source is the [`TlsFault`] (`crate::tls_fault`: so `Error::Rpc` can
+//! whose source is the [`TlsFault`] (`crate::coordinator::tls_fault`: so `Error::Rpc` can
 //! add its `hint:` and `client::retry` knows not to retry a fault that cannot
 //! heal by itself).
 //!
@@ -27,9 +27,9 @@ use tonic::codegen::http;
 use tonic::codegen::{BoxFuture, Context, Poll, Service};
 use tonic::transport::Channel;
 
+use crate::coordinator::tls_fault::{error_chain, ServerCertProblem, TlsFault};
+use crate::coordinator::transport::{Address, Target};
 use crate::error::Result;
-use crate::tls_fault::{error_chain, ServerCertProblem, TlsFault};
-use crate::transport::{Address, Target};
 
 /// How long the plaintext-meets-TLS probe may take, connect and reply together.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);

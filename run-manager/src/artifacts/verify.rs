@@ -1,5 +1,5 @@
 //! Artifacts a worker announced: verified against the file on disk, then
-//! made into what the upload queue sends (`crate::upload`).
+//! made into what the upload queue sends (`crate::artifacts::upload`).
 //!
 //! Verification comes first and needs no network: the path must resolve inside
 //! the job directory and its sha256 and size must be what the worker claimed.
@@ -10,12 +10,12 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint;
-use crate::events::ArtifactEvent;
-use crate::jobdir::hash_file;
+use crate::artifacts::checkpoint;
+use crate::artifacts::upload::{FileUpload, Item};
 use crate::paths::resolve_inside;
 use crate::proto::Artifact;
-use crate::upload::{FileUpload, Item};
+use crate::worker::events::ArtifactEvent;
+use crate::worker::jobdir::hash_file;
 
 /// An artifact whose file matches the worker's claim.
 #[derive(Debug, Clone, PartialEq)]
@@ -180,7 +180,7 @@ mod tests {
 
     fn sha(b: &[u8]) -> String {
         use sha2::Digest;
-        crate::transfer::hex(&sha2::Sha256::digest(b))
+        crate::artifacts::transfer::hex(&sha2::Sha256::digest(b))
     }
 
     /// A job dir holding checkpoint `c/step-2` whose manifest is `manifest`; returns the dir.

@@ -14,7 +14,7 @@
 //! A checkpoint is its listed files first (kind `checkpoint_file`), then its
 //! manifest. A checkpoint whose files cannot be read any more (the worker
 //! pruned it, or a file changed) is skipped with an error: a newer one
-//! follows. Retries are `crate::transfer`'s; a refusal or a lost lease stops
+//! follows. Retries are `crate::artifacts::transfer`'s; a refusal or a lost lease stops
 //! the queue and is reported to the supervisor at once.
 
 use std::path::PathBuf;
@@ -24,12 +24,12 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::artifacts::transfer::{hex, GiveUp, LeaseClock, Retrier, Transfer, CHUNK_BYTES};
 use crate::backoff::Backoff;
 use crate::proto::{
     upload_artifact_request, Artifact, UploadArtifactRequest, UploadHeader, UploadOffsetRequest,
 };
 use crate::signal::{Signal, UploadFailure};
-use crate::transfer::{hex, GiveUp, LeaseClock, Retrier, Transfer, CHUNK_BYTES};
 
 /// Chunks queued between the file reader and the stream.
 const QUEUED_CHUNKS: usize = 2;
@@ -358,8 +358,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::artifacts::transfer::testing::{Call, FakeStore, Fault};
     use crate::lease_lost::LeaseLost;
-    use crate::transfer::testing::{Call, FakeStore, Fault};
 
     fn tmp(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("rm-upload-{tag}-{}", std::process::id()));

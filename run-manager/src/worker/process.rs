@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 
 use crate::env_vars;
 use crate::error::{Error, Result};
-use crate::events::{parse_event, read_bounded_line, Line, WorkerEvent, MAX_LINE_BYTES};
+use crate::worker::events::{parse_event, read_bounded_line, Line, WorkerEvent, MAX_LINE_BYTES};
 
 /// The program (and leading arguments) that runs a job; `--job-dir DIR` is appended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,7 +61,7 @@ pub struct Worker {
 }
 
 /// The tasks reading the worker's stdout (events) and stderr (logs); one pair per
-/// rank when a job runs several (`crate::ranks`).
+/// rank when a job runs several (`crate::worker::ranks`).
 pub struct LogRelay {
     stdout_tasks: Vec<JoinHandle<()>>,
     stderr_tasks: Vec<JoinHandle<()>>,
@@ -325,7 +325,7 @@ mod tests {
         let mut w = spawn(
             &cmd,
             &dir,
-            crate::worker_env::native(std::env::vars_os()),
+            crate::worker::environment::native(std::env::vars_os()),
             tags,
         )
         .expect("spawn");
@@ -363,7 +363,8 @@ mod tests {
             attempt: 1,
             rank: 0,
         };
-        let mut w = spawn(&cmd, &dir, crate::worker_env::native(parent), tags).expect("spawn");
+        let mut w =
+            spawn(&cmd, &dir, crate::worker::environment::native(parent), tags).expect("spawn");
         assert!(w.child.wait().await.expect("wait").success());
         let env = std::fs::read_to_string(dir.join("env.txt")).expect("env.txt");
         for secret in [

@@ -5,8 +5,8 @@
 //! A failed call's `tonic::Status` carries its [`TlsFault`] as its source
 //! ([`fault_of`]) with the **same code** tonic would have given: `Error::Rpc`
 //! adds the fault's `hint:` line and `client::retry` knows not to retry a fault
-//! that cannot heal by itself. The faults are found by `crate::channel`'s
-//! [`Diagnosed`](crate::channel::Diagnosed) channel.
+//! that cannot heal by itself. The faults are found by `crate::coordinator::channel`'s
+//! [`Diagnosed`](crate::coordinator::channel::Diagnosed) channel.
 //!
 //! Types only: this module uses nothing else of the crate, so the error type
 //! (`crate::error`) and the transport can both depend on it.
@@ -105,7 +105,7 @@ impl TlsFault {
     }
 }
 
-/// The [`TlsFault`] a status carries, if `crate::channel::Diagnosed` put one there.
+/// The [`TlsFault`] a status carries, if `crate::coordinator::channel::Diagnosed` put one there.
 pub fn fault_of(status: &tonic::Status) -> Option<&TlsFault> {
     StdError::source(status).and_then(|s| s.downcast_ref::<TlsFault>())
 }

@@ -1,6 +1,6 @@
 //! How workers are started and reached: natively (the worker is our child
 //! process, in its own process group; a job of several local ranks is that
-//! many children, `crate::ranks`) or in a container (the child is the
+//! many children, `crate::worker::ranks`) or in a container (the child is the
 //! `docker run` CLI, and signals go to the container through `docker`).
 //!
 //! The mode is decided once per attempt ([`Launcher`]); each worker start
@@ -13,13 +13,13 @@ use std::time::Duration;
 use tokio::process::Child;
 use tokio::sync::mpsc;
 
-use crate::docker::{self, Container, DockerConfig};
 use crate::error::Result;
-use crate::events::WorkerEvent;
 use crate::proto::Lease;
-use crate::ranks::{self, RankGroup, RankPlan};
-use crate::worker::{self, LogRelay, LogTags, Worker, WorkerCommand};
-use crate::worker_env;
+use crate::worker::docker::{self, Container, DockerConfig};
+use crate::worker::environment;
+use crate::worker::events::WorkerEvent;
+use crate::worker::process::{self, LogRelay, LogTags, Worker, WorkerCommand};
+use crate::worker::ranks::{self, RankGroup, RankPlan};
 
 /// Extra time `docker stop` gets beyond the grace period: it SIGKILLs after
 /// the grace period itself, and the CLI must be allowed to do so.
@@ -113,7 +113,7 @@ impl Launcher {
         let job_id = &lease.job_id;
         match self {
             Launcher::Native(command, plan) if plan.world > 1 => {
-                let env = worker_env::native(std::env::vars_os());
+                let env = environment::native(std::env::vars_os());
                 let (group, events, logs) = ranks::spawn(command, job_dir, env, tags, *plan)?;
                 for (rank, pid) in group.pids().iter().enumerate() {
                     tracing::info!(job_id = %job_id, pid, rank, restart, "worker started: rank {rank} of {}: {}", plan.world, command.program.display());
@@ -121,8 +121,8 @@ impl Launcher {
                 Ok((Launch::Ranks(group), WorkerOutput { events, logs }))
             }
             Launcher::Native(command, _) => {
-                let env = worker_env::native(std::env::vars_os());
-                let (child, pid, output) = split(worker::spawn(command, job_dir, env, tags)?);
+                let env = environment::native(std::env::vars_os());
+                let (child, pid, output) = split(process::spawn(command, job_dir, env, tags)?);
                 tracing::info!(job_id = %job_id, pid, restart, "worker started: {}", command.program.display());
                 Ok((Launch::Native { child, pid }, output))
             }
@@ -136,8 +136,8 @@ impl Launcher {
                     job_dir,
                 ))?;
                 // The CLI, not the worker: the container's environment is its `--env` pairs.
-                let env = worker_env::without_secrets(std::env::vars_os());
-                let (child, pid, output) = split(worker::spawn(&command, job_dir, env, tags)?);
+                let env = environment::without_secrets(std::env::vars_os());
+                let (child, pid, output) = split(process::spawn(&command, job_dir, env, tags)?);
                 tracing::info!(job_id = %job_id, pid, restart, container = %container.name, image = %image, "worker started: container `{}`", container.name);
                 let launch = Launch::Container {
                     child,
@@ -180,7 +180,7 @@ impl Launch {
     pub fn describe_exit(&self, status: &ExitStatus) -> String {
         match self {
             Launch::Ranks(group) => group.describe(status),
-            _ => worker::describe_exit(status),
+            _ => process::describe_exit(status),
         }
     }
 
@@ -189,7 +189,7 @@ impl Launch {
     pub fn terminate(&self, grace: Duration) {
         match self {
             Launch::Native { pid, .. } => {
-                let _ = worker::signal(*pid, libc::SIGTERM);
+                let _ = process::signal(*pid, libc::SIGTERM);
             }
             Launch::Ranks(group) => group.signal(libc::SIGTERM),
             Launch::Container { container, .. } => container.stop(grace),
@@ -208,7 +208,7 @@ impl Launch {
     pub fn checkpoint(&self) {
         match self {
             Launch::Native { pid, .. } => {
-                let _ = worker::signal(*pid, libc::SIGUSR1);
+                let _ = process::signal(*pid, libc::SIGUSR1);
             }
             Launch::Ranks(group) => group.signal(libc::SIGUSR1),
             Launch::Container { container, .. } => container.checkpoint(),
@@ -221,10 +221,10 @@ impl Launch {
             Launch::Ranks(group) => group.kill(),
             Launch::Container { container, .. } => {
                 container.kill();
-                let _ = worker::kill_group(self.pid());
+                let _ = process::kill_group(self.pid());
             }
             Launch::Native { pid, .. } => {
-                let _ = worker::kill_group(*pid);
+                let _ = process::kill_group(*pid);
             }
         }
     }

@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::artifacts::transfer::LeaseClock;
 use crate::backoff::Backoff;
-use crate::client::ProviderClient;
-use crate::events::Progress;
+use crate::coordinator::client::ProviderClient;
 use crate::lease_lost::LeaseLost;
 use crate::proto::{Directive, HeartbeatRequest, HeartbeatResponse, Phase};
 use crate::signal::Signal;
-use crate::transfer::LeaseClock;
+use crate::worker::events::Progress;
 
 /// Map a worker phase name to the proto enum.
 pub fn phase_from_name(name: &str) -> Phase {
@@ -205,7 +205,7 @@ mod tests {
 
     #[test]
     fn phases_map_to_proto() {
-        for (i, name) in crate::events::PHASES.iter().enumerate() {
+        for (i, name) in crate::worker::events::PHASES.iter().enumerate() {
             assert_eq!(phase_from_name(name) as i32, i as i32 + 1, "{name}");
         }
         assert_eq!(phase_from_name("nap"), Phase::Unspecified);

@@ -1,13 +1,13 @@
 //! Downloads of a lease's artifacts into its job directory: the one download
-//! loop that the resume checkpoint (`crate::resume`) and a graph job's inputs
-//! (`crate::graph`) share.
+//! loop that the resume checkpoint (`crate::artifacts::resume`) and a graph job's inputs
+//! (`crate::artifacts::inputs`) share.
 //!
 //! [`Fetcher::fetch_file`] makes one file local: a file already at its place
 //! with the right size and sha256 is kept without a download (a restarted
 //! run-manager, a job leased again to this machine); otherwise the bytes are
 //! streamed with DownloadArtifact into a `.part` file next to the place,
 //! resumed by offset after an interruption (retried per
-//! `crate::transfer::Retrier`), checked for size and sha256, then renamed into
+//! `crate::artifacts::transfer::Retrier`), checked for size and sha256, then renamed into
 //! place. A file that does not match is deleted, never kept: a resumed
 //! download that does not hash right is fetched once more from the start, and
 //! one that still does not is an error. Memory stays bounded: chunks go to
@@ -22,11 +22,11 @@ use std::path::Path;
 use tokio::io::AsyncWriteExt;
 use tokio_stream::StreamExt;
 
+use crate::artifacts::transfer::{is_sha256, GiveUp, LeaseClock, Retrier, Transfer};
 use crate::backoff::Backoff;
-use crate::jobdir::hash_file;
 use crate::lease_lost::LeaseLost;
 use crate::proto::{download_artifact_response, DownloadArtifactRequest, Lease};
-use crate::transfer::{is_sha256, GiveUp, LeaseClock, Retrier, Transfer};
+use crate::worker::jobdir::hash_file;
 
 /// Why a file could not be made local.
 #[derive(Debug)]
@@ -186,7 +186,7 @@ impl<T: Transfer> Fetcher<'_, T> {
 /// Append one download stream (from `offset`) to `part`: None when the stream
 /// ended (the caller looks at the size), the status when it broke.
 async fn append(
-    mut stream: crate::transfer::DownloadStream,
+    mut stream: crate::artifacts::transfer::DownloadStream,
     part: &Path,
     name: &str,
     sha256: &str,
@@ -312,9 +312,9 @@ pub(crate) mod testing {
     use sha2::Digest;
 
     use super::*;
+    use crate::artifacts::transfer::hex;
+    use crate::artifacts::transfer::testing::FakeStore;
     use crate::proto::Artifact;
-    use crate::transfer::hex;
-    use crate::transfer::testing::FakeStore;
 
     /// A fresh, empty, canonical temp directory for test `tag`.
     pub fn tmp(tag: &str) -> PathBuf {
