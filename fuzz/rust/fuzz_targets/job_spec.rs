@@ -1,9 +1,9 @@
 //! Fuzz target: the two spec parsers, on the same bytes.
 //!
-//! - `jobdir::parse_spec`: a lease's `spec_json` from the coordinator. Accepted
+//! - `worker::jobdir::parse_spec`: a lease's `spec_json` from the coordinator. Accepted
 //!   means a JSON object, and the run-manager writes it back into `spec.json`
 //!   (`JobSpecFile::write`), so the value must survive serialization unchanged.
-//! - `commands::local::RunSpecFile::parse`: the `--spec` file of `--local`.
+//! - `commands::local::submit::RunSpecFile::parse`: the `--spec` file of `--local`.
 //!   Accepted means it can be turned into a `RunSpec` whose `spec_json`
 //!   `parse_spec` accepts again.
 #![no_main]

@@ -1,4 +1,4 @@
-//! Fuzz target: one line of worker stdout through `events::parse_event`.
+//! Fuzz target: one line of worker stdout through `worker::events::parse_event`.
 //!
 //! The run-manager reads these lines from a child it does not trust (user data,
 //! tokenizers and chat templates run in it), so the property is more than "no
