@@ -1228,7 +1228,7 @@ fn token_refused_on_a_reopened_heartbeat_stream_stops_the_worker_and_exits_1() {
             .create_run(CreateRunRequest {
                 spec: Some(RunSpec {
                     name: "revoked".into(),
-                    // No checkpoint (so no ReportArtifact) before the revocation.
+                    // No checkpoint (so no UploadArtifact) before the revocation.
                     spec_json: r#"{"stages":["noop"],"noop":{"steps":400,"step_seconds":0.05,"checkpoint_every":1000}}"#.into(),
                     required_client_version: run_manager::version::CLIENT_VERSION.into(),
                     checkpoint_policy: "durable".into(),

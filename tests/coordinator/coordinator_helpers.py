@@ -33,17 +33,17 @@ def registration(name: str = "box", **kw) -> Registration:
 
 def register_provider(store: Store, name: str = "box", **kw) -> str:
     """Create a provider in `store` and register it (`registration(name, **kw)`); returns its id."""
-    pid, _ = store.create_provider(name)
-    store.register(pid, registration(name, **kw))
+    pid, _ = store.credentials.create_provider(name)
+    store.providers.register(pid, registration(name, **kw))
     return pid
 
 
 def store_lease(store: Store, *, num_jobs: int = 1):
     """One provider, one run of `num_jobs` jobs, and the provider's lease on its first: `(pid, run, grant, live lease)`."""
     pid = register_provider(store)
-    run = store.create_run(RunSpecData(name="r", spec_json="{}", required_client_version=CLIENT_VERSION, num_jobs=num_jobs))
-    g = store.acquire(pid)
-    return pid, run, g, store.live_lease(pid, g.lease_id)
+    run = store.runs.create_run(RunSpecData(name="r", spec_json="{}", required_client_version=CLIENT_VERSION, num_jobs=num_jobs))
+    g = store.leases.acquire(pid)
+    return pid, run, g, store.leases.live_lease(pid, g.lease_id)
 
 
 def subprocess_env() -> dict[str, str]:
@@ -197,14 +197,12 @@ class Provider:
         finally:
             s.close()
 
-    def report(self, lease_id: str, name: str, content: bytes, *, kind="report", step=0, sha256=None, size=None, uri=""):
-        """A one-message upload (ReportArtifact with inline content)."""
-        art = artifact(name, content, kind=kind, step=step, sha256=sha256, size=size, uri=uri)
-        return self.stub.ReportArtifact(provider_pb2.ReportArtifactRequest(lease_id=lease_id, artifact=art, content=content), metadata=self.metadata, timeout=10).artifact
-
-    def upload(self, lease_id: str, name: str, content: bytes, *, kind="report", step=0, sha256=None, size=None, offset=0, chunk=1 << 20, messages=None, timeout=30):
+    def upload(
+        self, lease_id: str, name: str, content: bytes, *, kind="report", step=0, sha256=None, size=None, uri="", offset=0, chunk=1 << 20, messages=None,
+        timeout=30,
+    ):  # fmt: skip
         """UploadArtifact: a header, then `content[offset:]` in chunks (or the given raw `messages` after the header)."""
-        art = artifact(name, content, kind=kind, step=step, sha256=sha256, size=size)
+        art = artifact(name, content, kind=kind, step=step, sha256=sha256, size=size, uri=uri)
 
         def requests():
             yield provider_pb2.UploadArtifactRequest(header=provider_pb2.UploadHeader(lease_id=lease_id, artifact=art, offset=offset))

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from coordinator_helpers import Provider, run_spec, wait_until
 
-from dflash_worker.coordinator.blobs import blob_key
+from dflash_worker.coordinator.artifacts.blobs import blob_key
 from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2
 
 C = grpc.StatusCode
@@ -87,11 +87,11 @@ def test_quotas_refuse_with_resource_exhausted_naming_the_limit(start_coordinato
     coord = start_coordinator("--quota-attempt-records", "5", "--quota-attempt-bytes", "100000", "--quota-run-bytes", "150000")
     run, p, lease = _leased(coord)
     for i in range(5):
-        p.report(lease.lease_id, f"r/{i}.json", b"{}")
-    code, msg = _details(lambda: p.report(lease.lease_id, "r/5.json", b"{}"))
+        p.upload(lease.lease_id, f"r/{i}.json", b"{}")
+    code, msg = _details(lambda: p.upload(lease.lease_id, "r/5.json", b"{}"))
     assert code == C.RESOURCE_EXHAUSTED and "attempt quota is 5 records" in msg and "--quota-attempt-records" in msg, msg
     # Idempotent repeats of recorded artifacts are not new records.
-    assert p.report(lease.lease_id, "r/0.json", b"{}").name == "r/0.json"
+    assert p.upload(lease.lease_id, "r/0.json", b"{}").name == "r/0.json"
     p.finish(lease.lease_id, provider_pb2.ATTEMPT_OUTCOME_RETRYABLE, "next")
     lease2 = p.acquire().lease
     # Bytes: refused at the header, before a byte is staged.
@@ -115,7 +115,7 @@ def test_many_records_page_and_runs_page(start_coordinator):
     coord = start_coordinator()
     run, p, lease = _leased(coord)
     for i in range(250):
-        p.report(lease.lease_id, f"m/{i:03d}.json", b"{}", kind="metrics")
+        p.upload(lease.lease_id, f"m/{i:03d}.json", b"{}", kind="metrics")
     with coord.admin() as admin:
         rows = admin.list_artifacts(run.run_id, all_attempts=True)
         assert [r.artifact.name for r in rows] == [f"m/{i:03d}.json" for i in range(250)]
@@ -335,7 +335,7 @@ def test_admin_get_resumes_a_partial_download_refuses_bad_bytes_and_fetches_the_
     model, config = os.urandom(3 << 20), b'{"model_type": "dflash"}'
     p.upload(lease.lease_id, "run/export/model.safetensors", model, kind="export")
     p.upload(lease.lease_id, "run/export/config.json", config, kind="export")
-    p.report(lease.lease_id, "eval/report.json", b"{}")
+    p.upload(lease.lease_id, "eval/report.json", b"{}")
     assert p.finish(lease.lease_id) == "succeeded"
 
     def cli(*argv):

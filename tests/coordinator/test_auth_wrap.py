@@ -116,8 +116,10 @@ def test_out_of_range_uint64s_are_found_with_their_path():
     big = 2**63
     assert auth.out_of_range_field(provider_pb2.HeartbeatRequest(step=2**63 - 1, metrics={"loss": 1.0})) is None
     assert auth.out_of_range_field(provider_pb2.HeartbeatRequest(committed_step=big)) == ("committed_step", big)
-    nested = provider_pb2.ReportArtifactRequest(artifact=provider_pb2.Artifact(step=big))
+    nested = provider_pb2.UploadOffsetRequest(artifact=provider_pb2.Artifact(step=big))
     assert auth.out_of_range_field(nested) == ("artifact.step", big)
+    header = provider_pb2.UploadArtifactRequest(header=provider_pb2.UploadHeader(artifact=provider_pb2.Artifact(step=big)))
+    assert auth.out_of_range_field(header) == ("header.artifact.step", big)
     caps = provider_pb2.RegisterRequest(capabilities=provider_pb2.DeviceCapabilities(memory_bytes=2**64 - 1))
     assert auth.out_of_range_field(caps) == ("capabilities.memory_bytes", 2**64 - 1)
     listed = provider_pb2.Lease(inputs=[provider_pb2.Artifact(step=1), provider_pb2.Artifact(size_bytes=big)])

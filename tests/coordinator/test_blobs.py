@@ -1,4 +1,4 @@
-"""The blob store (`coordinator/blobs.py`): one suite over both backends.
+"""The blob store (`coordinator/artifacts/blobs.py`): one suite over both backends.
 
 ``local`` runs in a temporary directory; ``s3`` runs against moto's S3 server as a
 real subprocess on 127.0.0.1 (`s3_server.py`), a fresh bucket per test. Tests that
@@ -23,7 +23,7 @@ import botocore.exceptions
 import pytest
 from s3_server import HAVE_MOTO, NO_MOTO, MotoServer, aws_test_env, free_port
 
-from dflash_worker.coordinator.blobs import (
+from dflash_worker.coordinator.artifacts.blobs import (
     CHUNK_BYTES,
     S3_PART_BYTES,
     STALE_TEMP_SECONDS,

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from dflash_worker.coordinator import directio
-from dflash_worker.coordinator.directio import ALIGN, BUFFER_BYTES, AppendFile, ChunkReader
+from dflash_worker.coordinator.artifacts import directio
+from dflash_worker.coordinator.artifacts.directio import ALIGN, BUFFER_BYTES, AppendFile, ChunkReader
 
 MiB = 1 << 20
 
@@ -159,7 +159,7 @@ def test_chunk_reader_refuses_bad_chunk_and_closes_unread(tmp_path):
 
 
 def test_background_writer_writes_in_order_and_reports_the_first_error():
-    from dflash_worker.coordinator.directio import BackgroundWriter
+    from dflash_worker.coordinator.artifacts.directio import BackgroundWriter
 
     got, closes = [], []
     w = BackgroundWriter(got.append, closes.append, depth=2)

@@ -38,7 +38,7 @@ def test_expiry_requeues_with_resume_checkpoint_and_aborts_the_stale_holder(star
     hb = a.heartbeats()
     hb.send(lease1.lease_id, step=5)
     ck5 = a.checkpoint(lease1.lease_id, "ckpt/5", {"w.pt": b"five" * 10}, step=5)
-    a.report(lease1.lease_id, "metrics.json", b"{}", kind="metrics", step=7)
+    a.upload(lease1.lease_id, "metrics.json", b"{}", kind="metrics", step=7)
     ck10 = a.checkpoint(lease1.lease_id, "ckpt/10", {"w.pt": b"ten" * 10}, step=10)
     assert ck5.step == 5
 
@@ -58,7 +58,7 @@ def test_expiry_requeues_with_resume_checkpoint_and_aborts_the_stale_holder(star
 
     # The stale holder is refused on every write.
     _expect_aborted(lambda: hb.send(lease1.lease_id))
-    _expect_aborted(lambda: a.report(lease1.lease_id, "ckpt/11.pt", b"x", step=11))
+    _expect_aborted(lambda: a.upload(lease1.lease_id, "ckpt/11.pt", b"x", step=11))
     _expect_aborted(lambda: a.upload(lease1.lease_id, "ckpt/12.pt", b"x", step=12))
     # The new holder may fetch the checkpoint and the files it lists; the stale one may not.
     header, body = b.download(lease2.lease_id, "ckpt/10/w.pt", hashlib.sha256(b"ten" * 10).hexdigest())

@@ -146,11 +146,11 @@ def test_without_mtls_the_certificate_is_not_consulted():
 def test_the_store_compares_digests_in_constant_time(tmp_path, monkeypatch):
     store = Store(tmp_path / "c.db")
     try:
-        _, token = store.create_provider("box-a")
+        _, token = store.credentials.create_provider("box-a")
         calls = []
         real = store_mod.credentials.hmac.compare_digest
         monkeypatch.setattr(store_mod.credentials.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
-        assert store.authenticate(token).name == "box-a"
+        assert store.credentials.authenticate(token).name == "box-a"
         assert calls == [(store_mod.hash_token(token), store_mod.hash_token(token))]
     finally:
         store.close()

@@ -16,8 +16,8 @@ from coordinator_helpers import Provider, run_spec, wait_until
 from test_publish import BETTER, MODEL, WORSE, cli, report, spec_json
 from test_status_page import get
 
+from dflash_worker.coordinator.artifacts.publish import REPORT_NAME
 from dflash_worker.coordinator.policy import JOB_GRAPH_FEATURE
-from dflash_worker.coordinator.publish import REPORT_NAME
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
 

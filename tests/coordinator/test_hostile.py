@@ -12,7 +12,7 @@ from coordinator_helpers import Provider, code_of, run_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_worker.coordinator.artifacts import check_name
+from dflash_worker.coordinator.artifacts.names import check_name
 from dflash_worker.errors import DflashError, InvalidRequestError
 from dflash_worker.proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2, provider_pb2_grpc
 
@@ -80,7 +80,7 @@ def test_another_providers_lease_is_refused(leased, provider_factory):
     thief = provider_factory("thief")
     thief.register()
     assert _code(lambda: thief.heartbeat_once(lease.lease_id)) == C.PERMISSION_DENIED
-    assert _code(lambda: thief.report(lease.lease_id, "x.bin", b"x")) == C.PERMISSION_DENIED
+    assert _code(lambda: thief.upload(lease.lease_id, "x.bin", b"x")) == C.PERMISSION_DENIED
     assert _code(lambda: thief.upload(lease.lease_id, "x.bin", b"x")) == C.PERMISSION_DENIED
     assert _code(lambda: thief.download(lease.lease_id, "x.bin", "0" * 64)) == C.PERMISSION_DENIED
     assert _code(lambda: thief.finish(lease.lease_id)) == C.PERMISSION_DENIED
@@ -101,7 +101,7 @@ def test_bad_artifact_names_are_refused(leased):
 
     before = files()
     for name in BAD_NAMES:
-        assert _code(lambda: p.report(lease.lease_id, name, b"payload")) == C.INVALID_ARGUMENT, repr(name)
+        assert _code(lambda: p.upload(lease.lease_id, name, b"payload")) == C.INVALID_ARGUMENT, repr(name)
         assert _code(lambda: p.upload(lease.lease_id, name, b"payload")) == C.INVALID_ARGUMENT, repr(name)
     assert files() == before
     assert not (coordinator.workdir.parent / "escape.bin").exists()
@@ -118,14 +118,14 @@ def test_bad_artifact_contents_are_refused(leased, tmp_path):
     coordinator, p, lease, run = leased
     data = b"real bytes"
     good_sha = hashlib.sha256(data).hexdigest()
-    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, sha256=hashlib.sha256(b"other").hexdigest())) == C.INVALID_ARGUMENT
-    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, sha256="xyz")) == C.INVALID_ARGUMENT
-    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, sha256=good_sha + "\n")) == C.INVALID_ARGUMENT  # refused before staging
-    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, size=len(data) + 1)) == C.FAILED_PRECONDITION  # short: resumable
-    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, size=len(data) - 1)) == C.INVALID_ARGUMENT  # past the size
-    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, kind="weights")) == C.INVALID_ARGUMENT
+    assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, sha256=hashlib.sha256(b"other").hexdigest())) == C.INVALID_ARGUMENT
+    assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, sha256="xyz")) == C.INVALID_ARGUMENT
+    assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, sha256=good_sha + "\n")) == C.INVALID_ARGUMENT  # refused before staging
+    assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, size=len(data) + 1)) == C.FAILED_PRECONDITION  # short: resumable
+    assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, size=len(data) - 1)) == C.INVALID_ARGUMENT  # past the size
+    assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, kind="weights")) == C.INVALID_ARGUMENT
     # uint64 values SQLite cannot hold are refused before a byte is stored.
-    assert _code(lambda: p.report(lease.lease_id, "a.bin", data, step=1 << 63)) == C.INVALID_ARGUMENT
+    assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, step=1 << 63)) == C.INVALID_ARGUMENT
     assert _code(lambda: p.upload(lease.lease_id, "a.bin", data, size=(1 << 64) - 1)) == C.INVALID_ARGUMENT
 
     # Any `uri` is refused: the coordinator never reads a file a provider names, and
@@ -134,7 +134,7 @@ def test_bad_artifact_contents_are_refused(leased, tmp_path):
     for uri in (secret.as_uri(), (tmp_path / "missing.bin").as_uri(), "http://evil.example/x.bin", "file://evil.example/x.bin"):
         for sha in (good_sha, hashlib.sha256(secret.read_bytes()).hexdigest()):
             with pytest.raises(grpc.RpcError) as e:
-                p.report(lease.lease_id, "b.bin", b"", sha256=sha, size=secret.stat().st_size, uri=uri)
+                p.upload(lease.lease_id, "b.bin", b"", sha256=sha, size=secret.stat().st_size, uri=uri)
             assert code_of(e) == C.INVALID_ARGUMENT
             assert e.value.details() == _URI_REFUSED.format(name="b.bin"), e.value.details()
 
@@ -156,10 +156,10 @@ def test_oversized_messages_are_refused(start_coordinator):
     p.register()
     lease = p.acquire().lease
     big = os.urandom(100_000)
-    assert _code(lambda: p.report(lease.lease_id, "big.bin", big)) == C.RESOURCE_EXHAUSTED
+    assert _code(lambda: p.upload(lease.lease_id, "big.bin", big)) == C.RESOURCE_EXHAUSTED
     # Under the limit it works, and the lease survived the refusal.
     small = os.urandom(30_000)
-    assert p.report(lease.lease_id, "small.bin", small).sha256 == hashlib.sha256(small).hexdigest()
+    assert p.upload(lease.lease_id, "small.bin", small).sha256 == hashlib.sha256(small).hexdigest()
     with coord.admin() as admin:
         spec = run_spec("huge-spec", spec_json='{"x": "' + "a" * 100_000 + '"}')
         with pytest.raises(DflashError) as e:
@@ -266,10 +266,12 @@ def test_a_heartbeat_uint64_past_what_sqlite_holds_is_invalid_argument_naming_th
 def test_a_nested_uint64_past_what_sqlite_holds_is_named_by_its_path(leased):
     _, p, lease, _ = leased
     art = provider_pb2.Artifact(name="report.json", kind="report", sha256="0" * 64, size_bytes=2**64 - 1)
-    with pytest.raises(grpc.RpcError) as e:
-        p.stub.ReportArtifact(provider_pb2.ReportArtifactRequest(lease_id=lease.lease_id, artifact=art, content=b"{}"),
-                              metadata=p.metadata, timeout=10)
+    with pytest.raises(grpc.RpcError) as e:  # a unary call
+        p.stub.UploadOffset(provider_pb2.UploadOffsetRequest(lease_id=lease.lease_id, artifact=art), metadata=p.metadata, timeout=10)
     assert code_of(e) == C.INVALID_ARGUMENT and f"`artifact.size_bytes` is {2**64 - 1}" in e.value.details(), e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # a stream's first message, two levels down
+        p.upload(lease.lease_id, "report.json", b"{}", sha256="0" * 64, size=2**64 - 1)
+    assert code_of(e) == C.INVALID_ARGUMENT and f"`header.artifact.size_bytes` is {2**64 - 1}" in e.value.details(), e.value.details()
 
 
 def test_garbage_bytes_do_not_hurt_the_server(coordinator, provider_factory):

@@ -15,8 +15,9 @@ import grpc
 import pytest
 from coordinator_helpers import Provider, code_of, run_spec, store_lease
 
-from dflash_worker.coordinator import artifacts as artifacts_mod
-from dflash_worker.coordinator.artifacts import Claim, Staging, check_name, escape_name
+from dflash_worker.coordinator.artifacts import staging as staging_mod
+from dflash_worker.coordinator.artifacts.names import Claim, check_name, escape_name
+from dflash_worker.coordinator.artifacts.staging import Staging
 from dflash_worker.coordinator.store import Quotas, Store
 from dflash_worker.errors import InvalidRequestError, QuotaError, StorageError
 from dflash_worker.proto.dflash.v1 import provider_pb2
@@ -60,7 +61,7 @@ def test_invisible_characters_are_refused_before_a_byte_is_staged(coordinator):
     run, p, lease = _leased(coordinator)
     for cp in (0x202E, 0x2067, 0x200B, 0xFEFF, 0x061C):
         name = f"exe{chr(cp)}nib.json"
-        for send in (p.report, p.upload):
+        for send in (p.upload_offset, p.upload):  # a unary call and a stream
             code, msg = _details(lambda: send(lease.lease_id, name, b"{}"))
             assert code == C.INVALID_ARGUMENT and f"exe\\u{cp:04x}nib.json" in msg, (hex(cp), code, msg)
     assert not list((coordinator.workdir / "staging").rglob("*.part"))
@@ -76,7 +77,7 @@ def test_case_and_normalisation_twins_within_a_job_are_refused_naming_both(coord
     assert code == C.INVALID_ARGUMENT and "`ckpt/model.bin`" in msg and "`ckpt/Model.bin`" in msg and "case" in msg, msg
     nfc, nfd = "caf\u00e9.json", "cafe\u0301.json"
     p.upload(lease.lease_id, nfc, b"{}")
-    code, msg = _details(lambda: p.report(lease.lease_id, nfd, b"{}"))
+    code, msg = _details(lambda: p.upload(lease.lease_id, nfd, b"{}"))
     assert code == C.INVALID_ARGUMENT and f"`{escape_name(nfd)}`" in msg and "`caf\\u00e9.json`" in msg, msg
     # A non-ASCII name folding to an ASCII one (LATIN SMALL LETTER LONG S, KELVIN SIGN).
     p.upload(lease.lease_id, "state.json", b"{}")
@@ -111,9 +112,9 @@ def test_twins_admitted_together_are_refused_when_the_second_is_recorded(tmp_pat
     store = Store(tmp_path / "c.db")
     try:
         *_, lease = store_lease(store)
-        store.record(lease, Claim(name="Out.json", kind="report", sha256="a" * 64, size_bytes=2, step=0))
+        store.records.record(lease, Claim(name="Out.json", kind="report", sha256="a" * 64, size_bytes=2, step=0))
         with pytest.raises(InvalidRequestError, match="`out.json` differs from this job's artifact `Out.json`"):
-            store.record(lease, Claim(name="out.json", kind="report", sha256="b" * 64, size_bytes=2, step=0))
+            store.records.record(lease, Claim(name="out.json", kind="report", sha256="b" * 64, size_bytes=2, step=0))
         assert [r[0] for r in store.db.execute("SELECT name FROM records")] == ["Out.json"]
     finally:
         store.close()
@@ -144,8 +145,8 @@ def test_an_upload_larger_than_the_disk_is_refused_naming_both_numbers(start_coo
 def test_a_local_blob_store_on_another_disk_is_checked_too(tmp_path, monkeypatch):
     staging_dir, blob_dir = tmp_path / "staging", tmp_path / "blobs"
     blob_dir.mkdir()
-    monkeypatch.setattr(artifacts_mod, "_device", lambda path: 2 if "blobs" in str(path) else 1)
-    monkeypatch.setattr(artifacts_mod, "disk_space", lambda path: (500, 1000) if "blobs" in str(path) else (1 << 40, 1 << 41))
+    monkeypatch.setattr(staging_mod, "_device", lambda path: 2 if "blobs" in str(path) else 1)
+    monkeypatch.setattr(staging_mod, "disk_space", lambda path: (500, 1000) if "blobs" in str(path) else (1 << 40, 1 << 41))
     staging = Staging(staging_dir, blob_dir=blob_dir)
     claim = Claim(name="m.bin", kind="export", sha256="a" * 64, size_bytes=600, step=0)
     # The whole blob is copied there at commit, however much of it is staged already.
@@ -219,15 +220,15 @@ def test_a_succeeded_attempt_holds_the_run_quota_for_the_other_jobs(tmp_path):
     store = Store(tmp_path / "c.db", quotas=Quotas(run_bytes=100))
     try:
         pid, _, g, lease = store_lease(store, num_jobs=3)
-        store.record(lease, Claim(name="x.bin", kind="report", sha256="a" * 64, size_bytes=90, step=0))
-        store.finish(pid, g.lease_id, "retryable", "")
-        g = store.acquire(pid)
-        store.record(store.live_lease(pid, g.lease_id), Claim(name="y.bin", kind="report", sha256="b" * 64, size_bytes=60, step=0))
-        store.finish(pid, g.lease_id, "succeeded", "")
-        g = store.acquire(pid)
-        lease = store.live_lease(pid, g.lease_id)
+        store.records.record(lease, Claim(name="x.bin", kind="report", sha256="a" * 64, size_bytes=90, step=0))
+        store.leases.finish(pid, g.lease_id, "retryable", "")
+        g = store.leases.acquire(pid)
+        store.records.record(store.leases.live_lease(pid, g.lease_id), Claim(name="y.bin", kind="report", sha256="b" * 64, size_bytes=60, step=0))
+        store.leases.finish(pid, g.lease_id, "succeeded", "")
+        g = store.leases.acquire(pid)
+        lease = store.leases.live_lease(pid, g.lease_id)
         with pytest.raises(QuotaError, match="run already stores 60 bytes in its live and succeeded attempts"):
-            store.record(lease, Claim(name="z.bin", kind="report", sha256="c" * 64, size_bytes=50, step=0))
-        store.record(lease, Claim(name="z.bin", kind="report", sha256="c" * 64, size_bytes=40, step=0))
+            store.records.record(lease, Claim(name="z.bin", kind="report", sha256="c" * 64, size_bytes=50, step=0))
+        store.records.record(lease, Claim(name="z.bin", kind="report", sha256="c" * 64, size_bytes=40, step=0))
     finally:
         store.close()

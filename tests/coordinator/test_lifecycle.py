@@ -12,7 +12,7 @@ import grpc
 import pytest
 from coordinator_helpers import code_of, run_spec
 
-from dflash_worker.coordinator.blobs import blob_key
+from dflash_worker.coordinator.artifacts.blobs import blob_key
 from dflash_worker.coordinator.cli import main as cli_main
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
@@ -82,7 +82,7 @@ def test_full_lifecycle(coordinator, provider_factory, capsys, tmp_path):
     art2 = prov.upload(lease.lease_id, "export/draft.safetensors", export, kind="export", chunk=1000)
     assert art2.sha256 == hashlib.sha256(export).hexdigest()
     with pytest.raises(grpc.RpcError) as e:
-        prov.report(lease.lease_id, "export/other.bin", b"", kind="export", uri=(coordinator.workdir / "coordinator.db").as_uri())
+        prov.upload(lease.lease_id, "export/other.bin", b"", kind="export", uri=(coordinator.workdir / "coordinator.db").as_uri())
     assert code_of(e) == grpc.StatusCode.INVALID_ARGUMENT
 
     hb.send(lease.lease_id, phase=provider_pb2.PHASE_FINISHING, step=10, committed_step=3)

@@ -131,26 +131,26 @@ def test_a_version_1_database_opens_and_is_migrated(tmp_path):
         tables = {r[0] for r in store.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert {"artifacts_v2", "records"} <= tables and "artifacts" not in tables
         # Old tokens keep working; the identity is the best guess, the current name.
-        assert store.authenticate(TOKEN).provider_id == "prov-old" and store.authenticate(TOKEN).name == "rig-a"
-        assert store.authenticate(ADMIN).admin
-        (p,) = store.list_providers()
+        assert store.credentials.authenticate(TOKEN).provider_id == "prov-old" and store.credentials.authenticate(TOKEN).name == "rig-a"
+        assert store.credentials.authenticate(ADMIN).admin
+        (p,) = store.providers.list_providers()
         assert (p.identity, p.revoked_unix) == ("rig-a", None)
         # The new lifecycle works on migrated rows: rotate, then revoke ends the live v1 attempt.
-        new, _ = store.rotate_token("prov-old", 60)
-        assert store.authenticate(TOKEN).provider_id == store.authenticate(new).provider_id == "prov-old"
-        assert store.revoke_provider("prov-old") == 1
+        new, _ = store.credentials.rotate_token("prov-old", 60)
+        assert store.credentials.authenticate(TOKEN).provider_id == store.credentials.authenticate(new).provider_id == "prov-old"
+        assert store.credentials.revoke_provider("prov-old") == 1
         assert store.db.execute("SELECT state FROM jobs WHERE job_id='job-old'").fetchone() == ("queued",)
         for t in (TOKEN, new):
             with pytest.raises(AuthenticationError, match="revoked"):
-                store.authenticate(t)
+                store.credentials.authenticate(t)
     finally:
         store.close()
     # Migrated once: a second open finds the current version and changes nothing.
     store = Store(path)
     try:
         with pytest.raises(AuthenticationError, match="revoked"):
-            store.authenticate(TOKEN)
-        store.register(
+            store.credentials.authenticate(TOKEN)
+        store.providers.register(
             "prov-old",
             registration("x"),
         )
@@ -190,20 +190,20 @@ def test_a_newer_database_is_refused(tmp_path):
 def test_a_version_3_database_keeps_its_exports_published(tmp_path):
     """Schema 3 had no regression gate and served every succeeded job's export: after the migration those
     stay published (saying why), a job without an export gets no publication, and new jobs go through the gate."""
-    from dflash_worker.coordinator.artifacts import Claim
+    from dflash_worker.coordinator.artifacts.names import Claim
     from dflash_worker.coordinator.store import PRE_GATE_REASON, RunSpecData
 
     path = tmp_path / "coordinator.db"
     store = Store(path)
     pid = register_provider(store)
-    run = store.create_run(RunSpecData(name="old", spec_json="{}", required_client_version="0.1.0", num_jobs=2))
+    run = store.runs.create_run(RunSpecData(name="old", spec_json="{}", required_client_version="0.1.0", num_jobs=2))
     jobs = []
     for with_export in (True, False):
-        g = store.acquire(pid)
-        lease = store.live_lease(pid, g.lease_id)
+        g = store.leases.acquire(pid)
+        lease = store.leases.live_lease(pid, g.lease_id)
         if with_export:
-            store.record(lease, Claim(name="run/export/model.safetensors", kind="export", sha256="a" * 64, size_bytes=3, step=1))
-        store.finish(pid, g.lease_id, "succeeded", "")
+            store.records.record(lease, Claim(name="run/export/model.safetensors", kind="export", sha256="a" * 64, size_bytes=3, step=1))
+        store.leases.finish(pid, g.lease_id, "succeeded", "")
         jobs.append(g.job_id)
     store.close()
     # What a schema-3 coordinator left: no publications table.
@@ -232,8 +232,8 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
         pub = store.publication(jobs[0])
         assert pub is not None and pub.published and pub.verdict == "" and pub.reason == PRE_GATE_REASON, pub
         assert store.publication(jobs[1]) is None
-        assert store.undecided_jobs() == []
-        store.check_published(run.run_id, jobs[0])
+        assert store.publications.undecided_jobs() == []
+        store.publications.check_published(run.run_id, jobs[0])
         cols = [r[1] for r in store.db.execute("PRAGMA table_info(attempts)")]
         assert "phase_started_unix" in cols and "phase_started_step" in cols
     finally:

@@ -50,8 +50,8 @@ def store(tmp_path):
 
 
 def _provider(store: Store, name: str, **kw) -> str:
-    pid, _ = store.create_provider(name)
-    store.register(pid, dataclasses.replace(_reg(**kw), name=name))
+    pid, _ = store.credentials.create_provider(name)
+    store.providers.register(pid, dataclasses.replace(_reg(**kw), name=name))
     return pid
 
 
@@ -62,7 +62,7 @@ def _spec(placement=..., *, name="g", n=2, m=1, **kw) -> RunSpecData:
 
 
 def _lease(store: Store, pid: str) -> Grant | None:
-    g = store.acquire(pid)
+    g = store.leases.acquire(pid)
     assert g is None or isinstance(g, Grant), g
     return g
 
@@ -70,7 +70,7 @@ def _lease(store: Store, pid: str) -> Grant | None:
 def _succeed(store: Store, pid: str, kind: str) -> Grant:
     g = _lease(store, pid)
     assert g is not None and g.kind == kind, g
-    assert store.finish(pid, g.lease_id, "succeeded", "") == "succeeded"
+    assert store.leases.finish(pid, g.lease_id, "succeeded", "") == "succeeded"
     return g
 
 
@@ -158,24 +158,24 @@ def test_check_placement_resolves_every_kind():
 
 def test_train_goes_only_to_a_provider_with_the_memory_it_needs(store):
     small = _provider(store, "small", memory=int(23.5 * GiB))
-    run = store.create_run(_spec({"train": {"min_memory_bytes": TiB}}))
+    run = store.runs.create_run(_spec({"train": {"min_memory_bytes": TiB}}))
     _succeed(store, small, "prepare")
     _succeed(store, small, "capture")
     _succeed(store, small, "capture")
     # Train is ready, but the small provider does not fit it: nothing for it.
     assert _lease(store, small) is None
-    (train,) = [j for j in store.run_jobs(run.run_id)[0] if j.kind == "train"]
+    (train,) = [j for j in store.runs.run_jobs(run.run_id)[0] if j.kind == "train"]
     assert train.state == "queued" and train.waiting_for == ()
     big = _provider(store, "big", memory=2 * TiB)
     g = _lease(store, big)
     assert (g.kind, g.job_id) == ("train", train.job_id)
-    assert store.finish(big, g.lease_id, "succeeded", "") == "succeeded"
+    assert store.leases.finish(big, g.lease_id, "succeeded", "") == "succeeded"
     # Evaluate has no floor: the small provider takes it.
     assert _lease(store, small).kind == "evaluate"
 
 
 def test_a_kind_s_features_and_ranks(store):
-    run = store.create_run(
+    run = store.runs.create_run(
         _spec({"capture": {"required_features": ["flash_attention_2"], "local_ranks": 2}}, n=1, max_local_ranks=4, required_features=("cuda",))
     )
     plain = _provider(store, "plain", backend="cuda", count=8, features=(JOB_GRAPH_FEATURE,))
@@ -186,7 +186,7 @@ def test_a_kind_s_features_and_ranks(store):
     cap = _lease(store, fa)
     # The lease names the kind's features too, so the run-manager checks them before it launches.
     assert (cap.kind, cap.local_ranks, cap.required_features) == ("capture", 2, ("cuda", JOB_GRAPH_FEATURE, "flash_attention_2"))
-    store.finish(fa, cap.lease_id, "succeeded", "")
+    store.leases.finish(fa, cap.lease_id, "succeeded", "")
     train = _lease(store, plain)
     assert (train.kind, train.local_ranks) == ("train", 4)  # the run's maximum, on 8 devices
     assert run.spec.max_local_ranks == 4
@@ -194,7 +194,7 @@ def test_a_kind_s_features_and_ranks(store):
 
 def test_one_rank_kinds_go_to_providers_that_cannot_run_ranks(store):
     """A run with several ranks per job: prepare/capture/evaluate default to 1 rank, so an MPS provider takes them, never train."""
-    store.create_run(_spec(n=1, max_local_ranks=4))
+    store.runs.create_run(_spec(n=1, max_local_ranks=4))
     mps = _provider(store, "mac", backend="mps")
     _succeed(store, mps, "prepare")
     _succeed(store, mps, "capture")
@@ -206,23 +206,23 @@ def test_one_rank_kinds_go_to_providers_that_cannot_run_ranks(store):
 
 def test_upgrade_is_asked_only_for_work_the_provider_would_fit(store):
     small = _provider(store, "small")
-    store.create_run(_spec({"train": {"min_memory_bytes": TiB}}, n=1))
+    store.runs.create_run(_spec({"train": {"min_memory_bytes": TiB}}, n=1))
     _succeed(store, small, "prepare")
     _succeed(store, small, "capture")
     # Train is the only ready job. A big provider on another version is asked to upgrade; a small one is not.
     old_big = _provider(store, "old-big", memory=2 * TiB, version="0.0.9")
-    up = store.acquire(old_big)
+    up = store.leases.acquire(old_big)
     assert isinstance(up, Upgrade) and up.required_client_version == "0.1.0" and "0.0.9" in up.message
     old_small = _provider(store, "old-small", version="0.0.9")
-    assert store.acquire(old_small) is None
+    assert store.leases.acquire(old_small) is None
 
 
 def test_an_older_run_s_job_the_provider_does_not_fit_does_not_hold_up_a_newer_run(store):
     pid = _provider(store, "box")
     big = _provider(store, "big", memory=TiB)
-    older = store.create_run(_spec({"capture": {"min_memory_bytes": TiB}}, name="older", n=3))
+    older = store.runs.create_run(_spec({"capture": {"min_memory_bytes": TiB}}, name="older", n=3))
     _succeed(store, pid, "prepare")
-    newer = store.create_run(_spec(name="newer", n=1))
+    newer = store.runs.create_run(_spec(name="newer", n=1))
     # The older run's three ready captures need a big provider: the small one gets the newer run's prepare.
     g = _lease(store, pid)
     assert (g.run_id, g.kind) == (newer.run_id, "prepare")
@@ -237,8 +237,8 @@ def test_a_version_5_database_learns_declared_memory_and_keeps_its_graphs(tmp_pa
     path = tmp_path / "coordinator.db"
     store = Store(path)
     pid = _provider(store, "box", memory=48 * GiB)
-    bare, _ = store.create_provider("bare")  # never registered: no capabilities
-    run = store.create_run(_spec(n=1, max_local_ranks=2))
+    bare, _ = store.credentials.create_provider("bare")  # never registered: no capabilities
+    run = store.runs.create_run(_spec(n=1, max_local_ranks=2))
     store.close()
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("DROP TABLE placements")
@@ -256,7 +256,7 @@ def test_a_version_5_database_learns_declared_memory_and_keeps_its_graphs(tmp_pa
         assert dict(store.db.execute("SELECT provider_id, memory_bytes FROM providers")) == {pid: 48 * GiB, bare: 0}
         assert store.db.execute("SELECT COUNT(*) FROM placements").fetchone() == (0,)
         # The graph leases with the default placement: prepare 1 rank, train the run's maximum.
-        reqs = store.kind_requirements(store.get_run(run.run_id))
+        reqs = store.runs.kind_requirements(store.runs.get_run(run.run_id))
         assert {k: (r.max_local_ranks, r.min_memory_bytes) for k, r in reqs.items()} == {
             "prepare": (1, 0), "capture": (1, 0), "train": (2, 0), "evaluate": (1, 0), "verify": (1, 0),
         }  # fmt: skip
@@ -323,13 +323,13 @@ def clocked(tmp_path):
 
 
 def _jobs(store: Store, run_id: str) -> dict[tuple[str, int], object]:
-    return {(j.kind, j.shard_index): j for j in store.run_jobs(run_id)[0]}
+    return {(j.kind, j.shard_index): j for j in store.runs.run_jobs(run_id)[0]}
 
 
 def test_a_train_job_too_big_for_every_provider_says_why_it_waits(clocked):
     store = clocked
     small = _provider(store, "prov-a", memory=int(23.5 * GiB))
-    run = store.create_run(_spec({"train": {"min_memory_bytes": TiB}}, n=2))
+    run = store.runs.create_run(_spec({"train": {"min_memory_bytes": TiB}}, n=2))
     _succeed(store, small, "prepare")
     _succeed(store, small, "capture")
     _succeed(store, small, "capture")
@@ -348,8 +348,8 @@ def test_a_train_job_too_big_for_every_provider_says_why_it_waits(clocked):
 
 def test_waiting_reasons_name_what_each_provider_misses_and_who_fits(clocked):
     store = clocked
-    older = store.create_run(RunSpecData(name="older", spec_json="{}", required_client_version="0.1.0"))
-    run = store.create_run(_spec({"prepare": {"required_features": ["liger"], "min_memory_bytes": 16 * GiB}}, n=1))
+    older = store.runs.create_run(RunSpecData(name="older", spec_json="{}", required_client_version="0.1.0"))
+    run = store.runs.create_run(_spec({"prepare": {"required_features": ["liger"], "min_memory_bytes": 16 * GiB}}, n=1))
     # No provider at all.
     assert _jobs(store, run.run_id)[("prepare", 0)].waiting_reason == (
         "waiting for a provider: no live provider is registered (none asked for work in the last 60 s)"
@@ -369,7 +369,7 @@ def test_waiting_reasons_name_what_each_provider_misses_and_who_fits(clocked):
     why = _jobs(store, run.run_id)[("prepare", 0)].waiting_reason
     assert why == "waiting for a provider: the live providers that fit this prepare job are busy with other jobs: fits (cpu, 16.0 GiB)"
     # Idle again: it takes the job when it next asks.
-    store.finish(fits, g.lease_id, "succeeded", "")
+    store.leases.finish(fits, g.lease_id, "succeeded", "")
     why = _jobs(store, run.run_id)[("prepare", 0)].waiting_reason
     assert why == "waiting for a provider: fits (cpu, 16.0 GiB) fit this prepare job; it is leased when one asks for work (older runs' jobs first)"
     assert _lease(store, fits).kind == "prepare"
@@ -378,8 +378,8 @@ def test_waiting_reasons_name_what_each_provider_misses_and_who_fits(clocked):
 
 def test_with_one_fitting_provider_busy_and_one_idle_the_idle_one_is_named(clocked):
     store = clocked
-    store.create_run(RunSpecData(name="older", spec_json="{}", required_client_version="0.1.0"))
-    run = store.create_run(_spec(n=1))
+    store.runs.create_run(RunSpecData(name="older", spec_json="{}", required_client_version="0.1.0"))
+    run = store.runs.create_run(_spec(n=1))
     busy = _provider(store, "busy-one")
     assert _lease(store, busy).kind == "pipeline"
     _provider(store, "idle-one")
@@ -389,19 +389,19 @@ def test_with_one_fitting_provider_busy_and_one_idle_the_idle_one_is_named(clock
 
 def test_only_live_unrevoked_providers_count_and_at_most_200(clocked):
     store = clocked
-    run = store.create_run(RunSpecData(name="p", spec_json="{}", required_client_version="0.1.0", required_features=("cuda",)))
+    run = store.runs.create_run(RunSpecData(name="p", spec_json="{}", required_client_version="0.1.0", required_features=("cuda",)))
     gone = _provider(store, "gone")
     store.test_clock.t += 61  # not seen for longer than `live_seconds`
     revoked = _provider(store, "revoked")
-    store.revoke_provider(revoked)
-    (job,) = store.run_jobs(run.run_id)[0]
+    store.credentials.revoke_provider(revoked)
+    (job,) = store.runs.run_jobs(run.run_id)[0]
     assert "no live provider is registered" in job.waiting_reason
-    store.acquire(gone)  # asking for work makes it live again
-    (job,) = store.run_jobs(run.run_id)[0]
+    store.leases.acquire(gone)  # asking for work makes it live again
+    (job,) = store.runs.run_jobs(run.run_id)[0]
     assert job.waiting_reason == "waiting for a provider: none of 1 live provider fits this job: gone (cpu, 8.0 GiB): missing required features ['cuda']"
     for i in range(205):
         _provider(store, f"p{i:03d}\x7f")
-    (job,) = store.run_jobs(run.run_id)[0]
+    (job,) = store.runs.run_jobs(run.run_id)[0]
     assert job.waiting_reason.startswith("waiting for a provider: none of the 200 most recently seen live providers fits this job: ")
     assert job.waiting_reason.endswith("; and 195 more") and "\x7f" not in job.waiting_reason and "p204? (cpu" in job.waiting_reason
 
@@ -409,10 +409,10 @@ def test_only_live_unrevoked_providers_count_and_at_most_200(clocked):
 def test_a_failed_graph_run_s_jobs_say_no_waiting_reason(clocked):
     store = clocked
     pid = _provider(store, "box")
-    run = store.create_run(_spec(n=1))
+    run = store.runs.create_run(_spec(n=1))
     g = _lease(store, pid)
-    store.finish(pid, g.lease_id, "failed", "broken")
-    assert all(j.waiting_reason == "" for j in store.run_jobs(run.run_id)[0])
+    store.leases.finish(pid, g.lease_id, "failed", "broken")
+    assert all(j.waiting_reason == "" for j in store.runs.run_jobs(run.run_id)[0])
 
 
 def test_waiting_reason_over_grpc_and_in_runs_show(coordinator, provider_factory, capsys):

@@ -132,3 +132,22 @@ def test_local_ranks():
     assert local_ranks(_run(max_local_ranks=1), _profile(device_count=4)) == 1
     assert local_ranks(_run(max_local_ranks=8), _profile(backend="cpu", device_count=2)) == 1
     assert local_ranks(_run(max_local_ranks=8), _profile(backend="cpu", device_count=2, features=frozenset({"cpu_ranks"}))) == 2
+
+
+def test_sort_kinds_splits_a_runs_job_kinds_by_verdict():
+    """`store.leases.sort_kinds`: the kinds a provider fits now, those an upgrade would fit, and why; the
+    kinds it cannot run at all are in neither list."""
+    from dflash_worker.coordinator.store.leases import sort_kinds
+
+    prof = _profile(client_version="0.9.0", backend="cpu")
+    reqs = {
+        "prepare": _run(required_client_version="0.9.0"),
+        "capture": _run(required_client_version="1.0.0"),
+        "train": _run(max_local_ranks=2),  # cpu without `--cpu-ranks`: incapable, not behind
+        "evaluate": _run(required_client_version="0.9.0"),
+    }
+    fits, behind, why = sort_kinds(reqs, prof)
+    assert fits == ["prepare", "evaluate"]
+    assert behind == ["capture"]
+    assert "`1.0.0`" in why and "`0.9.0`" in why
+    assert sort_kinds({"train": _run(max_local_ranks=2)}, prof) == ([], [], "")

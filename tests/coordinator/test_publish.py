@@ -19,7 +19,7 @@ import pytest
 from coordinator_helpers import Provider, run_spec, subprocess_env
 from prewarmed import coordinator_cli
 
-from dflash_worker.coordinator.publish import REPORT_NAME, decide, held_out
+from dflash_worker.coordinator.artifacts.publish import REPORT_NAME, decide, held_out
 from dflash_worker.evaluate.report import VERDICTS, step_stats, summarize, verdict
 from dflash_worker.proto.dflash.v1 import provider_pb2
 

@@ -1,4 +1,4 @@
-"""The status page's snapshot process (`coordinator.snapshot_proc`): the child's answer is byte for byte
+"""The status page's snapshot process (`coordinator.web.snapshot_proc`): the child's answer is byte for byte
 what the coordinator would build itself, it cannot write the database, a dead or lying child is replaced
 (the page answers 503 meanwhile), and it goes when the coordinator goes, even by SIGKILL."""
 
@@ -14,10 +14,10 @@ import time
 import pytest
 from coordinator_helpers import register_provider, wait_until
 
-from dflash_worker.coordinator import page
-from dflash_worker.coordinator import snapshot as snap_mod
-from dflash_worker.coordinator.snapshot_proc import SnapshotProcess, SnapshotUnavailable, render
 from dflash_worker.coordinator.store import Progress, RunSpecData, Store, StoreReader
+from dflash_worker.coordinator.web import page
+from dflash_worker.coordinator.web import snapshot as snap_mod
+from dflash_worker.coordinator.web.snapshot_proc import SnapshotProcess, SnapshotUnavailable, render
 from dflash_worker.proto.dflash.v1 import provider_pb2 as pb
 
 
@@ -25,9 +25,9 @@ from dflash_worker.proto.dflash.v1 import provider_pb2 as pb
 def store(tmp_path):
     s = Store(tmp_path / "c.db", lease_ttl=1000)
     pid = register_provider(s, "box <b>")
-    s.create_run(RunSpecData(name="snap & co", spec_json="{}", required_client_version="0.1.0", num_jobs=3))
-    g = s.acquire(pid)
-    s.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_TRAIN, step=3, total_steps=9, metrics={"loss": 1.5, "tokens_per_s": 99.0}))
+    s.runs.create_run(RunSpecData(name="snap & co", spec_json="{}", required_client_version="0.1.0", num_jobs=3))
+    g = s.leases.acquire(pid)
+    s.leases.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_TRAIN, step=3, total_steps=9, metrics={"loss": 1.5, "tokens_per_s": 99.0}))
     yield s
     s.close()
 

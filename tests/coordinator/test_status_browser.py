@@ -21,7 +21,7 @@ import pytest
 from coordinator_helpers import REPO, Provider, run_spec
 from test_publish import BETTER, report, spec_json
 
-from dflash_worker.coordinator.publish import PLOT_NAME, REPORT_NAME
+from dflash_worker.coordinator.artifacts.publish import PLOT_NAME, REPORT_NAME
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
 

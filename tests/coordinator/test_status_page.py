@@ -16,7 +16,7 @@ import pytest
 from coordinator_helpers import Provider, register_provider, run_spec, wait_until
 from test_publish import BETTER, WORSE, report, spec_json
 
-from dflash_worker.coordinator.publish import REPORT_NAME
+from dflash_worker.coordinator.artifacts.publish import REPORT_NAME
 
 
 @pytest.fixture
@@ -206,26 +206,26 @@ def test_plain_http_off_loopback_is_refused(tmp_path):
 
 def test_eta_is_the_current_phases_and_the_snapshot_is_bounded(tmp_path):
     """ETA = steps left x seconds per step since the phase began; a phase change restarts the clock."""
-    from dflash_worker.coordinator import snapshot as snap_mod
     from dflash_worker.coordinator.store import Progress, RunSpecData, Store
+    from dflash_worker.coordinator.web import snapshot as snap_mod
     from dflash_worker.proto.dflash.v1 import provider_pb2 as pb
 
     now = [1000.0]
     store = Store(tmp_path / "c.db", clock=lambda: now[0], lease_ttl=1000)
     try:
         pid = register_provider(store)
-        store.create_run(RunSpecData(name="eta", spec_json="{}", required_client_version="0.1.0", num_jobs=snap_mod.MAX_JOBS + 5))
-        g = store.acquire(pid)
-        store.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_CAPTURE, step=0, total_steps=4))
+        store.runs.create_run(RunSpecData(name="eta", spec_json="{}", required_client_version="0.1.0", num_jobs=snap_mod.MAX_JOBS + 5))
+        g = store.leases.acquire(pid)
+        store.leases.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_CAPTURE, step=0, total_steps=4))
         now[0] = 1100.0
-        store.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_CAPTURE, step=2, total_steps=4))
+        store.leases.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_CAPTURE, step=2, total_steps=4))
         (job,) = [j for j in snap_mod.snapshot(store, now=1100.0)["runs"][0]["jobs"] if j["job_id"] == g.job_id]
         assert job["progress"]["phase"] == "capture" and job["progress"]["eta_seconds"] == pytest.approx(100.0)  # 2 left at 50 s each
         # Training starts: its clock starts at its first heartbeat, not at the attempt's start.
         now[0] = 1200.0
-        store.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_TRAIN, step=10, total_steps=110, metrics={"loss": 3.0}))
+        store.leases.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_TRAIN, step=10, total_steps=110, metrics={"loss": 3.0}))
         now[0] = 1210.0
-        store.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_TRAIN, step=20, total_steps=110, metrics={"loss": 2.0, "tokens_per_s": 512.0}))
+        store.leases.heartbeat(pid, g.lease_id, Progress(phase=pb.PHASE_TRAIN, step=20, total_steps=110, metrics={"loss": 2.0, "tokens_per_s": 512.0}))
         s = snap_mod.snapshot(store, now=1212.0)
         (job,) = [j for j in s["runs"][0]["jobs"] if j["job_id"] == g.job_id]
         p = job["progress"]
@@ -233,7 +233,7 @@ def test_eta_is_the_current_phases_and_the_snapshot_is_bounded(tmp_path):
         assert p["eta_seconds"] == pytest.approx(90.0) and p["heartbeat_age_seconds"] == pytest.approx(2.0)  # 90 left at 1 s each
         # Bounded: at most MAX_JOBS jobs of a run are shown, and the count of the rest is kept.
         assert len(s["runs"][0]["jobs"]) == snap_mod.MAX_JOBS and s["runs"][0]["num_jobs"] == snap_mod.MAX_JOBS + 5
-        from dflash_worker.coordinator import page
+        from dflash_worker.coordinator.web import page
 
         assert "5 more jobs not shown" in page.render_status(s)
     finally:

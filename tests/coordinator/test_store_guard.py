@@ -57,7 +57,7 @@ def _populated(path) -> str:
     """A current database with a run in it; returns the run id."""
     store = Store(path)
     try:
-        return store.create_run(RunSpecData(name="kept", spec_json="{}", required_client_version="0.1.0", num_jobs=2)).run_id
+        return store.runs.create_run(RunSpecData(name="kept", spec_json="{}", required_client_version="0.1.0", num_jobs=2)).run_id
     finally:
         store.close()
 

@@ -55,7 +55,7 @@ def test_revoke_aborts_live_leases_and_refuses_the_token(coordinator, capsys):
     assert e.code() == grpc.StatusCode.ABORTED and "revoked" in e.details()
     hb.close()
     # Every new call with the token is UNAUTHENTICATED and says why.
-    for call in (a.register, lambda: a.acquire(wait=0), lambda: a.finish(lease.lease_id), lambda: a.report(lease.lease_id, "x.bin", b"x")):
+    for call in (a.register, lambda: a.acquire(wait=0), lambda: a.finish(lease.lease_id), lambda: a.upload(lease.lease_id, "x.bin", b"x")):
         e = _refused(call)
         assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in e.details(), e.details()
 

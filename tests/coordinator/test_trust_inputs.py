@@ -18,7 +18,7 @@ import sqlite3
 import pytest
 from coordinator_helpers import SPEC, Provider, registration, run_spec
 
-from dflash_worker.coordinator.artifacts import Claim
+from dflash_worker.coordinator.artifacts.names import Claim
 from dflash_worker.coordinator.policy import JOB_GRAPH_FEATURE
 from dflash_worker.coordinator.store import RunSpecData, Store
 from dflash_worker.errors import InvalidRequestError
@@ -115,7 +115,7 @@ def _graph_until_capture(admin, hostile: Provider, trust: str | None):
     """A `--capture-shards 1` run whose prepare job the hostile provider did honestly; returns (run, capture lease)."""
     run = admin.create_run(run_spec(f"graph-{trust}", spec_json=_spec(trust), capture_shards=1))
     prep = hostile.acquire().lease
-    hostile.report(prep.lease_id, "data/manifest.json", b'{"examples": 3}', kind="manifest")
+    hostile.upload(prep.lease_id, "data/manifest.json", b'{"examples": 3}', kind="manifest")
     assert hostile.finish(prep.lease_id) == "succeeded"
     cap = hostile.acquire().lease
     assert cap.kind == "capture" and [a.name for a in cap.inputs] == ["data/manifest.json"]
@@ -131,7 +131,7 @@ def test_forged_capture_shards_of_a_failed_attempt_are_not_reused_by_default(coo
     with coordinator.admin() as admin:
         run, cap = _graph_until_capture(admin, hostile, trust)
         for name, data in FORGED.items():
-            hostile.report(cap.lease_id, name, data, kind="capture")
+            hostile.upload(cap.lease_id, name, data, kind="capture")
         assert hostile.finish(cap.lease_id, RETRYABLE, "crashed after two shards") == "queued"
 
         again = honest.acquire().lease
@@ -143,7 +143,7 @@ def test_forged_capture_shards_of_a_failed_attempt_are_not_reused_by_default(coo
         assert handed == {n: hashlib.sha256(d).hexdigest() for n, d in FORGED.items()}
         # The honest capture keeps them (they verify against their sidecars) and reports them as its own.
         for name, data in FORGED.items():
-            honest.report(again.lease_id, name, data, kind="capture")
+            honest.upload(again.lease_id, name, data, kind="capture")
         assert honest.finish(again.lease_id) == "succeeded"
         train = honest.acquire().lease
         assert train.kind == "train"
@@ -170,15 +170,15 @@ def test_a_version_6_database_gets_the_safe_default(tmp_path):
     """Schema 6 handed every attempt's checkpoints to anyone: its runs are migrated to `own`."""
     path = tmp_path / "coordinator.db"
     store = Store(path)
-    a, _ = store.create_provider("a")
-    b, _ = store.create_provider("b")
-    store.register(a, REG)
-    store.register(b, REG)
-    run = store.create_run(RunSpecData(name="old", spec_json=SPEC, required_client_version="0.1.0"))
+    a, _ = store.credentials.create_provider("a")
+    b, _ = store.credentials.create_provider("b")
+    store.providers.register(a, REG)
+    store.providers.register(b, REG)
+    run = store.runs.create_run(RunSpecData(name="old", spec_json=SPEC, required_client_version="0.1.0"))
     store.db.execute("UPDATE runs SET trust_inputs='any'")  # what schema 6 did, whatever the column says
-    g = store.acquire(a)
-    store.record(store.live_lease(a, g.lease_id), Claim(name="ck/manifest.json", kind="checkpoint", sha256="c" * 64, size_bytes=2, step=3))
-    store.finish(a, g.lease_id, "retryable", "lost")
+    g = store.leases.acquire(a)
+    store.records.record(store.leases.live_lease(a, g.lease_id), Claim(name="ck/manifest.json", kind="checkpoint", sha256="c" * 64, size_bytes=2, step=3))
+    store.leases.finish(a, g.lease_id, "retryable", "lost")
     store.close()
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("DROP TABLE attempt_inputs")
@@ -190,7 +190,7 @@ def test_a_version_6_database_gets_the_safe_default(tmp_path):
 
     store = Store(path)
     try:
-        assert store.get_run(run.run_id).spec.trust_inputs == "own"
-        assert store.acquire(b).resume_checkpoint is None
+        assert store.runs.get_run(run.run_id).spec.trust_inputs == "own"
+        assert store.leases.acquire(b).resume_checkpoint is None
     finally:
         store.close()

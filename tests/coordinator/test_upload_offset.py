@@ -10,9 +10,10 @@ import threading
 import pytest
 from coordinator_helpers import store_lease
 
-from dflash_worker.coordinator.artifacts import Claim, Staging
-from dflash_worker.coordinator.blobs import LocalBlobStore
-from dflash_worker.coordinator.service import Artifacts
+from dflash_worker.coordinator.artifacts.blobs import LocalBlobStore
+from dflash_worker.coordinator.artifacts.names import Claim
+from dflash_worker.coordinator.artifacts.staging import Staging
+from dflash_worker.coordinator.grpc.uploads import Artifacts
 from dflash_worker.coordinator.store import Store
 from dflash_worker.errors import PolicyError
 

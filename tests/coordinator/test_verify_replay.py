@@ -57,15 +57,15 @@ def _jobs(admin, run_id: str) -> dict[tuple[str, int], object]:
 def _prepare(p: Provider) -> None:
     lease = p.acquire().lease
     assert lease.kind == "prepare"
-    p.report(lease.lease_id, "data/manifest.json", b'{"examples": 3}', kind="manifest")
+    p.upload(lease.lease_id, "data/manifest.json", b'{"examples": 3}', kind="manifest")
     assert p.finish(lease.lease_id) == "succeeded"
 
 
 def _capture(p: Provider, shard: bytes = SHARD, sidecar: bytes = SIDECAR):
     lease = p.acquire().lease
     assert lease.kind == "capture", lease
-    p.report(lease.lease_id, "capture/shard-00000.safetensors", shard, kind="capture")
-    p.report(lease.lease_id, "capture/shard-00000.json", sidecar, kind="capture")
+    p.upload(lease.lease_id, "capture/shard-00000.safetensors", shard, kind="capture")
+    p.upload(lease.lease_id, "capture/shard-00000.json", sidecar, kind="capture")
     assert p.finish(lease.lease_id) == "succeeded"
     return lease
 
@@ -75,8 +75,8 @@ def _verify(p: Provider, shard: bytes = SHARD, sidecar: bytes = SIDECAR, *, expe
     assert lease.kind == "verify", lease
     names = {a.name for a in lease.inputs}
     assert {"capture/shard-00000.safetensors", "capture/shard-00000.json", "data/manifest.json"} <= names
-    p.report(lease.lease_id, "verify/capture/shard-00000.safetensors", shard, kind="capture")
-    p.report(lease.lease_id, "verify/capture/shard-00000.json", sidecar, kind="capture")
+    p.upload(lease.lease_id, "verify/capture/shard-00000.safetensors", shard, kind="capture")
+    p.upload(lease.lease_id, "verify/capture/shard-00000.json", sidecar, kind="capture")
     assert p.finish(lease.lease_id) == expect
     return lease
 
@@ -151,8 +151,8 @@ def test_a_mismatch_discards_the_capture_requeues_it_elsewhere_and_quarantines_t
         redo = third.acquire().lease
         assert (redo.kind, redo.job_id, redo.attempt) == ("capture", forged.job_id, 2)
         assert not [a for a in redo.inputs if a.kind == "capture"]
-        third.report(redo.lease_id, "capture/shard-00000.safetensors", SHARD, kind="capture")
-        third.report(redo.lease_id, "capture/shard-00000.json", SIDECAR, kind="capture")
+        third.upload(redo.lease_id, "capture/shard-00000.safetensors", SHARD, kind="capture")
+        third.upload(redo.lease_id, "capture/shard-00000.json", SIDECAR, kind="capture")
         assert third.finish(redo.lease_id) == "succeeded"
         # The redo is verified too, by anyone but its producer (the verifier of the first round may).
         assert _no_work(third)
@@ -198,11 +198,11 @@ def test_the_quarantined_provider_s_other_unused_captures_are_redone_too(coordin
             lease = hostile.acquire().lease
             assert lease.kind == "capture"
             body = SHARD if lease.shard_index != checked else b"forged" * 10
-            hostile.report(lease.lease_id, f"capture/shard-{lease.shard_index:05d}.safetensors", body, kind="capture")
+            hostile.upload(lease.lease_id, f"capture/shard-{lease.shard_index:05d}.safetensors", body, kind="capture")
             assert hostile.finish(lease.lease_id) == "succeeded"
         lease = verifier.acquire().lease
         assert (lease.kind, lease.shard_index) == ("verify", checked)
-        verifier.report(lease.lease_id, f"verify/capture/shard-{checked:05d}.safetensors", SHARD, kind="capture")
+        verifier.upload(lease.lease_id, f"verify/capture/shard-{checked:05d}.safetensors", SHARD, kind="capture")
         assert verifier.finish(lease.lease_id) == "queued"
         jobs = _jobs(admin, run.run_id)
         assert jobs[("capture", 0)].state == jobs[("capture", 1)].state == "queued"

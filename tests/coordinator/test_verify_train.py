@@ -66,15 +66,15 @@ def _upstream(producer: Provider, verifier: Provider) -> None:
     """Prepare and the capture on `producer`, the capture's verify job on `verifier`: train is ready."""
     lease = producer.acquire().lease
     assert lease.kind == "prepare"
-    producer.report(lease.lease_id, "data/manifest.json", b'{"examples": 3}', kind="manifest")
+    producer.upload(lease.lease_id, "data/manifest.json", b'{"examples": 3}', kind="manifest")
     assert producer.finish(lease.lease_id) == "succeeded"
     lease = producer.acquire().lease
     assert lease.kind == "capture"
-    producer.report(lease.lease_id, "capture/shard-00000.safetensors", b"features" * 8, kind="capture")
+    producer.upload(lease.lease_id, "capture/shard-00000.safetensors", b"features" * 8, kind="capture")
     assert producer.finish(lease.lease_id) == "succeeded"
     lease = verifier.acquire().lease
     assert lease.kind == "verify" and not lease.HasField("resume_checkpoint")
-    verifier.report(lease.lease_id, "verify/capture/shard-00000.safetensors", b"features" * 8, kind="capture")
+    verifier.upload(lease.lease_id, "verify/capture/shard-00000.safetensors", b"features" * 8, kind="capture")
     assert verifier.finish(lease.lease_id) == "succeeded"
 
 
@@ -88,7 +88,7 @@ def _train(p: Provider, *, tamper: bool = False, selected: int = SELECTED):
     for name, body in EXPORT.items():
         p.upload(lease.lease_id, f"run/export/{name}", body if not tamper or name != "model.safetensors" else b"tampered", kind="export", step=selected)
     p.upload(lease.lease_id, "run/export/manifest.json", f'{{"dir": "{p.provider_id}"}}'.encode(), kind="export", step=selected)
-    p.report(lease.lease_id, "run/selection.json", f'{{"step": {selected}}}'.encode(), kind="manifest", step=selected)
+    p.upload(lease.lease_id, "run/selection.json", f'{{"step": {selected}}}'.encode(), kind="manifest", step=selected)
     assert p.finish(lease.lease_id) == "succeeded"
     return lease
 
@@ -204,7 +204,7 @@ def test_a_tampered_training_is_discarded_redone_elsewhere_and_its_producer_quar
             third.checkpoint(redo.lease_id, f"run/checkpoints/step-{step:08d}", _files(step, where="third"), step=step)
         for name, body in EXPORT.items():
             third.upload(redo.lease_id, f"run/export/{name}", body, kind="export", step=SELECTED)
-        third.report(redo.lease_id, "run/selection.json", f'{{"step": {SELECTED}}}'.encode(), kind="manifest", step=SELECTED)
+        third.upload(redo.lease_id, "run/selection.json", f'{{"step": {SELECTED}}}'.encode(), kind="manifest", step=SELECTED)
         assert third.finish(redo.lease_id) == "succeeded"
         # The redo is replayed too, by anyone but its producer.
         assert third.acquire().WhichOneof("result") == "no_work"

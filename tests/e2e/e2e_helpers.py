@@ -211,7 +211,7 @@ class Coordinator:
 
     def blob_path(self, sha256: str) -> Path:
         """Where the local blob store keeps a blob (`artifacts/sha256/ab/ab12...` next to the database)."""
-        from dflash_worker.coordinator.blobs import blob_key
+        from dflash_worker.coordinator.artifacts.blobs import blob_key
 
         return self.workdir / "artifacts" / blob_key(sha256)
 

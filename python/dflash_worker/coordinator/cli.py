@@ -14,16 +14,24 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
-
-from google.protobuf import json_format
 
 from .. import __version__
 from ..cli import run_guarded
 from ..errors import ConfigError
-from ..proto.dflash.v1 import admin_pb2, provider_pb2
-from .service import DEFAULT_UPLOAD_IDLE_SECONDS
+from ..proto.dflash.v1 import admin_pb2
+from .cli_output import (
+    emit_json,
+    msg_dict,
+    print_artifact,
+    print_provider,
+    print_run,
+    print_run_details,
+    print_token,
+    publication_line,
+    when,
+)
+from .grpc import DEFAULT_UPLOAD_IDLE_SECONDS
 from .store import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS, MAX_SHARDS, Quotas
 
 # Environment variables (flags take precedence over them).
@@ -150,6 +158,7 @@ def _count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `dflash-coordinator` parser: `serve` and the admin subcommands, in the order `--help` lists them."""
     parser = argparse.ArgumentParser(
         prog="dflash-coordinator",
         description="Coordinator for dflash-worker providers: runs, jobs, leases, versions and artifacts over gRPC.",
@@ -157,9 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dflash-coordinator {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    sp = sub.add_parser("serve", help="run the coordinator", description="Run the coordinator; prints the bound address as one JSON line on stdout.")
-    _serve_args(sp)
+    _serve_args(sub.add_parser("serve", help="run the coordinator", description="Run the coordinator; prints the bound address as one JSON line on stdout."))
+    _add_runs(sub)
+    _add_versions(sub)
+    _add_providers(sub)
+    _add_artifacts(sub)
+    _add_jobs(sub)
+    return parser
 
+
+def _add_runs(sub) -> None:
+    """The `runs` subcommands: create, list, show, publish."""
     runs = sub.add_parser("runs", help="create and inspect runs").add_subparsers(dest="action", metavar="ACTION")
     rc = runs.add_parser("create", help="create a run and its jobs", description="Create a run and queue its jobs.")
     rc.add_argument("--name", required=True, help="run name, unique per coordinator")
@@ -195,12 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--note", default="", help="why (recorded with the override; at most 1,000 characters)")
     _client_args(rp)
 
+
+def _add_versions(sub) -> None:
+    """The `versions` subcommand: approve."""
     versions = sub.add_parser("versions", help="approve native client versions").add_subparsers(dest="action", metavar="ACTION")
     va = versions.add_parser("approve", help="allow a native client version for one run", description="Allow providers launching in native mode with this native client version to lease this run's jobs.")
     va.add_argument("run_id", help="run id")
     va.add_argument("version", help="native client version (semver)")
     _client_args(va)
 
+
+def _add_providers(sub) -> None:
+    """The `providers` subcommands: create, list, revoke, rotate."""
     providers = sub.add_parser("providers", help="create, list, revoke providers and rotate their tokens").add_subparsers(dest="action", metavar="ACTION")
     pc = providers.add_parser("create", help="create a provider and print its bearer token (shown once)")
     pc.add_argument("name", help="provider name: its identity (under mutual TLS its certificate's CN must be this name)")
@@ -229,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _client_args(pr)
 
+
+def _add_artifacts(sub) -> None:
+    """The `artifacts` subcommands: list, get."""
     arts = sub.add_parser("artifacts", help="list and fetch a run's artifacts").add_subparsers(dest="action", metavar="ACTION")
     al = arts.add_parser(
         "list",
@@ -255,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _client_args(ag)
 
+
+def _add_jobs(sub) -> None:
+    """The `jobs` subcommands: cancel, checkpoint."""
     jobs = sub.add_parser("jobs", help="steer jobs").add_subparsers(dest="action", metavar="ACTION")
     jc = jobs.add_parser("cancel", help="cancel a job (a running attempt gets a CANCEL directive)")
     jc.add_argument("job_id", help="job id (from `runs show`)")
@@ -262,16 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     jk = jobs.add_parser("checkpoint", help="ask a running job to commit a checkpoint now (CHECKPOINT_NOW directive)")
     jk.add_argument("job_id", help="job id (from `runs show`)")
     _client_args(jk)
-    return parser
-
-
-def _emit_json(value) -> None:
-    json.dump(value, sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")
-
-
-def _msg_dict(msg) -> dict:
-    return json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def _admin_token(args) -> str:
@@ -318,34 +337,6 @@ def _read_spec(args) -> str:
         return args.spec.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read job spec `{args.spec}`: {exc}") from None
-
-
-def _print_run(run: admin_pb2.Run) -> None:
-    states = ", ".join(f"{k} {v}" for k, v in sorted(run.job_states.items())) or "no jobs"
-    print(f"{run.run_id}  {run.spec.name}  client {run.spec.required_client_version}  {run.spec.checkpoint_policy}  [{states}]")
-
-
-def _job_label(j) -> str:
-    """`capture 2/4  ` for a job of a graph run; nothing for a pipeline job (as before graphs)."""
-    if j.kind in ("", "pipeline"):
-        return ""
-    return f"{j.kind} {j.shard_index + 1}/{j.shard_count}  " if j.shard_count > 1 else f"{j.kind}  "
-
-
-def _waits(j) -> str:
-    if not j.waiting_for or j.state != "queued":
-        return ""
-    if len(j.waiting_for) == 1:
-        return f"  waits for {j.waiting_for[0]}"
-    return f"  waits for {len(j.waiting_for)} of {len(j.needs)} jobs it needs"
-
-
-def _publication_line(p) -> str:
-    state = "published" if p.published else "NOT published"
-    line = f"    export {state}: {p.reason}"
-    if p.override_unix:
-        line += f"\n    published by override {_when(p.override_unix)} from {p.override_peer or '?'}" + (f": {p.override_note}" if p.override_note else "")
-    return line
 
 
 def _cmd_serve(args) -> int:
@@ -399,55 +390,32 @@ def _cmd_serve(args) -> int:
     return 0
 
 
-def _when(unix: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
-
-
-def _print_provider(p: admin_pb2.ProviderInfo) -> None:
-    mode = provider_pb2.LaunchMode.Name(p.launch_mode) if p.launch_mode in provider_pb2.LaunchMode.values() else str(p.launch_mode)
-    seen = _when(p.last_seen_unix) if p.last_seen_unix else "never"
-    revoked = f"  REVOKED {_when(p.revoked_unix)}" if p.revoked_unix else ""
-    quarantined = f"  QUARANTINED {_when(p.quarantined_unix)}" if p.quarantined_unix else ""
-    print(f"{p.provider_id}  {p.identity or p.name}  {p.name}  {p.client_version or '-'}  {mode}  {p.capabilities.backend or '-'}  last seen {seen}{revoked}{quarantined}")
-    if p.quarantined_unix:
-        print(f"    quarantined: {p.quarantine_reason}")
-
-
-def _print_token(token: str) -> None:
-    print(token)
-    print("note: the token is shown once; the coordinator keeps only its hash", file=sys.stderr)
-
-
 def _cmd_providers(c, args) -> None:
     if args.action == "create":
         resp = c.create_provider_full(args.name)
-        _emit_json({"name": args.name, "provider_id": resp.provider_id, "token": resp.token}) if args.json else _print_token(resp.token)
+        emit_json({"name": args.name, "provider_id": resp.provider_id, "token": resp.token}) if args.json else print_token(resp.token)
     elif args.action == "list":
         providers = c.list_providers()
         if args.json:
-            _emit_json([_msg_dict(p) for p in providers])
+            emit_json([msg_dict(p) for p in providers])
         else:
             for p in providers:
-                _print_provider(p)
+                print_provider(p)
     elif args.action == "revoke":
         resp = c.revoke_provider(args.provider_id)
         if args.json:
-            _emit_json(_msg_dict(resp))
+            emit_json(msg_dict(resp))
         else:
             print(f"{resp.provider.provider_id}  revoked  ({resp.aborted_leases} live lease(s) aborted)")
     elif args.action == "rotate":
         resp = c.rotate_token(args.provider_id, args.grace)
         if args.json:
-            _emit_json({"provider_id": args.provider_id, "token": resp.token, "old_token_expires_unix": resp.old_token_expires_unix})
+            emit_json({"provider_id": args.provider_id, "token": resp.token, "old_token_expires_unix": resp.old_token_expires_unix})
         else:
-            _print_token(resp.token)
-            print(f"note: the old token works until {_when(resp.old_token_expires_unix)}", file=sys.stderr)
+            print_token(resp.token)
+            print(f"note: the old token works until {when(resp.old_token_expires_unix)}", file=sys.stderr)
     else:
         raise AssertionError(args.action)
-
-
-def _print_artifact(a) -> None:
-    print(f"    {a.kind:<15} {a.name}  step {a.step}  {a.size_bytes} B  sha256 {a.sha256[:16]}...")
 
 
 def _cmd_get(c, args) -> None:
@@ -466,89 +434,85 @@ def _cmd_get(c, args) -> None:
         record = c.download(args.run_id, name, dest, job_id=args.job, sha256=sha, progress=not args.no_progress and sys.stderr.isatty())
         done.append({"name": name, "path": str(dest), "sha256": record.sha256, "size_bytes": record.size_bytes})
     if args.json:
-        _emit_json(done)
+        emit_json(done)
     else:
         for d in done:
             print(f"{d['path']}  {d['size_bytes']} B  sha256 {d['sha256']}  (verified)")
 
 
+def _show_run(c, args) -> None:
+    """`runs show`: the run and each job with its final artifacts (the succeeded attempt's, fetched page by page)."""
+    resp = c.get_run(args.run_id)
+    finals = {j.job_id: [a.artifact for a in c.list_artifacts(args.run_id, j.job_id)] if j.artifact_count else [] for j in resp.jobs}
+    if args.json:
+        doc = msg_dict(resp)
+        for j in doc["jobs"]:
+            j["artifacts"] = [msg_dict(a) for a in finals[j["job_id"]]]
+        emit_json(doc)
+    else:
+        print_run_details(resp, finals)
+
+
+def _cmd_runs(c, args) -> None:
+    if args.action == "create":
+        spec = admin_pb2.RunSpec(
+            name=args.name,
+            spec_json=_read_spec(args),
+            required_client_version=args.client_version,
+            checkpoint_policy=args.checkpoint_policy,
+            max_local_ranks=args.max_local_ranks,
+            required_features=args.feature,
+            image=args.image,
+            num_jobs=args.jobs,
+            capture_shards=args.capture_shards,
+            eval_shards=args.eval_shards,
+        )
+        run = c.create_run(spec)
+        emit_json(msg_dict(run)) if args.json else print_run(run)
+    elif args.action == "list":
+        runs = c.list_runs()
+        if args.json:
+            emit_json([msg_dict(r) for r in runs])
+        else:
+            for r in runs:
+                print_run(r)
+    elif args.action == "show":
+        _show_run(c, args)
+    elif args.action == "publish":
+        resp = c.publish_run(args.run_id, args.job, override=args.override, note=args.note)
+        emit_json(msg_dict(resp)) if args.json else print(f"{resp.job_id}\n{publication_line(resp.publication)}")
+    else:
+        raise AssertionError(args.action)
+
+
 def _cmd_admin(args) -> int:
     key = (args.command, args.action)
     with _client(args) as c:
-        if key == ("runs", "create"):
-            spec = admin_pb2.RunSpec(
-                name=args.name,
-                spec_json=_read_spec(args),
-                required_client_version=args.client_version,
-                checkpoint_policy=args.checkpoint_policy,
-                max_local_ranks=args.max_local_ranks,
-                required_features=args.feature,
-                image=args.image,
-                num_jobs=args.jobs,
-                capture_shards=args.capture_shards,
-                eval_shards=args.eval_shards,
-            )
-            run = c.create_run(spec)
-            _emit_json(_msg_dict(run)) if args.json else _print_run(run)
-        elif key == ("runs", "list"):
-            runs = c.list_runs()
-            if args.json:
-                _emit_json([_msg_dict(r) for r in runs])
-            else:
-                for r in runs:
-                    _print_run(r)
-        elif key == ("runs", "show"):
-            resp = c.get_run(args.run_id)
-            # Each job with its final artifacts (the succeeded attempt's), fetched page by page.
-            finals = {j.job_id: [a.artifact for a in c.list_artifacts(args.run_id, j.job_id)] if j.artifact_count else [] for j in resp.jobs}
-            if args.json:
-                doc = _msg_dict(resp)
-                for j in doc["jobs"]:
-                    j["artifacts"] = [_msg_dict(a) for a in finals[j["job_id"]]]
-                _emit_json(doc)
-            else:
-                _print_run(resp.run)
-                if resp.run.approved_native_versions:
-                    print(f"  approved native versions: {', '.join(resp.run.approved_native_versions)}")
-                if resp.run.failure:
-                    print(f"  run failed: {resp.run.failure}")
-                for j in resp.jobs:
-                    print(f"  {j.job_id}  {_job_label(j)}{j.state}  attempts {j.attempts}{_waits(j)}")
-                    for why in (j.reason, j.waiting_reason):
-                        if why:
-                            print(f"    {why}")
-                    if j.HasField("publication"):
-                        print(_publication_line(j.publication))
-                    elif j.HasField("export") and j.kind == "train":
-                        print("    export not decided yet: the regression gate decides on it when the run's evaluate job (shard 0) succeeds")
-                    for a in finals[j.job_id]:
-                        _print_artifact(a)
-        elif key == ("runs", "publish"):
-            resp = c.publish_run(args.run_id, args.job, override=args.override, note=args.note)
-            _emit_json(_msg_dict(resp)) if args.json else print(f"{resp.job_id}\n{_publication_line(resp.publication)}")
+        if key[0] == "runs":
+            _cmd_runs(c, args)
         elif key == ("artifacts", "list"):
             rows = c.list_artifacts(args.run_id, args.job, all_attempts=args.all_attempts)
             if args.json:
-                _emit_json([_msg_dict(r) for r in rows])
+                emit_json([msg_dict(r) for r in rows])
             else:
                 if not rows:
                     print("no artifacts" + ("" if args.all_attempts else " from a succeeded attempt (try --all-attempts)"), file=sys.stderr)
                 for r in rows:
                     print(f"  attempt {r.attempt} ({r.attempt_state})", end="")
-                    _print_artifact(r.artifact)
+                    print_artifact(r.artifact)
         elif key == ("artifacts", "get"):
             _cmd_get(c, args)
         elif key == ("versions", "approve"):
             run = c.approve_version(args.run_id, args.version)
-            _emit_json(_msg_dict(run)) if args.json else _print_run(run)
+            emit_json(msg_dict(run)) if args.json else print_run(run)
         elif key[0] == "providers":
             _cmd_providers(c, args)
         elif key == ("jobs", "cancel"):
             state = c.cancel_job(args.job_id)
-            _emit_json({"job_id": args.job_id, "job_state": state}) if args.json else print(f"{args.job_id}  {state}")
+            emit_json({"job_id": args.job_id, "job_state": state}) if args.json else print(f"{args.job_id}  {state}")
         elif key == ("jobs", "checkpoint"):
             state = c.request_checkpoint(args.job_id)
-            _emit_json({"job_id": args.job_id, "job_state": state}) if args.json else print(f"{args.job_id}  {state}  (checkpoint requested)")
+            emit_json({"job_id": args.job_id, "job_state": state}) if args.json else print(f"{args.job_id}  {state}  (checkpoint requested)")
         else:
             raise AssertionError(key)
     return 0

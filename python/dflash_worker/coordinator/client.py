@@ -17,7 +17,7 @@ import grpc
 from ..errors import ConfigError
 from ..manifest import update_with_file
 from ..proto.dflash.v1 import admin_pb2, admin_pb2_grpc, provider_pb2
-from .directio import AppendFile, BackgroundWriter
+from .artifacts.directio import AppendFile, BackgroundWriter
 from .status import error_for
 from .tls import ClientTls
 

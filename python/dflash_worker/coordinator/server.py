@@ -16,24 +16,26 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from ..errors import ConfigError, DflashError
 from ..proto.dflash.v1 import admin_pb2_grpc, provider_pb2_grpc
-from .artifacts import Staging
+from .artifacts.blobs import BlobStore, LocalBlobStore, open_blob_store
+from .artifacts.publish import PublishGate
+from .artifacts.staging import Staging
 from .auth import DEFAULT_FAILURE_LIMIT, DEFAULT_FAILURE_WINDOW, AuthInterceptor, FailureLimiter, Gate
-from .blobs import LocalBlobStore, open_blob_store
-from .metrics import Metrics
-from .publish import PublishGate
-from .service import DEFAULT_UPLOAD_IDLE_SECONDS, AdminService, Artifacts, ProviderService, WorkSignal
-from .snapshot_proc import SnapshotProcess
+from .grpc import DEFAULT_UPLOAD_IDLE_SECONDS, AdminService, Artifacts, ProviderService, WorkSignal
 from .store import Quotas, ServeLock, Store, new_token
 from .tls import ServerTls, is_loopback, load_server_tls
-from .web import StatusApp, WebConfig, server_ssl_context, start_web
+from .web import Metrics, SnapshotProcess, StatusApp, WebConfig, server_ssl_context, start_web
+
+if TYPE_CHECKING:
+    from aiohttp.web import AppRunner
 
 log = logging.getLogger("dflash_worker.coordinator")
 
@@ -191,6 +193,29 @@ def ensure_viewer_token(store: Store, token: str | None, token_file: Path) -> st
     return "generated"
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Parts:
+    """What the gRPC services, the status page and the periodic tasks share."""
+
+    store: Store
+    blobs: BlobStore
+    artifacts: Artifacts
+    work: WorkSignal
+    limiter: FailureLimiter
+    metrics: Metrics
+    publisher: PublishGate
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Web:
+    """The status page's server, once it listens."""
+
+    runner: AppRunner
+    snapshots: SnapshotProcess
+    address: str
+    viewer_how: str
+
+
 async def serve(
     config: ServeConfig,
     *,
@@ -200,7 +225,42 @@ async def serve(
     """Run the coordinator until SIGINT/SIGTERM (or `stop` is set)."""
     tls = config.load_tls()
     work = WorkSignal()
-    # One coordinator per database, from before it is opened (and migrated) until it is closed.
+    lock, store = _open_store(config, work)
+    try:
+        how = ensure_admin_token(store, config.admin_token, config.token_file)
+        parts = await _parts(config, store, work)
+        server, port = await _start_grpc(config, tls, parts)
+        web = await _start_status_page(config, tls, parts, server) if config.http_listen is not None else None
+        # Requeue whatever expired while the coordinator was down; decide on exports it left undecided.
+        store.jobs.expire_due()
+        await parts.publisher.catch_up()
+        on_ready(_ready_info(config, tls, port=port, blobs=parts.blobs, how=how, web=web))
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread (tests drive `stop` instead)
+        store.database.checkpoint_in_background()
+        tasks = _start_periodic(config, parts)
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            if web is not None:
+                await web.runner.cleanup()
+                await web.snapshots.close()
+            await server.stop(grace=1.0)
+    finally:
+        store.close()
+        lock.release()
+
+
+def _open_store(config: ServeConfig, work: WorkSignal) -> tuple[ServeLock, Store]:
+    """Lock the database, then open (and migrate) it: one coordinator per database, from before it is
+    opened until it is closed. The caller releases the lock."""
     lock = ServeLock(config.db).acquire()
     try:
         store = Store(
@@ -216,124 +276,114 @@ async def serve(
     except BaseException:
         lock.release()
         raise
+    return lock, store
+
+
+async def _parts(config: ServeConfig, store: Store, work: WorkSignal) -> _Parts:
+    """The blob store (checked usable), the upload engine and what the services share over `store`."""
+    blobs = open_blob_store(config.blob_url, s3_endpoint_url=config.s3_endpoint_url)
     try:
-        how = ensure_admin_token(store, config.admin_token, config.token_file)
-        blobs = open_blob_store(config.blob_url, s3_endpoint_url=config.s3_endpoint_url)
-        try:
-            await asyncio.to_thread(blobs.check)
-        except DflashError as exc:
-            raise ConfigError(f"artifact store {blobs.describe} is not usable: {exc}") from None
-        staging = Staging(config.staging_dir, blob_dir=blobs.root if isinstance(blobs, LocalBlobStore) else None)
-        artifacts = Artifacts(store, blobs, staging, idle_seconds=config.upload_idle_seconds)
-        options = [
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            # Refuse to share a port with another process instead of silently
-            # splitting traffic with it.
-            ("grpc.so_reuseport", 0),
-            *config.extra_options,
-        ]
-        limiter = FailureLimiter(limit=config.auth_failure_limit, window=config.auth_failure_window)
-        metrics = Metrics(store, artifacts)
-        gate = Gate(store.credentials.authenticate, limiter, mtls=tls is not None and tls.mtls)
-        server = grpc.aio.server(interceptors=[AuthInterceptor(gate)], options=options)
-        publisher = PublishGate(store, blobs)
-        provider_pb2_grpc.add_ProviderServiceServicer_to_server(
-            ProviderService(
-                store, artifacts, work, max_wait=config.max_wait, retry_after=config.retry_after, gate=publisher, heartbeat_latency=metrics.heartbeat_latency
-            ),
-            server,
-        )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store, artifacts, publisher), server)
-        try:
-            port = server.add_secure_port(config.listen, tls.credentials()) if tls else server.add_insecure_port(config.listen)
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on `{config.listen}`: {exc}\nhint: is another coordinator running there?") from None
-        if not port:
-            raise ConfigError(f"cannot listen on `{config.listen}`\nhint: is another coordinator running there?")
-        await server.start()
-        web_runner, http_address, viewer_how = None, None, None
-        if config.http_listen is not None:
-            viewer_how = ensure_viewer_token(store, config.viewer_token, config.viewer_file)
-            snapshots = SnapshotProcess(config.db)
-            web_config = WebConfig(refresh_ms=int(config.page_refresh_seconds * 1000), secure=tls is not None)
-            status_app = StatusApp(store, artifacts, metrics, limiter, snapshots, web_config)
-            ssl_context = server_ssl_context(config.tls_cert, config.tls_key) if tls is not None else None
-            try:
-                web_runner, http_port = await start_web(status_app, config.http_listen, ssl_context)
-            except OSError as exc:
-                await server.stop(grace=None)
-                raise ConfigError(f"cannot listen on `{config.http_listen}` (--http-listen): {exc.strerror or exc}") from None
-            http_address = f"{'https' if tls else 'http'}://{config.http_listen.rpartition(':')[0]}:{http_port}"
-        # Requeue whatever expired while the coordinator was down; decide on exports it left undecided.
+        await asyncio.to_thread(blobs.check)
+    except DflashError as exc:
+        raise ConfigError(f"artifact store {blobs.describe} is not usable: {exc}") from None
+    staging = Staging(config.staging_dir, blob_dir=blobs.root if isinstance(blobs, LocalBlobStore) else None)
+    artifacts = Artifacts(store, blobs, staging, idle_seconds=config.upload_idle_seconds)
+    limiter = FailureLimiter(limit=config.auth_failure_limit, window=config.auth_failure_window)
+    return _Parts(
+        store=store, blobs=blobs, artifacts=artifacts, work=work, limiter=limiter, metrics=Metrics(store, artifacts), publisher=PublishGate(store, blobs)
+    )
+
+
+async def _start_grpc(config: ServeConfig, tls: ServerTls | None, parts: _Parts) -> tuple[grpc.aio.Server, int]:
+    """Both services behind the auth interceptor, listening; returns the server and its bound port."""
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        # Refuse to share a port with another process instead of silently
+        # splitting traffic with it.
+        ("grpc.so_reuseport", 0),
+        *config.extra_options,
+    ]
+    store, artifacts = parts.store, parts.artifacts
+    gate = Gate(store.credentials.authenticate, parts.limiter, mtls=tls is not None and tls.mtls)
+    server = grpc.aio.server(interceptors=[AuthInterceptor(gate)], options=options)
+    provider = ProviderService(
+        store, artifacts, parts.work, max_wait=config.max_wait, retry_after=config.retry_after, gate=parts.publisher,
+        heartbeat_latency=parts.metrics.heartbeat_latency,
+    )  # fmt: skip
+    provider_pb2_grpc.add_ProviderServiceServicer_to_server(provider, server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(store, artifacts, parts.publisher), server)
+    try:
+        port = server.add_secure_port(config.listen, tls.credentials()) if tls else server.add_insecure_port(config.listen)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on `{config.listen}`: {exc}\nhint: is another coordinator running there?") from None
+    if not port:
+        raise ConfigError(f"cannot listen on `{config.listen}`\nhint: is another coordinator running there?")
+    await server.start()
+    return server, port
+
+
+async def _start_status_page(config: ServeConfig, tls: ServerTls | None, parts: _Parts, server: grpc.aio.Server) -> _Web:
+    """The status page and `/metrics` on `config.http_listen`; stops `server` when it cannot listen."""
+    assert config.http_listen is not None
+    viewer_how = ensure_viewer_token(parts.store, config.viewer_token, config.viewer_file)
+    snapshots = SnapshotProcess(config.db)
+    web_config = WebConfig(refresh_ms=int(config.page_refresh_seconds * 1000), secure=tls is not None)
+    status_app = StatusApp(parts.store, parts.artifacts, parts.metrics, parts.limiter, snapshots, web_config)
+    ssl_context = server_ssl_context(config.tls_cert, config.tls_key) if tls is not None else None
+    try:
+        runner, http_port = await start_web(status_app, config.http_listen, ssl_context)
+    except OSError as exc:
+        await server.stop(grace=None)
+        raise ConfigError(f"cannot listen on `{config.http_listen}` (--http-listen): {exc.strerror or exc}") from None
+    address = f"{'https' if tls else 'http'}://{config.http_listen.rpartition(':')[0]}:{http_port}"
+    return _Web(runner=runner, snapshots=snapshots, address=address, viewer_how=viewer_how)
+
+
+def _ready_info(config: ServeConfig, tls: ServerTls | None, *, port: int, blobs: BlobStore, how: str, web: _Web | None) -> dict:
+    """What `on_ready` reports: the bound addresses and where each token came from (one JSON line on stdout)."""
+    viewer_how = None if web is None else web.viewer_how
+    return {
+        "event": "listening",
+        "address": f"{config.listen.rpartition(':')[0]}:{port}",
+        "pid": os.getpid(),
+        "db": str(config.db),
+        "artifacts": blobs.describe,
+        "admin_token": how,
+        "admin_token_file": None if how == "given" else str(config.token_file),
+        "tls": tls is not None,
+        "mtls": tls is not None and tls.mtls,
+        "http_address": None if web is None else web.address,
+        "viewer_token": viewer_how,
+        "viewer_token_file": None if viewer_how in (None, "given") else str(config.viewer_file),
+    }
+
+
+def _start_periodic(config: ServeConfig, parts: _Parts) -> list[asyncio.Task]:
+    """Lease expiry, the artifact janitor and WAL checkpoints, each on its own timer until cancelled."""
+    store = parts.store
+    interval = config.expiry_interval or max(0.05, min(config.lease_ttl / 4, 1.0))
+
+    async def expire() -> None:
         store.jobs.expire_due()
-        await publisher.catch_up()
-        host = config.listen.rpartition(":")[0]
-        on_ready(
-            {
-                "event": "listening",
-                "address": f"{host}:{port}",
-                "pid": os.getpid(),
-                "db": str(config.db),
-                "artifacts": blobs.describe,
-                "admin_token": how,
-                "admin_token_file": None if how == "given" else str(config.token_file),
-                "tls": tls is not None,
-                "mtls": tls is not None and tls.mtls,
-                "http_address": http_address,
-                "viewer_token": viewer_how,
-                "viewer_token_file": None if viewer_how in (None, "given") else str(config.viewer_file),
-            }
-        )
-        stop = stop or asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError, ValueError):
-                pass  # not the main thread (tests drive `stop` instead)
-        interval = config.expiry_interval or max(0.05, min(config.lease_ttl / 4, 1.0))
 
-        async def expire_loop():
-            while True:
-                await asyncio.sleep(interval)
-                try:
-                    store.jobs.expire_due()
-                except Exception:  # noqa: BLE001 - keep serving; the next tick retries
-                    log.exception("lease expiry failed")
+    async def checkpoint_wal() -> None:
+        # WAL checkpoints (the database's only fsyncs) on a thread, never inside a commit on the loop.
+        await asyncio.to_thread(store.database.checkpoint_wal)
 
-        async def janitor_loop():
-            # Blobs of rotated checkpoints, staged uploads of ended or idle attempts.
-            while True:
-                await asyncio.sleep(min(5.0, config.upload_idle_seconds))
-                try:
-                    await artifacts.collect_garbage()
-                except Exception:  # noqa: BLE001 - keep serving; the next tick retries
-                    log.exception("artifact garbage collection failed")
+    return [
+        asyncio.create_task(every(interval, expire, "lease expiry failed")),
+        # Blobs of rotated checkpoints, staged uploads of ended or idle attempts.
+        asyncio.create_task(every(min(5.0, config.upload_idle_seconds), parts.artifacts.collect_garbage, "artifact garbage collection failed")),
+        asyncio.create_task(every(1.0, checkpoint_wal, "database checkpoint failed")),
+    ]
 
-        async def wal_loop():
-            # WAL checkpoints (the database's only fsyncs) on a thread, never inside a commit on the loop.
-            while True:
-                await asyncio.sleep(1.0)
-                try:
-                    await asyncio.to_thread(store.database.checkpoint_wal)
-                except Exception:  # noqa: BLE001 - keep serving; the next tick retries
-                    log.exception("database checkpoint failed")
 
-        store.database.checkpoint_in_background()
-        ticker = asyncio.create_task(expire_loop())
-        janitor = asyncio.create_task(janitor_loop())
-        checkpointer = asyncio.create_task(wal_loop())
+async def every(seconds: float, step: Callable[[], Awaitable[object]], failure: str) -> None:
+    """Await `step()` every `seconds` until cancelled; a step that raises is logged as `failure` and the next tick retries."""
+    while True:
+        await asyncio.sleep(seconds)
         try:
-            await stop.wait()
-        finally:
-            ticker.cancel()
-            janitor.cancel()
-            checkpointer.cancel()
-            if web_runner is not None:
-                await web_runner.cleanup()
-                await snapshots.close()
-            await server.stop(grace=1.0)
-    finally:
-        store.close()
-        lock.release()
+            await step()
+        except Exception:  # noqa: BLE001 - keep serving; the next tick retries
+            log.exception(failure)

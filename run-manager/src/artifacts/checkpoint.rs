@@ -9,7 +9,7 @@
 //! directory (its name without `/manifest.json`), kind `checkpoint_file`,
 //! with the manifest's step, and is uploaded before the manifest: the
 //! coordinator refuses a checkpoint whose files this attempt has not
-//! uploaded. The limits are the coordinator's (`coordinator/artifacts.py`).
+//! uploaded. The limits are the coordinator's (`coordinator/artifacts/names.py`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -18,11 +18,11 @@ from .credentials import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS,
 from .db import Database, ServeLock, next_token, page, printable
 from .facade import Store
 from .jobs import FINAL_JOB_STATES
-from .leases import MAX_LEASE_INPUT_BYTES, MAX_LEASE_INPUTS, Grant, LiveLease, Progress, Upgrade
+from .leases import MAX_LEASE_INPUT_BYTES, MAX_LEASE_INPUTS, Grant, Progress, Upgrade
 from .providers import ProviderRow, Registration
 from .publications import GateInputs
 from .reader import PublicationRow, StoreReader
-from .records import Quotas, StoredArtifact
+from .records import LiveLease, Quotas, StoredArtifact
 from .runs import JobRow, RunRow
 from .schema import PRE_GATE_REASON, SCHEMA_VERSION
 from .spec import JOB_KINDS, MAX_JOBS_PER_RUN, MAX_SHARDS, RunSpecData, parse_spec_json

@@ -1,9 +1,7 @@
 """`Store`: one coordinator database and the parts over it, built in dependency order.
 
-Coordinator code calls the part it needs (`store.leases.acquire(...)`, `store.runs.get_run(...)`).
-The flat names of the one class this package replaced (`store.acquire(...)`) still resolve to
-the same methods (`_FLAT`), for tests and scripts written against it; they are the parts'
-methods themselves, not copies.
+Callers name the part they need (`store.leases.acquire(...)`, `store.runs.get_run(...)`): each
+method lives in one part, and `Store` itself holds only the parts and the connection.
 """
 
 from __future__ import annotations
@@ -71,37 +69,3 @@ class Store(StoreReader):
     def close(self) -> None:
         self.database.close()
 
-
-class _Flat:
-    """`store.NAME` is `store.PART.NAME` (read and assigned through)."""
-
-    def __init__(self, part: str, name: str):
-        self.part, self.name = part, name
-
-    def __get__(self, obj, objtype=None):
-        return self if obj is None else getattr(getattr(obj, self.part), self.name)
-
-    def __set__(self, obj, value) -> None:
-        setattr(getattr(obj, self.part), self.name, value)
-
-
-# Part -> the names `Store` had for it before the split (`publication` is `StoreReader`'s own).
-_FLAT = {
-    "database": ("checkpoint_in_background", "checkpoint_wal", "clock", "on_work", "counts"),
-    "credentials": (
-        "has_admin_token", "set_admin_token", "has_viewer_token", "set_viewer_token", "web_role", "authenticate", "principal",
-        "create_provider", "rotate_token", "revoke_provider",
-    ),
-    "providers": ("register", "list_providers", "get_provider", "live_seconds"),
-    "runs": ("create_run", "kind_requirements", "get_run", "list_runs", "run_jobs", "waiting_reasons", "approve_version", "job_of"),
-    "jobs": ("expire_due", "cancel_job", "request_checkpoint", "max_attempts", "ended_attempts"),
-    "leases": ("acquire", "inputs", "find_input", "live_lease", "heartbeat", "finish", "live_attempt_ids", "lease_ttl"),
-    "records": (
-        "recorded", "check_quota", "check_name_free", "missing_checkpoint_file", "record", "referenced", "take_garbage",
-        "list_artifacts", "find_record", "last_checkpoint", "has_final_export", "garbage", "quotas", "keep_checkpoints",
-    ),
-    "publications": ("gated_job", "pending_gate", "gate_inputs", "undecided_jobs", "record_publication", "publish_override", "check_published"),
-}  # fmt: skip
-for _part, _names in _FLAT.items():
-    for _name in _names:
-        setattr(Store, _name, _Flat(_part, _name))

@@ -15,14 +15,14 @@ import json
 from dataclasses import dataclass, field
 
 from ...errors import InvalidRequestError, NotFoundError, PermissionDeniedError, StaleLeaseError
-from ..artifacts import ArtifactRecord
-from ..policy import Verdict, decide, local_ranks
+from ..artifacts.names import ArtifactRecord
+from ..policy import ProviderProfile, RunRequirements, Verdict, decide, local_ranks
 from .db import Database, Part, new_id
 from .jobs import Jobs
 from .provenance import Handed, record_inputs, trust_filter
 from .providers import Providers
-from .records import REC_COLS, Records, record_from_row
-from .runs import Runs
+from .records import REC_COLS, LiveLease, Records, record_from_row
+from .runs import RunRow, Runs
 from .verify import replay_checkpoint
 
 # Input artifacts one lease names at most (a train job's: every capture shard's final records),
@@ -75,15 +75,6 @@ class Upgrade:
     message: str
 
 
-@dataclass(frozen=True, kw_only=True)
-class LiveLease:
-    """The attempt behind a live lease, as a write sees it."""
-
-    attempt_id: str
-    job_id: str
-    run_id: str
-
-
 @dataclass(kw_only=True)
 class Progress:
     phase: int = 0
@@ -91,6 +82,20 @@ class Progress:
     total_steps: int = 0
     committed_step: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def sort_kinds(reqs: dict[str, RunRequirements], profile: ProviderProfile) -> tuple[list[str], list[str], str]:
+    """`(fits, behind, why)`: the job kinds of `reqs` the provider `profile` can run now, those it could
+    after a client upgrade, and why the last of those needs one (`policy.decide`; other kinds are left out)."""
+    fits, behind, why = [], [], ""
+    for kind, req in reqs.items():
+        verdict, reason = decide(req, profile)
+        if verdict is Verdict.ELIGIBLE:
+            fits.append(kind)
+        elif verdict is Verdict.UPGRADE:
+            behind.append(kind)
+            why = reason
+    return fits, behind, why
 
 
 class Leases(Part):
@@ -131,67 +136,69 @@ class Leases(Part):
             run = self.runs.run_for_lease(run_id)
             # Decided per job kind (placement): the oldest ready job of a kind this provider fits.
             reqs = self.runs.kind_requirements(run)
-            fits, behind, why = [], [], ""
-            for kind, req in reqs.items():
-                verdict, reason = decide(req, profile)
-                if verdict is Verdict.ELIGIBLE:
-                    fits.append(kind)
-                elif verdict is Verdict.UPGRADE:
-                    behind.append(kind)
-                    why = reason
+            fits, behind, why = sort_kinds(reqs, profile)
             if behind and upgrade is None and self._ready_job(run_id, behind, who) is not None:
                 upgrade = Upgrade(required_client_version=run.spec.required_client_version, message=f"run `{run.spec.name}`: {why}")
-            if not fits:
-                continue
-            with self._tx() as db:
-                row = self._ready_job(run_id, fits, who)
-                if row is None:
-                    continue
-                job_id, attempts, kind, shard_index, shard_count = row
-                req = reqs[kind]
-                trust = run.spec.trust_inputs
-                handed = self.handed_inputs(job_id, provider_id=provider_id, trust=trust)
-                inputs = tuple(h.record for h in handed)
-                too_many = self._too_many_inputs(inputs)
-                if too_many:
-                    db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE job_id=?", (too_many, now, job_id))
-                    self.jobs.fail_graph_run(db, job_id, "failed", too_many, now)
-                    continue
-                attempt_id, lease_id = new_id("att"), new_id("lease")
-                db.execute(
-                    "INSERT INTO attempts(attempt_id, job_id, number, provider_id, lease_id, state, lease_expires_unix, started_unix)"
-                    " VALUES (?,?,?,?,?,'live',?,?)",
-                    (attempt_id, job_id, attempts + 1, provider_id, lease_id, now + self.lease_ttl, now),
-                )
-                db.execute(
-                    "UPDATE jobs SET state='leased', attempts=?, current_attempt_id=?, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
-                    (attempts + 1, attempt_id, now, job_id),
-                )
-                if kind == "verify":  # a replay of training starts from the producer's checkpoint, or from step 0
-                    resume = self.replay_checkpoint(job_id, run_id)
-                else:
-                    resume = self.resume_checkpoint(job_id, provider_id=provider_id, trust=trust)
-                record_inputs(db, attempt_id, resume=resume, inputs=handed)
-            self.counts["leases_granted"] += 1
-            return Grant(
-                lease_id=lease_id,
-                run_id=run_id,
-                job_id=job_id,
-                attempt=attempts + 1,
-                spec_json=self.runs.spec_json(run_id),
-                ttl_seconds=self.lease_ttl,
-                resume_checkpoint=None if resume is None else resume.record,
-                checkpoint_policy=run.spec.checkpoint_policy,
-                local_ranks=local_ranks(req, profile),
-                required_features=req.required_features,
-                required_client_version=run.spec.required_client_version,
-                image=run.spec.image,
-                kind=kind,
-                shard_index=shard_index,
-                shard_count=shard_count,
-                inputs=inputs,
-            )
+            if fits:
+                grant = self._lease_oldest(run_id, run, reqs, fits, profile=profile, who=who, now=now)
+                if grant is not None:
+                    return grant
         return upgrade
+
+    def _lease_oldest(
+        self, run_id: str, run: RunRow, reqs: dict[str, RunRequirements], fits: list[str], *, profile: ProviderProfile, who: tuple[str, str], now: float
+    ) -> Grant | None:
+        """Lease the run's oldest ready job of one of `fits` to provider `who`; None when there is none
+        (or the one found names too many inputs: it fails, and its run's graph with it)."""
+        provider_id = who[0]
+        with self._tx() as db:
+            row = self._ready_job(run_id, fits, who)
+            if row is None:
+                return None
+            job_id, attempts, kind, shard_index, shard_count = row
+            req = reqs[kind]
+            trust = run.spec.trust_inputs
+            handed = self.handed_inputs(job_id, provider_id=provider_id, trust=trust)
+            inputs = tuple(h.record for h in handed)
+            too_many = self._too_many_inputs(inputs)
+            if too_many:
+                db.execute("UPDATE jobs SET state='failed', reason=?, updated_unix=? WHERE job_id=?", (too_many, now, job_id))
+                self.jobs.fail_graph_run(db, job_id, "failed", too_many, now)
+                return None
+            attempt_id, lease_id = new_id("att"), new_id("lease")
+            db.execute(
+                "INSERT INTO attempts(attempt_id, job_id, number, provider_id, lease_id, state, lease_expires_unix, started_unix)"
+                " VALUES (?,?,?,?,?,'live',?,?)",
+                (attempt_id, job_id, attempts + 1, provider_id, lease_id, now + self.lease_ttl, now),
+            )
+            db.execute(
+                "UPDATE jobs SET state='leased', attempts=?, current_attempt_id=?, checkpoint_requested=0, updated_unix=? WHERE job_id=?",
+                (attempts + 1, attempt_id, now, job_id),
+            )
+            if kind == "verify":  # a replay of training starts from the producer's checkpoint, or from step 0
+                resume = self.replay_checkpoint(job_id, run_id)
+            else:
+                resume = self.resume_checkpoint(job_id, provider_id=provider_id, trust=trust)
+            record_inputs(db, attempt_id, resume=resume, inputs=handed)
+        self.counts["leases_granted"] += 1
+        return Grant(
+            lease_id=lease_id,
+            run_id=run_id,
+            job_id=job_id,
+            attempt=attempts + 1,
+            spec_json=self.runs.spec_json(run_id),
+            ttl_seconds=self.lease_ttl,
+            resume_checkpoint=None if resume is None else resume.record,
+            checkpoint_policy=run.spec.checkpoint_policy,
+            local_ranks=local_ranks(req, profile),
+            required_features=req.required_features,
+            required_client_version=run.spec.required_client_version,
+            image=run.spec.image,
+            kind=kind,
+            shard_index=shard_index,
+            shard_count=shard_count,
+            inputs=inputs,
+        )
 
     def _ready_job(self, run_id: str, kinds: list[str], who: tuple[str, str]) -> tuple | None:
         """`(job_id, attempts, kind, shard_index, shard_count)` of the run's oldest job of one of `kinds` leasable
@@ -226,7 +233,7 @@ class Leases(Part):
         A capture job's earlier attempts (a provider lost mid-job) hand on their `capture` records too,
         the newest of each name among the attempts the run's `trust` policy allows a new attempt on
         `provider_id` (`provenance.trust_filter`; never a discarded attempt's): the shards they committed, which the next attempt
-        verifies and keeps instead of capturing them again (`capture.run.scan_shards`)."""
+        verifies and keeps instead of capturing them again (`capture.shards.scan_shards`)."""
         cols = ", ".join("r." + c.strip() for c in REC_COLS.split(","))
         (kind,) = self.db.execute("SELECT kind FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         rows = self.db.execute(

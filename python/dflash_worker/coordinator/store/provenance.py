@@ -17,7 +17,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from ..artifacts import ArtifactRecord
+from ..artifacts.names import ArtifactRecord
 from ..policy import TRUST_INPUTS
 
 # Producer groups `sources` returns for one job at most (untrusted ones first): a train job of a

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from ...errors import InvalidRequestError, PolicyError
-from ..artifacts import ArtifactRecord
+from ..artifacts.names import ArtifactRecord
 from .db import Database, Part, printable
 from .reader import PublicationRow, read_publication
 from .records import REC_COLS, Records, record_from_row

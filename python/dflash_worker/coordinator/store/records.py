@@ -13,14 +13,11 @@ their blobs after (`take_garbage`), so no record points at deleted bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ...errors import ConfigError, ConflictError, InvalidRequestError, NotFoundError, QuotaError
-from ..artifacts import NOTHING_STAGED, ArtifactRecord, Claim, Staged, artifact_uri, checkpoint_dir, escape_name, fold_name, name_conflict
+from ..artifacts.names import ArtifactRecord, Claim, artifact_uri, checkpoint_dir, escape_name, fold_name, name_conflict
+from ..artifacts.staging import NOTHING_STAGED, Staged
 from .db import Database, Part, page
-
-if TYPE_CHECKING:
-    from .leases import LiveLease
 
 REC_COLS = "name, kind, sha256, size_bytes, step, run_id, job_id, attempt"
 
@@ -29,6 +26,16 @@ def record_from_row(r) -> ArtifactRecord:
     """An `ArtifactRecord` from a row of `REC_COLS`."""
     name, kind, sha, size, step, run_id, job_id, attempt = r
     return ArtifactRecord(name=name, kind=kind, sha256=sha, size_bytes=size, uri=artifact_uri(run_id, job_id, attempt, name), step=step)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveLease:
+    """The attempt behind a live lease, as a write sees it (`Leases.live_lease` finds it; the
+    writes here and the upload engine take it)."""
+
+    attempt_id: str
+    job_id: str
+    run_id: str
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from ...errors import ConflictError, InvalidRequestError, NotFoundError
-from ..artifacts import ArtifactRecord
+from ..artifacts.names import ArtifactRecord
 from ..policy import GRAPH_KINDS, Placement, RunRequirements, Verdict, check_version, decide, default_placement
 from .db import Database, Part, new_id, next_token, page
 from .provenance import InputSource, result_attempt, sources

@@ -218,22 +218,6 @@ class Artifact(_message.Message):
     step: int
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., uri: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
-class ReportArtifactRequest(_message.Message):
-    __slots__ = ("lease_id", "artifact", "content")
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
-    CONTENT_FIELD_NUMBER: _ClassVar[int]
-    lease_id: str
-    artifact: Artifact
-    content: bytes
-    def __init__(self, lease_id: _Optional[str] = ..., artifact: _Optional[_Union[Artifact, _Mapping]] = ..., content: _Optional[bytes] = ...) -> None: ...
-
-class ReportArtifactResponse(_message.Message):
-    __slots__ = ("artifact",)
-    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
-    artifact: Artifact
-    def __init__(self, artifact: _Optional[_Union[Artifact, _Mapping]] = ...) -> None: ...
-
 class UploadHeader(_message.Message):
     __slots__ = ("lease_id", "artifact", "offset")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -49,11 +49,6 @@ class ProviderServiceStub:
                 request_serializer=dflash_dot_v1_dot_provider__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=dflash_dot_v1_dot_provider__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
-        self.ReportArtifact = channel.unary_unary(
-                '/dflash.v1.ProviderService/ReportArtifact',
-                request_serializer=dflash_dot_v1_dot_provider__pb2.ReportArtifactRequest.SerializeToString,
-                response_deserializer=dflash_dot_v1_dot_provider__pb2.ReportArtifactResponse.FromString,
-                _registered_method=True)
         self.UploadArtifact = channel.stream_unary(
                 '/dflash.v1.ProviderService/UploadArtifact',
                 request_serializer=dflash_dot_v1_dot_provider__pb2.UploadArtifactRequest.SerializeToString,
@@ -94,12 +89,6 @@ class ProviderServiceServicer:
     def Heartbeat(self, request_iterator, context):
         """Client streams progress; the server answers each message with a directive.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReportArtifact(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -145,11 +134,6 @@ def add_ProviderServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=dflash_dot_v1_dot_provider__pb2.HeartbeatRequest.FromString,
                     response_serializer=dflash_dot_v1_dot_provider__pb2.HeartbeatResponse.SerializeToString,
-            ),
-            'ReportArtifact': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReportArtifact,
-                    request_deserializer=dflash_dot_v1_dot_provider__pb2.ReportArtifactRequest.FromString,
-                    response_serializer=dflash_dot_v1_dot_provider__pb2.ReportArtifactResponse.SerializeToString,
             ),
             'UploadArtifact': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadArtifact,
@@ -253,33 +237,6 @@ class ProviderService:
             '/dflash.v1.ProviderService/Heartbeat',
             dflash_dot_v1_dot_provider__pb2.HeartbeatRequest.SerializeToString,
             dflash_dot_v1_dot_provider__pb2.HeartbeatResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReportArtifact(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/dflash.v1.ProviderService/ReportArtifact',
-            dflash_dot_v1_dot_provider__pb2.ReportArtifactRequest.SerializeToString,
-            dflash_dot_v1_dot_provider__pb2.ReportArtifactResponse.FromString,
             options,
             channel_credentials,
             insecure,

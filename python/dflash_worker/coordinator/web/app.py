@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from ..errors import DflashError, NotFoundError, PolicyError, RateLimitedError
+from ...errors import DflashError, NotFoundError, PolicyError, RateLimitedError
+from ..artifacts.names import CHUNK_BYTES, check_name
+from ..auth import FailureLimiter, peer_key
+from ..store import Store
 from . import page
-from .artifacts import CHUNK_BYTES, check_name
-from .auth import FailureLimiter, peer_key
 from .metrics import CONTENT_TYPE, Metrics
 from .snapshot_proc import SnapshotProcess, SnapshotUnavailable
-from .store import Store
 
 log = logging.getLogger("dflash_worker.coordinator")
 

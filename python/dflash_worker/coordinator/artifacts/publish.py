@@ -41,10 +41,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, DflashError
-from ..evaluate.report import VERDICTS, verdict
-from ..recipe import EvaluateConfig
-from .store import GateInputs, PublicationRow, Store
+from ...errors import ConfigError, DflashError
+from ...evaluate.report import VERDICTS, verdict
+from ...recipe import EvaluateConfig
+from ..store import GateInputs, PublicationRow, Store
 
 log = logging.getLogger("dflash_worker.coordinator")
 

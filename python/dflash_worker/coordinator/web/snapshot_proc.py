@@ -6,7 +6,7 @@ loop that is time no heartbeat is answered, however finely it is sliced, and on 
 would hold the same interpreter lock. A child process does it on another core: the loop only
 writes one request line and reads the answer from a pipe.
 
-The child (``python -m dflash_worker.coordinator.snapshot_proc DB``) opens the database
+The child (``python -m dflash_worker.coordinator.web.snapshot_proc DB``) opens the database
 read-only (``mode=ro``: it cannot write a byte) and answers each request line ``NOW\\n``
 (the Unix time to compute ages and ETAs at) with a frame: two 8-byte big-endian lengths, the
 snapshot as JSON (sorted keys, what `/api/status` serves) and the rendered fragment (what
@@ -64,7 +64,7 @@ def serve(db_path: Path, stdin=None, stdout=None) -> int:
         os.nice(NICE)
     stdin = stdin or sys.stdin.buffer
     stdout = stdout or sys.stdout.buffer
-    from .store import StoreReader
+    from ..store import StoreReader
 
     view = StoreReader.open(db_path)
     for line in stdin:
@@ -98,10 +98,10 @@ class SnapshotProcess:
 
     async def _start(self) -> asyncio.subprocess.Process:
         # the child imports this very package, wherever it was imported from
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[3])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dflash_worker.coordinator.snapshot_proc", str(self.db_path),
+            sys.executable, "-m", "dflash_worker.coordinator.web.snapshot_proc", str(self.db_path),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
         )
         self.started += 1
@@ -155,7 +155,7 @@ class SnapshotProcess:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m dflash_worker.coordinator.snapshot_proc DB", file=sys.stderr)
+        print("usage: python -m dflash_worker.coordinator.web.snapshot_proc DB", file=sys.stderr)
         return 2
     try:
         return serve(Path(args[0]))

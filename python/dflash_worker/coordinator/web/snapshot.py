@@ -21,9 +21,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..proto.dflash.v1 import provider_pb2
-from .publish import PLOT_NAME, REPORT_NAME
-from .store import StoreReader
+from ...proto.dflash.v1 import provider_pb2
+from ..artifacts.publish import PLOT_NAME, REPORT_NAME
+from ..store import StoreReader
 
 MAX_RUNS = 50
 MAX_JOBS = 50

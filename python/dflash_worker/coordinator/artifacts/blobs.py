@@ -1,7 +1,7 @@
 """The coordinator's blob store: artifact bytes kept once per sha256, on a local disk or in S3.
 
 The coordinator stages an upload on its own disk and checks its sha256
-(`artifacts.py`); only then does it hand the verified file to a `BlobStore`,
+(`staging.py`); only then does it hand the verified file to a `BlobStore`,
 which keeps it as blob ``sha256``. Records (attempt, name -> sha256) live in
 SQLite and point at blobs; a blob no record points at is garbage that the
 coordinator's GC removes with `BlobStore.delete`. The store is content
@@ -104,7 +104,7 @@ import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from ..errors import ConfigError, InvalidRequestError, NotFoundError, StorageError
+from ...errors import ConfigError, InvalidRequestError, NotFoundError, StorageError
 from .directio import BUFFER_BYTES, ChunkReader
 
 # A blob id: 64 lowercase hex digits (use with fullmatch). Shared with the artifact checks.

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from .store import FINAL_JOB_STATES, Store
+from ..store import FINAL_JOB_STATES, Store
 
 JOB_STATES = ("queued", "leased", "cancelling", *FINAL_JOB_STATES)
 # Heartbeats are a few SQLite statements: most take well under a millisecond.
