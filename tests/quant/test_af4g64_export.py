@@ -210,14 +210,14 @@ def test_crash_mid_write_leaves_nothing_and_keeps_old_export(tmp_path, monkeypat
     out = tmp_path / "e"
     write_af4g64({"fc.weight": torch.ones(4, 64)}, {}, out, ["fc.weight"])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    real_write = af4g64_mod._write_file
+    real_write = af4g64_mod.write_file
 
     def crash(path, data):
         real_write(path, data[: len(data) // 2])
         if Path(path).name == "manifest.json":
             raise OSError("disk full")
 
-    monkeypatch.setattr(af4g64_mod, "_write_file", crash)
+    monkeypatch.setattr(af4g64_mod, "write_file", crash)
     with pytest.raises(OSError, match="disk full"):
         write_af4g64({"fc.weight": torch.zeros(4, 64)}, {}, out, ["fc.weight"], overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -264,7 +264,7 @@ def test_failed_final_rename_puts_previous_export_back(tmp_path, monkeypatch):
             raise OSError("rename failed")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(af4g64_mod.os, "replace", flaky)
+    monkeypatch.setattr(os, "replace", flaky)  # the commit step (`export.commit`) renames
     with pytest.raises(OSError, match="rename failed"):
         write_af4g64({"fc.weight": torch.zeros(4, 64)}, {}, out, ["fc.weight"], overwrite=True)
     monkeypatch.undo()

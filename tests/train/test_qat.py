@@ -103,7 +103,7 @@ def test_export_failure_midway_leaves_masters_and_no_partial_export(pipeline, tm
     out = tmp_path / "export"
     with pytest.raises(OSError, match="injected"):
         write_bf16(pipeline.draft, values, out, _fault=fault)
-    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+    assert not out.exists() and not list(tmp_path.glob(".*"))  # no temporary or moved-aside export left
     _assert_masters_intact(t, objs, vals)
     # the QAT values are the fake-quantized ones, computed from the masters (never stored back)
     from dflash_worker.model.quant import fake_quantize_af4g64

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from dflash_worker.errors import CheckpointError
 from dflash_worker.weights import read_header
 from dflash_worker.weights.dtypes import SAFETENSORS_DTYPES, TORCH_DTYPES
-from dflash_worker.weights.write import RawTensor, write_safetensors
+from dflash_worker.weights.header import DTYPE_SIZES
+from dflash_worker.weights.write import SAFETENSORS_ORDER, RawTensor, safetensors_order, write_safetensors
 
 
 def _raw_header(path) -> bytes:
@@ -165,3 +166,35 @@ def test_any_tensors_round_trip_and_validate(tmp_path, spec, meta):
     for name, t in tensors.items():
         raw = path.read_bytes()[h.tensors[name].begin : h.tensors[name].end]
         assert raw == _bytes(t), name
+
+
+def test_safetensors_order_names_every_dtype_once_largest_element_first():
+    assert sorted(SAFETENSORS_ORDER) == sorted(DTYPE_SIZES)
+    sizes = [DTYPE_SIZES[d] for d in SAFETENSORS_ORDER]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_safetensors_order_sorts_by_dtype_then_name_for_every_kind_of_value():
+    tensors = {"b": torch.ones(1, dtype=torch.uint8), "raw": RawTensor("I64", (1,), [b"\0" * 8]),
+               "a": torch.ones(1, dtype=torch.uint8), "list": [torch.ones(1), torch.ones(2)],
+               "flag": torch.ones(1, dtype=torch.bool), "odd": torch.zeros(1, dtype=torch.complex64)}
+    assert list(safetensors_order(tensors)) == ["raw", "list", "a", "b", "flag", "odd"]  # unknown dtype last
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.text("abcAB._9", min_size=1, max_size=10).filter(lambda s: s != "__metadata__"),
+                       st.tuples(_DTYPES, _SHAPES), min_size=1, max_size=8),
+       st.dictionaries(st.text("ab", min_size=1, max_size=4), st.text(st.characters(max_codepoint=0x7E), max_size=6),
+                       max_size=1))
+def test_safetensors_order_gives_the_bytes_of_safetensors_save_file(tmp_path, spec, meta):
+    """The AF4G64 export relies on this to keep the bytes `save_file` wrote (at most one metadata key:
+    `save_file` orders several from a hash map; ASCII below DEL: our JSON escapes the rest, serde writes UTF-8)."""
+    from safetensors.torch import save_file
+
+    tensors = {name: _sample(dt, shape, i) for i, (name, (dt, shape)) in enumerate(spec.items())}
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    write_safetensors(ours, safetensors_order(tensors), meta or None)
+    save_file(tensors, str(theirs), metadata=meta or None)
+    assert ours.read_bytes() == theirs.read_bytes()
+    h = read_header(ours)
+    assert all(info.begin % DTYPE_SIZES[info.dtype] == 0 for info in h.tensors.values())

@@ -13,19 +13,21 @@ Layout of ``out_dir`` after :func:`write_af4g64`:
 - ``manifest.json``: sha256 of every other file, the quantized tensor names,
   the quantizer variant, software versions and the caller's ``manifest_extra``.
 
+``model.safetensors`` is written by `weights.write.write_safetensors` in
+`safetensors_order` (dtype, largest element first, then name): the layout
+``safetensors.torch.save_file`` gives, which this export used before, so the
+bytes are the same and every tensor is aligned to its element size.
+
 Everything is validated before a byte is written (unknown or unquantizable
 names, name collisions, non-finite values, BF16 overflow), and the directory is
-written under a temporary sibling name and renamed into place, so a failed
-export leaves no partial ``out_dir`` behind and an existing one untouched.
+committed by `export.commit.commit_dir` (a temporary sibling renamed into place),
+so a failed export leaves no partial ``out_dir`` behind and an existing one untouched.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
-import secrets
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +36,9 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ExportError
-from ..manifest import _fsync_dir, pretty_json, sha256_files, software_versions
+from ..manifest import pretty_json, sha256_files, software_versions
 from ..model.quant import GROUP_SIZE, MLX_QUANTIZATION, VARIANTS, quantize_af4g64
+from .commit import commit_dir, write_file
 
 FORMAT = "af4g64"
 WEIGHTS_FILE = "model.safetensors"
@@ -133,11 +136,11 @@ def _convert(
             b = t.to(torch.bfloat16)
             if not bool(torch.isfinite(b).all()):
                 raise ExportError(_nonfinite_message(name, b, "overflows BF16 with"))
-            # Fresh storage: safetensors refuses tensors sharing memory (tied
-            # weights, views of one buffer), and `.to` is a no-op on bf16 input.
-            out[name] = b.clone(memory_format=torch.contiguous_format) if b is t else b.contiguous()
+            # The writer reads each tensor's own bytes, so tied weights and views of one
+            # buffer need no copy; `.contiguous()` only where the layout requires one.
+            out[name] = b.contiguous()
         else:
-            out[name] = t.clone(memory_format=torch.contiguous_format)
+            out[name] = t.contiguous()
     return out
 
 
@@ -157,13 +160,6 @@ def _config(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     except (TypeError, ValueError) as exc:
         raise ExportError(f"refusing to export: config is not JSON-serialisable: {exc}") from exc
     return cfg
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def write_af4g64(
@@ -241,42 +237,19 @@ def _check_args(
 def _write_dir(
     out_dir: Path, tensors: dict[str, torch.Tensor], cfg: dict[str, Any], manifest: dict[str, Any], *, overwrite: bool
 ) -> dict[str, str]:
-    """Write the three files under a temporary sibling and rename it into place (an existing `out_dir`
-    is put back if anything fails); fills `manifest["files"]` and returns it."""
-    from safetensors.torch import save_file
+    """Write the three files and commit the directory (`commit_dir`: an existing `out_dir` is put
+    back if anything fails); fills `manifest["files"]` and returns it."""
+    from ..weights.write import safetensors_order, write_safetensors
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    old: Path | None = None
-    try:
-        tmp.mkdir()
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=dict(SAFETENSORS_METADATA))
-        fd = os.open(tmp / WEIGHTS_FILE, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _write_file(tmp / CONFIG_FILE, pretty_json(cfg))
+    def fill(tmp: Path) -> dict[str, str]:
+        write_safetensors(tmp / WEIGHTS_FILE, safetensors_order(tensors), SAFETENSORS_METADATA)
+        write_file(tmp / CONFIG_FILE, pretty_json(cfg))
         files = sha256_files([tmp / WEIGHTS_FILE, tmp / CONFIG_FILE], root=tmp)
         manifest["files"] = files
-        _write_file(tmp / MANIFEST_FILE, pretty_json(manifest))
-        _fsync_dir(tmp)
-        if out_dir.exists():
-            if not overwrite:
-                raise ExportError(f"refusing to export: `{out_dir}` appeared while exporting")
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out_dir.exists():
-            os.replace(old, out_dir)  # put the previous export back
-            old = None
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return files
+        write_file(tmp / MANIFEST_FILE, pretty_json(manifest))
+        return files
+
+    return commit_dir(out_dir, fill, overwrite=overwrite)
 
 
 def read_manifest(out_dir: str | Path) -> dict[str, Any]:

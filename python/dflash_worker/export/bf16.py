@@ -18,17 +18,16 @@
 - ``manifest.json`` holds sha256 and size per file, sha256 per tensor (so
   "untouched" is checkable against the released file) and the caller's
   provenance;
-- the directory is written to a temporary sibling, fsynced and renamed into
-  place; an existing `out_dir` is replaced only when `overwrite` is set, and
-  only after the new one is complete.
+- the directory is committed by `export.commit.commit_dir` (a temporary
+  sibling, fsynced and renamed into place); an existing `out_dir` is replaced
+  only when `overwrite` is set, only after the new one is complete, and is put
+  back if the commit fails.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,8 @@ from typing import Any
 import torch
 
 from ..errors import ExportError
-from ..manifest import _fsync_dir, pretty_json, sha256_file, software_versions
+from ..manifest import pretty_json, sha256_file, software_versions
+from .commit import commit_dir, write_file
 
 FORMAT = "dflash-worker/export-bf16/v1"
 WEIGHTS = "model.safetensors"
@@ -129,26 +129,6 @@ def _write_weights(path: Path, plan: list[tuple[str, str, list[int], bytes]], fa
     write_safetensors(path, tensors, {"format": "pt"})
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished `tmp` into place; an existing `out_dir` goes only once the new one is there."""
-    if out_dir.exists():
-        trash = out_dir.parent / f".tmp-old-{out_dir.name}-{os.getpid()}"
-        os.replace(out_dir, trash)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-
-
 def write_bf16(
     released_dir: str | Path,
     trained: Mapping[str, torch.Tensor],
@@ -165,13 +145,9 @@ def write_bf16(
     entries = _released_tensors(released_dir)
     plan = _plan(entries, trained, released_dir)  # every tensor checked before anything is written
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> dict[str, Any]:
         _write_weights(tmp / WEIGHTS, plan, _fault)
-        shutil.copyfile(released_dir / "config.json", tmp / "config.json")
+        write_file(tmp / "config.json", (released_dir / "config.json").read_bytes())
         files = {name: {"sha256": sha256_file(tmp / name), "size": (tmp / name).stat().st_size} for name in (WEIGHTS, "config.json")}
         manifest = {
             "format": FORMAT,
@@ -186,14 +162,10 @@ def write_bf16(
             "software": software_versions(),
             **dict(manifest_extra or {}),
         }
-        (tmp / "manifest.json").write_bytes(pretty_json(manifest))
-        for name in ("config.json", "manifest.json"):
-            _fsync(tmp / name)
-        _fsync_dir(tmp)
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_file(tmp / "manifest.json", pretty_json(manifest))
+        return manifest
+
+    manifest = commit_dir(out_dir, fill, overwrite=overwrite)
     return BF16Export(out_dir, manifest)
 
 

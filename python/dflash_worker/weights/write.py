@@ -12,7 +12,9 @@ BF16 exports are compared by hash):
   spaces to a multiple of 8 bytes, as the format allows;
 - the tensors' bytes follow in the same order, back to back. Nothing is inserted between
   them, so a tensor is aligned to its element size only if the caller orders tensors by
-  element size, largest first (capture does; an export keeps the released order);
+  element size, largest first (capture does; the BF16 export keeps the released order;
+  the AF4G64 export passes `safetensors_order(tensors)`, the order safetensors' own
+  ``save_file`` uses, so its files are the bytes that ``save_file`` wrote before);
 - bytes go from each tensor to the file and the sha256 with no concatenated copy and no
   in-memory file: a value may be a list of tensors stored as one (their concatenation on
   the first dim: capture's features, one tensor per example), or a `RawTensor` whose
@@ -72,6 +74,35 @@ class _Entry:
     shape: list[int]
     nbytes: int
     parts: Iterable[Buffer]
+
+
+# Safetensors' own writer (`safetensors.torch.save_file`, Rust `tensor::prepare`) sorts tensors by
+# its `Dtype` enum, descending, then by name; this is that enum's order, descending, for the dtypes
+# `weights.header.DTYPE_SIZES` knows. Element sizes never grow along it, so every tensor is aligned.
+SAFETENSORS_ORDER: tuple[str, ...] = (
+    "U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL",
+)
+
+
+def _dtype_name(value: Any) -> str | None:
+    """The safetensors dtype name of a writer value (tensor, list of tensors or `RawTensor`), if it has one."""
+    if isinstance(value, RawTensor):
+        return value.dtype
+    first = value[0] if isinstance(value, list) and value else value
+    from .dtypes import SAFETENSORS_DTYPES
+
+    return SAFETENSORS_DTYPES.get(getattr(first, "dtype", None))
+
+
+def safetensors_order(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """`tensors` reordered as ``safetensors.torch.save_file`` lays them out: dtype in
+    `SAFETENSORS_ORDER` (largest element first), then name. `write_safetensors` given this
+    order writes the same bytes as ``save_file`` when there is at most one metadata key
+    (``save_file`` orders several from a hash map) and names and metadata are ASCII below
+    DEL (this writer escapes the rest as ``\\uXXXX``, ``save_file`` writes them as UTF-8).
+    A dtype the writer does not know goes last; the writer then refuses it by name."""
+    rank = {name: i for i, name in enumerate(SAFETENSORS_ORDER)}
+    return dict(sorted(tensors.items(), key=lambda kv: (rank.get(_dtype_name(kv[1]), len(rank)), kv[0])))
 
 
 def _tensor_bytes(t: Any) -> memoryview:
@@ -181,4 +212,4 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.
     return Written(h.hexdigest(), total)
 
 
-__all__ = ["RawTensor", "Written", "write_safetensors"]
+__all__ = ["SAFETENSORS_ORDER", "RawTensor", "Written", "safetensors_order", "write_safetensors"]
