@@ -43,7 +43,7 @@ docker run --rm --gpus all --cap-drop ALL --security-opt no-new-privileges --rea
 echo "== the e2e pipeline job with --gpus all"
 .venv/bin/python - "$work" "$image" <<'EOF'
 import json, os, sys
-sys.path.insert(0, "tests/e2e")
+sys.path[:0] = ["tests/e2e", "tests"]  # e2e_helpers imports tests/launchers.py and tests/prewarmed.py
 from e2e_helpers import pipeline_spec
 from dflash_worker.testing.world import build_world
 

@@ -12,6 +12,10 @@ child processes', user + system) and their ratio, to see which files wait more t
 
 Run outside `make`, the session first sets the cargo environment the Makefile exports
 (scripts/cargo-env.py), so the tests that build Rust reuse `make`'s builds instead of rebuilding.
+
+The `real_process` marker: each test's setup and call tell tests/warm_worker.py which test runs and which
+real processes its marker asks for, so every launcher (tests/launchers.py) can hold its warm-or-real choice
+against it; a marker naming no known kind stops the session at collection.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import resource
 from pathlib import Path
 
 import pytest
+import warm_worker
 
 DURATIONS = Path(__file__).resolve().parent / "durations.json"
 RECORD_ENV = "DFLASH_RECORD_DURATIONS"
@@ -59,7 +64,15 @@ def _weights() -> dict[str, float]:
     return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
 
 
+def _check_real_process_markers(items) -> None:
+    for item in items:
+        problem = warm_worker.marker_problem([m.args for m in item.iter_markers("real_process")])
+        if problem:
+            raise pytest.UsageError(f"`{item.nodeid}`: {problem}")
+
+
 def pytest_collection_modifyitems(session, config, items):
+    _check_real_process_markers(items)
     weights = _weights()
     if not weights:
         return
@@ -84,7 +97,29 @@ def _phase_start(item) -> None:
 def pytest_runtest_setup(item):
     if os.environ.get(RECORD_ENV):
         _phase_start(item)
+    warm_worker.enter_test(item.nodeid, [m.args for m in item.iter_markers("real_process")])
     yield
+
+
+class _SharedFixtureSetups:
+    """A module- or session-scoped fixture serves tests of both kinds: its launches are not held to one test's
+    `real_process` marker. (A plugin, not a conftest hook: a conftest's hooks see only the nodes under its
+    directory, and a session-scoped fixture is set up on the session.)"""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        shared = fixturedef.scope != "function"
+        if shared:
+            warm_worker.enter_shared_fixture()
+        try:
+            yield
+        finally:
+            if shared:
+                warm_worker.leave_shared_fixture()
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_SharedFixtureSetups(), "dflash-shared-fixture-setups")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -99,6 +134,7 @@ def pytest_runtest_teardown(item, nextitem):
     if os.environ.get(RECORD_ENV):
         _phase_start(item)
     yield
+    warm_worker.leave_test()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -16,14 +16,32 @@ as a script (stdlib only, `python -S`: ~20 ms), a stand-in that
 - when it dies itself (the run-manager SIGKILLs the worker's process group), the server sees its socket
   close and SIGKILLs the child.
 
-What differs from the native client, and where tests keep the real one: the interpreter is not the embedded
-CPython of `dflash-native-client` and modules are imported before the job's environment is set (what is
-read at import time comes from the fork server's environment), and the run-manager counts a
-`--worker-cmd` as its own version instead of probing the client's. `RunManager(..., warm=False)` (the
-default) runs the native client; the tests that signal, stop or inspect the worker process, check the
-worker's environment or argv, or enforce client versions keep it, and so do the pipeline tests and the first crash
-test (a SIGKILLed worker the run-manager restarts). The tests that stop or kill a warm job signal the job, not its
-stand-in (whose pid the run-manager reports): `job_pid()`, through `e2e_helpers.worker_process`.
+What differs from the native client: the interpreter is not the embedded CPython of `dflash-native-client`
+and modules are imported before the job's environment is set (what is read at import time comes from the fork
+server's environment), and the run-manager counts a `--worker-cmd` as its own version instead of probing the
+client's. The tests that stop or kill a warm job signal the job, not its stand-in (whose pid the run-manager
+reports): `job_pid()`, through `serving_pid` and `e2e_helpers.worker_process`.
+
+Which tests run warm: one rule, `choose()`, for every launcher (tests/launchers.py: `Coordinator`, `RunManager`,
+and what is built on them: the `start_coordinator` and `procs` fixtures, `e2e_helpers.run_one_job`). A launch
+is a warm stand-in only when its call says `warm=True` (and `DFLASH_TEST_WARM_WORKERS` is not `0`, which makes
+every launch real); without it the real process runs. A test that must run the real thing says which with
+`@pytest.mark.real_process(KIND)`, KIND one of `REAL_KINDS`: `"native_client"` (the run-manager's worker in
+`dflash-native-client`: the tests that signal, stop or inspect the worker process, check the worker's
+environment or argv, enforce client versions, run TLS, ranks or the pipeline against it) or `"coordinator"`
+(the console script `dflash-coordinator serve`: the crash test that SIGKILLs it, the database lock that names
+its pid). tests/conftest.py tells this module which test is running and its marker, and `choose()` holds the
+two together at every launch, failing the test with `RealProcessError`:
+
+- a test marked `real_process(KIND)` that starts KIND as a warm stand-in (a `warm=True` would silently test
+  the stand-in instead of the real process);
+- a test that starts KIND as a real process without the marker (a forgotten `warm=True` would silently cost
+  the suite its speed, and a reader could not tell that the test runs the real thing).
+
+Both are checked at the launch, where the choice is made, not by watching processes afterwards: the check is
+exact and costs nothing. Launches from module- or session-scoped fixtures are not checked (the `baseline` of
+tests/e2e: one uninterrupted native run that tests of both kinds compare with; its docstring says why it is
+real), nor are launches outside a test. tests/test_launchers.py shows each check failing.
 """
 
 from __future__ import annotations
@@ -316,8 +334,75 @@ def serving_pid(pid: int, argv) -> int:
 
 
 def enabled() -> bool:
-    """Whether tests run their jobs, launchers and coordinators warm (`DFLASH_TEST_WARM_WORKERS=0`: never)."""
+    """Whether a `warm=True` launch runs warm (`DFLASH_TEST_WARM_WORKERS=0`: never; every launch is then real)."""
     return os.environ.get("DFLASH_TEST_WARM_WORKERS", "1") != "0"
+
+
+# ---- the rule: warm stand-ins on `warm=True` only, `real_process(KIND)` on the tests that need the real one ---
+
+REAL_KINDS = {
+    "native_client": "the native client (the run-manager's worker, `dflash-native-client`)",
+    "coordinator": "the coordinator (`dflash-coordinator serve`)",
+}
+
+
+class RealProcessError(AssertionError):
+    """A launch disagrees with the running test's `real_process` marker."""
+
+
+_running: tuple[str, frozenset[str]] | None = None  # the test being set up or run: node id, kinds its marker names
+_shared_setups = 0  # > 0 while a module- or session-scoped fixture is being set up
+
+
+def marker_problem(marks: list[tuple]) -> str | None:
+    """What is wrong with a test's `real_process` markers (each given as its args), or None."""
+    for args in marks:
+        if not args or any(a not in REAL_KINDS for a in args):
+            return f"`real_process` takes one or more of {', '.join(f'`{k}`' for k in REAL_KINDS)}, got `{args}`"
+    return None
+
+
+def enter_test(nodeid: str, marks: list[tuple]) -> None:
+    """tests/conftest.py: `nodeid` is being set up and run; `marks` are its `real_process` markers' args."""
+    global _running
+    _running = (nodeid, frozenset(a for args in marks for a in args))
+
+
+def leave_test() -> None:
+    global _running
+    _running = None
+
+
+def enter_shared_fixture() -> None:
+    """tests/conftest.py: a module- or session-scoped fixture is being set up (its launches are not checked)."""
+    global _shared_setups
+    _shared_setups += 1
+
+
+def leave_shared_fixture() -> None:
+    global _shared_setups
+    _shared_setups -= 1
+
+
+def choose(warm: bool, kind: str) -> bool:
+    """Whether a launcher starts `kind` (a key of `REAL_KINDS`) as a warm stand-in: when its call says `warm=True`
+    and `enabled()`. Raises `RealProcessError` when that disagrees with the running test's `real_process` marker."""
+    what = REAL_KINDS[kind]
+    use = warm and enabled()
+    if _running is None or _shared_setups or not enabled():
+        return use
+    nodeid, kinds = _running
+    if use and kind in kinds:
+        raise RealProcessError(
+            f"test `{nodeid}` is marked `real_process(\"{kind}\")` but starts {what} as a warm stand-in (`warm=True`)"
+            "\nhint: drop `warm=True` from that launch: the marker says this test must run the real process"
+        )
+    if not use and kind not in kinds:
+        raise RealProcessError(
+            f"test `{nodeid}` starts {what} as a real process but is not marked `real_process(\"{kind}\")`"
+            f"\nhint: pass `warm=True` to the launcher, or mark the test `@pytest.mark.real_process(\"{kind}\")` if it must run the real one"
+        )
+    return use
 
 
 def command() -> str:

@@ -1,4 +1,4 @@
-"""Fixtures: a real coordinator process on 127.0.0.1 with its own SQLite file, and providers for it."""
+"""Fixtures: a coordinator process on 127.0.0.1 with its own SQLite file (tests/launchers.py), and providers for it."""
 
 from __future__ import annotations
 
@@ -15,22 +15,21 @@ except ImportError:  # not installed editable (yet): use the checkout's sources
 # tests/tls_certs.py (the shared certificate factory) lives one level up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator_helpers import CoordinatorProcess, Provider
+from coordinator_helpers import Provider
+from launchers import Coordinator
 
 
 @pytest.fixture
 def start_coordinator(tmp_path):
-    """Factory: start a coordinator process (killed at teardown)."""
-    procs: list[CoordinatorProcess] = []
+    """Factory: start a coordinator (`launchers.Coordinator`) with `serve` flags `args`; stopped at teardown."""
+    procs: list[Coordinator] = []
 
-    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, tls=None, warm: bool = True) -> CoordinatorProcess:
-        """`tls`: the admin client's `ClientTls` for a coordinator started with `--tls-cert`; `warm=False`: a
-        fresh `python -m dflash_worker.coordinator` (the default serves from a warm fork)."""
-        wd = workdir or tmp_path / f"coord{len(procs)}"
-        wd.mkdir(parents=True, exist_ok=True)
-        p = CoordinatorProcess(wd, *args, lease_ttl=lease_ttl, tls=tls, warm=warm)
+    def start(*args: str, lease_ttl: float = 30.0, workdir: Path | None = None, tls=None, warm: bool = False) -> Coordinator:
+        """`tls`: the admin client's `ClientTls` for a coordinator started with `--tls-cert`; `warm=True`: served
+        from a fork of the pre-warmed interpreter (else the console script runs: `real_process("coordinator")`)."""
+        p = Coordinator(workdir or tmp_path / f"coord{len(procs)}", lease_ttl=lease_ttl, serve_args=args, tls=tls, warm=warm)
         procs.append(p)
-        return p
+        return p.start()
 
     yield start
     for p in procs:
@@ -38,8 +37,9 @@ def start_coordinator(tmp_path):
 
 
 @pytest.fixture
-def coordinator(start_coordinator) -> CoordinatorProcess:
-    return start_coordinator()
+def coordinator(start_coordinator) -> Coordinator:
+    """A coordinator with the default flags, warm."""
+    return start_coordinator(warm=True)
 
 
 @pytest.fixture

@@ -1,22 +1,16 @@
-"""Helpers for the coordinator tests: a real coordinator process on 127.0.0.1 and gRPC clients for it."""
+"""Helpers for the coordinator tests: gRPC clients for a coordinator process (started by `launchers.Coordinator`,
+through the `start_coordinator` fixture) and store helpers."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
-import selectors
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
 
-from dflash_worker.coordinator.client import AdminClient
 from dflash_worker.coordinator.store import Registration, RunSpecData, Store
-from dflash_worker.coordinator.tls import ClientTls
 from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2, provider_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,85 +46,6 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("DFLASH_ADMIN_TOKEN", None)
     return env
-
-
-class CoordinatorProcess:
-    """`python -m dflash_worker.coordinator serve` as a child process: by default its `main` in a fork of the
-    pre-warmed interpreter (`warm_worker.module_command`; ~1 CPU-s less per start, and the suite starts about a
-    hundred), a fresh interpreter with `warm=False` or `DFLASH_TEST_WARM_WORKERS=0`. `pid` is the serving
-    process (a warm one's `proc` is its stand-in, which forwards SIGTERM and exits as the server did)."""
-
-    def __init__(self, workdir: Path, *args: str, lease_ttl: float = 30.0, tls: ClientTls | None = None, warm: bool = True):
-        from warm_worker import enabled
-
-        self.workdir = workdir
-        self.tls = tls
-        self.warm = warm and enabled()
-        self.db = workdir / "coordinator.db"
-        self.args = [
-            "--db", str(self.db),
-            "--listen", "127.0.0.1:0",
-            "--lease-ttl", str(lease_ttl),
-            "--max-wait", "2",
-            *args,
-        ]  # fmt: skip
-        self.proc: subprocess.Popen | None = None
-        self.info: dict = {}
-        self.start()
-
-    def start(self) -> None:
-        self.stderr_path = self.workdir / f"stderr-{time.monotonic_ns()}.log"
-        from warm_worker import module_command
-
-        cmd = module_command("dflash_worker.coordinator.cli", "serve", *self.args) if self.warm else [sys.executable, "-m", "dflash_worker.coordinator", "serve", *self.args]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=open(self.stderr_path, "wb"),
-            env=subprocess_env(),
-        )
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout=20):
-            self.proc.kill()
-            raise RuntimeError(f"coordinator did not start: {self.stderr_path.read_text()}")
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(5)
-            raise RuntimeError(f"coordinator exited {self.proc.returncode}: {self.stderr_path.read_text()}")
-        self.info = json.loads(line)
-        self.address = self.info["address"]
-        self.admin_token = Path(self.info["admin_token_file"]).read_text().strip()
-
-    @property
-    def pid(self) -> int:
-        """The serving process: the warm job (not its stand-in), or the fresh interpreter."""
-        from warm_worker import serving_pid
-
-        return serving_pid(self.proc.pid, self.proc.args)
-
-    def kill(self) -> None:
-        """SIGKILL to the serving process: no cleanup, no graceful shutdown."""
-        os.kill(self.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> int:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
-
-    @property
-    def url(self) -> str:
-        """The address as a client names it: `https://HOST:PORT` when serving TLS."""
-        return f"https://{self.address}" if self.info.get("tls") else self.address
-
-    def admin(self) -> AdminClient:
-        return AdminClient(self.url, self.admin_token, timeout=10, tls=self.tls)
 
 
 class HeartbeatStream:
@@ -259,14 +174,4 @@ def run_spec(name: str, **kw) -> admin_pb2.RunSpec:
 
 def code_of(excinfo) -> grpc.StatusCode:
     return excinfo.value.code()
-
-
-def wait_until(pred, timeout=10.0, interval=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 

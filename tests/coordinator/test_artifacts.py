@@ -17,7 +17,8 @@ import time
 
 import grpc
 import pytest
-from coordinator_helpers import Provider, run_spec, wait_until
+from coordinator_helpers import Provider, run_spec
+from launchers import wait_until
 
 from dflash_worker.coordinator.artifacts.blobs import blob_key
 from dflash_worker.proto.dflash.v1 import admin_pb2, provider_pb2
@@ -55,7 +56,7 @@ def _visible(coord) -> list[str]:
 
 
 def test_a_failed_attempt_cannot_squat_on_the_succeeded_attempts_export(start_coordinator):
-    coord = start_coordinator(lease_ttl=30)
+    coord = start_coordinator(lease_ttl=30, warm=True)
     run, liar, lease1 = _leased(coord)
     garbage = b"not a model"
     liar.upload(lease1.lease_id, "run/export/model.safetensors", garbage, kind="export")
@@ -84,7 +85,7 @@ def test_a_failed_attempt_cannot_squat_on_the_succeeded_attempts_export(start_co
 
 
 def test_quotas_refuse_with_resource_exhausted_naming_the_limit(start_coordinator):
-    coord = start_coordinator("--quota-attempt-records", "5", "--quota-attempt-bytes", "100000", "--quota-run-bytes", "150000")
+    coord = start_coordinator("--quota-attempt-records", "5", "--quota-attempt-bytes", "100000", "--quota-run-bytes", "150000", warm=True)
     run, p, lease = _leased(coord)
     for i in range(5):
         p.upload(lease.lease_id, f"r/{i}.json", b"{}")
@@ -112,7 +113,7 @@ def test_quotas_refuse_with_resource_exhausted_naming_the_limit(start_coordinato
 
 
 def test_many_records_page_and_runs_page(start_coordinator):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     run, p, lease = _leased(coord)
     for i in range(250):
         p.upload(lease.lease_id, f"m/{i:03d}.json", b"{}", kind="metrics")
@@ -137,7 +138,7 @@ def _code_admin(fn):
 
 
 def test_oversize_short_and_wrong_hash_uploads_leave_nothing_visible(start_coordinator):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     run, p, lease = _leased(coord)
     data = os.urandom(3 << 20)
     before = _visible(coord)
@@ -173,7 +174,7 @@ def test_oversize_short_and_wrong_hash_uploads_leave_nothing_visible(start_coord
 
 
 def test_a_checkpoint_must_list_only_uploaded_files_and_old_ones_are_collected(start_coordinator):
-    coord = start_coordinator("--keep-checkpoints", "2")
+    coord = start_coordinator("--keep-checkpoints", "2", warm=True)
     run, p, lease = _leased(coord)
     w = {s: os.urandom(1000 + s) for s in range(1, 5)}
     manifest = json.dumps({"files": {"w.pt": {"sha256": _sha(w[1]), "size": len(w[1])}}}).encode()
@@ -196,7 +197,7 @@ def test_a_checkpoint_must_list_only_uploaded_files_and_old_ones_are_collected(s
 
 
 def test_concurrent_uploads_of_one_name_one_lands(start_coordinator):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     run, p, lease = _leased(coord)
     data = os.urandom(2 << 20)
     gate = threading.Event()
@@ -226,7 +227,7 @@ def test_concurrent_uploads_of_one_name_one_lands(start_coordinator):
 
 
 def test_a_slow_loris_upload_is_cut_and_cleaned_up(start_coordinator):
-    coord = start_coordinator("--upload-idle-timeout", "1")
+    coord = start_coordinator("--upload-idle-timeout", "1", warm=True)
     run, p, lease = _leased(coord)
     stop = threading.Event()
 
@@ -294,7 +295,7 @@ def test_a_full_disk_is_unavailable_and_the_work_lands_once_space_is_freed(start
     if not _mount_tmpfs(disk, "8m"):
         pytest.skip("needs root and `mount -t tmpfs` to make a small real filesystem (CI here runs as root)")
     try:
-        coord = start_coordinator(workdir=disk)
+        coord = start_coordinator(workdir=disk, warm=True)
         run, p, lease = _leased(coord)
         hb = p.heartbeats()
         hb.send(lease.lease_id, step=1)
@@ -330,7 +331,7 @@ def test_a_full_disk_is_unavailable_and_the_work_lands_once_space_is_freed(start
 def test_admin_get_resumes_a_partial_download_refuses_bad_bytes_and_fetches_the_whole_export(start_coordinator, tmp_path, capsys):
     from dflash_worker.coordinator.cli import main as cli_main
 
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     run, p, lease = _leased(coord)
     model, config = os.urandom(3 << 20), b'{"model_type": "dflash"}'
     p.upload(lease.lease_id, "run/export/model.safetensors", model, kind="export")

@@ -52,7 +52,7 @@ def _cut_after(lease_id: str, art: provider_pb2.Artifact, data: bytes, n_chunks:
 
 def test_upload_killed_midway_resumes_across_a_coordinator_restart_into_s3(s3, start_coordinator):
     client = _bucket(s3, "dflash-test")
-    coord = start_coordinator("--artifact-store", "s3://dflash-test/art", "--s3-endpoint-url", s3.url)
+    coord = start_coordinator("--artifact-store", "s3://dflash-test/art", "--s3-endpoint-url", s3.url, warm=True)
     assert coord.info["artifacts"].startswith("s3://dflash-test/art")
     with coord.admin() as admin:
         run = admin.create_run(run_spec("s3"))
@@ -97,7 +97,7 @@ def test_upload_killed_midway_resumes_across_a_coordinator_restart_into_s3(s3, s
 
 def test_an_unreachable_s3_store_is_unavailable_and_the_upload_lands_when_it_returns(s3, start_coordinator):
     _bucket(s3, "flaky")
-    coord = start_coordinator("--artifact-store", "s3://flaky", "--s3-endpoint-url", s3.url)
+    coord = start_coordinator("--artifact-store", "s3://flaky", "--s3-endpoint-url", s3.url, warm=True)
     with coord.admin() as admin:
         admin.create_run(run_spec("flaky"))
         p = Provider(coord.address, admin.create_provider("p"))
@@ -121,5 +121,5 @@ def test_an_unreachable_s3_store_is_unavailable_and_the_upload_lands_when_it_ret
 
 def test_a_coordinator_whose_bucket_is_missing_refuses_to_start(s3, start_coordinator):
     with pytest.raises(RuntimeError) as e:
-        start_coordinator("--artifact-store", "s3://no-such-bucket", "--s3-endpoint-url", s3.url)
+        start_coordinator("--artifact-store", "s3://no-such-bucket", "--s3-endpoint-url", s3.url, warm=True)
     assert "no-such-bucket" in str(e.value) and "Traceback" not in str(e.value), e.value

@@ -8,7 +8,8 @@ import time
 
 import grpc
 import pytest
-from coordinator_helpers import SPEC, Provider, code_of, run_spec, wait_until
+from coordinator_helpers import SPEC, Provider, code_of, run_spec
+from launchers import wait_until
 
 from dflash_worker.proto.dflash.v1 import provider_pb2
 
@@ -26,7 +27,7 @@ def _expect_aborted(fn):
 
 
 def test_expiry_requeues_with_resume_checkpoint_and_aborts_the_stale_holder(start_coordinator):
-    coord = start_coordinator(lease_ttl=TTL)
+    coord = start_coordinator(lease_ttl=TTL, warm=True)
     with coord.admin() as admin:
         run = admin.create_run(run_spec("expire", spec_json=SPEC_TRUST_ANY))
         a = Provider(coord.address, admin.create_provider("a"))
@@ -79,7 +80,7 @@ def test_expiry_requeues_with_resume_checkpoint_and_aborts_the_stale_holder(star
 
 def test_expiry_is_also_checked_on_access(start_coordinator):
     # Sweeps an hour apart: only the on-access check can notice the expiry.
-    coord = start_coordinator("--expiry-interval", "3600", lease_ttl=0.5)
+    coord = start_coordinator("--expiry-interval", "3600", lease_ttl=0.5, warm=True)
     with coord.admin() as admin:
         run = admin.create_run(run_spec("onaccess"))
         p = Provider(coord.address, admin.create_provider("p"))
@@ -98,7 +99,7 @@ def test_expiry_is_also_checked_on_access(start_coordinator):
 
 def test_restart_after_sigkill_keeps_state_and_requeues(start_coordinator, tmp_path):
     workdir = tmp_path / "restart"
-    coord = start_coordinator(lease_ttl=1.0, workdir=workdir)
+    coord = start_coordinator(lease_ttl=1.0, workdir=workdir, warm=True)
     with coord.admin() as admin:
         run = admin.create_run(run_spec("survive", num_jobs=2, spec_json=SPEC_TRUST_ANY))
         admin.approve_version(run.run_id, "0.2.0")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from coordinator_helpers import Provider, run_spec, wait_until
+from coordinator_helpers import Provider, run_spec
+from launchers import wait_until
 from test_publish import BETTER, MODEL, WORSE, cli, report, spec_json
 from test_status_page import get
 
@@ -56,7 +57,7 @@ def _train_job(coord, run_id: str) -> dict:
 
 
 def test_the_train_job_s_export_is_decided_from_evaluate_shard_0_s_report(start_coordinator, tmp_path):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     p = _provider(coord)
     run_id, train = _through_train(coord, p, "graph-better")
 
@@ -89,7 +90,7 @@ def test_the_train_job_s_export_is_decided_from_evaluate_shard_0_s_report(start_
 
 
 def test_a_regressed_graph_export_is_held_back_and_published_only_by_override(start_coordinator, tmp_path):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     p = _provider(coord)
     run_id, _ = _through_train(coord, p, "graph-worse", evals=1)
     _step(p, "evaluate", shard=0, uploads=[(REPORT_NAME, report(WORSE), "report")])
@@ -106,7 +107,7 @@ def test_a_regressed_graph_export_is_held_back_and_published_only_by_override(st
 
 
 def test_a_graph_run_that_fails_after_train_holds_the_export_back_for_want_of_a_report(start_coordinator, tmp_path):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     p = _provider(coord)
     run_id, _ = _through_train(coord, p, "graph-failed", evals=2)
     bad = _step(p, "evaluate", shard=1, outcome=provider_pb2.ATTEMPT_OUTCOME_FAILED, message="out of memory")
@@ -121,7 +122,7 @@ def test_a_graph_run_that_fails_after_train_holds_the_export_back_for_want_of_a_
 
 
 def test_an_evaluate_shard_0_without_a_report_holds_the_export_back_saying_so(start_coordinator):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     p = _provider(coord)
     run_id, _ = _through_train(coord, p, "graph-noreport", evals=1)
     ev0 = _step(p, "evaluate", shard=0)
@@ -134,7 +135,7 @@ def test_an_evaluate_shard_0_without_a_report_holds_the_export_back_saying_so(st
 def test_a_graph_left_undecided_by_a_stopped_coordinator_is_decided_at_start(start_coordinator):
     import sqlite3
 
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     p = _provider(coord)
     run_id, _ = _through_train(coord, p, "graph-interrupted", evals=1)
     _step(p, "evaluate", shard=0, uploads=[(REPORT_NAME, report(BETTER), "report")])
@@ -149,7 +150,7 @@ def test_a_graph_left_undecided_by_a_stopped_coordinator_is_decided_at_start(sta
 
 
 def test_the_status_page_finds_the_export_in_the_train_job_past_many_capture_shards(start_coordinator):
-    coord = start_coordinator("--http-listen", "127.0.0.1:0")
+    coord = start_coordinator("--http-listen", "127.0.0.1:0", warm=True)
     p = _provider(coord)
     run_id, train = _through_train(coord, p, "wide", captures=60, evals=1)
 

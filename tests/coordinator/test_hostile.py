@@ -149,7 +149,7 @@ _URI_REFUSED = (
 
 
 def test_oversized_messages_are_refused(start_coordinator):
-    coord = start_coordinator("--max-message-bytes", "65536")
+    coord = start_coordinator("--max-message-bytes", "65536", warm=True)
     with coord.admin() as admin:
         admin.create_run(run_spec("big"))
         p = Provider(coord.address, admin.create_provider("p"))

@@ -124,7 +124,7 @@ def test_twins_admitted_together_are_refused_when_the_second_is_recorded(tmp_pat
 
 
 def test_an_upload_larger_than_the_disk_is_refused_naming_both_numbers(start_coordinator):
-    coord = start_coordinator("--quota-attempt-bytes", str(1 << 62), "--quota-run-bytes", str(1 << 62))
+    coord = start_coordinator("--quota-attempt-bytes", str(1 << 62), "--quota-run-bytes", str(1 << 62), warm=True)
     run, p, lease = _leased(coord)
     usage = shutil.disk_usage(coord.workdir)
     # Past the free space: UNAVAILABLE, so the provider retries (and lands once the admin frees space).
@@ -166,7 +166,7 @@ def _stop_short(p, lease_id, name, data, sent):
 
 def test_uploads_that_stop_short_count_against_the_attempt_quota(start_coordinator):
     """Issue 34: uploads that each declare 16 KB and stop at 15 KB used to leave their bytes staged, uncounted."""
-    coord = start_coordinator("--quota-attempt-bytes", "40000")
+    coord = start_coordinator("--quota-attempt-bytes", "40000", warm=True)
     with coord.admin() as admin:
         admin.create_run(run_spec("stops"))
         token = admin.create_provider("stopper")
@@ -199,7 +199,7 @@ def test_uploads_that_stop_short_count_against_the_attempt_quota(start_coordinat
 
 def test_retryable_attempts_do_not_hold_the_run_quota_and_live_ones_do(start_coordinator):
     """Issue 34: three RETRYABLE attempts' records used to fill the run's bytes and refuse the honest attempt."""
-    coord = start_coordinator("--quota-run-bytes", "100000", "--max-attempts", "5")
+    coord = start_coordinator("--quota-run-bytes", "100000", "--max-attempts", "5", warm=True)
     run, p, lease = _leased(coord)
     for i in range(3):
         p.upload(lease.lease_id, f"junk-{i}.bin", os.urandom(30_000))

@@ -155,7 +155,7 @@ def test_cancel_directive_and_queued_cancel(coordinator, provider_factory, capsy
 
 
 def test_retryable_is_bounded_and_failed_is_final(start_coordinator):
-    coord = start_coordinator("--max-attempts", "3")
+    coord = start_coordinator("--max-attempts", "3", warm=True)
     with coord.admin() as admin:
         token = admin.create_provider("p")
         admin.create_run(run_spec("retry"))

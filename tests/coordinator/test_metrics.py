@@ -10,7 +10,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from coordinator_helpers import Provider, run_spec, wait_until
+from coordinator_helpers import Provider, run_spec
+from launchers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_worker.proto.dflash.v1 import provider_pb2
@@ -35,7 +36,7 @@ def v(samples, name: str, **labels) -> float:
 
 @pytest.fixture
 def coord(start_coordinator):
-    return start_coordinator("--http-listen", "127.0.0.1:0", lease_ttl=2.0)
+    return start_coordinator("--http-listen", "127.0.0.1:0", lease_ttl=2.0, warm=True)
 
 
 def test_counters_move_with_real_calls(coord):

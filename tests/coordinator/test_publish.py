@@ -90,7 +90,7 @@ def publication(coord, run_id: str) -> dict:
 
 
 def test_a_worse_draft_is_held_back_until_an_override_which_is_recorded(start_coordinator, tmp_path):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     with coord.admin() as admin:
         provider = Provider(coord.address, admin.create_provider("box"))
     run_id = finish_job(coord, provider, "worse", report_bytes=report(WORSE))
@@ -144,7 +144,7 @@ def test_a_worse_draft_is_held_back_until_an_override_which_is_recorded(start_co
     ],
 )
 def test_the_gate_decides_from_the_figures_and_the_recipe_tolerance(start_coordinator, provider_factory, name, trained, spec, published, verdict_, reason):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     provider = provider_factory(coord=coord)
     if trained == "5pct":
         # released pooled tau 30/12; trained loses one accepted token: 29/12, 3.3% lower
@@ -162,7 +162,7 @@ def test_the_gate_decides_from_the_figures_and_the_recipe_tolerance(start_coordi
 
 
 def test_no_report_or_a_malformed_one_is_held_back_naming_why(start_coordinator, provider_factory):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     provider = provider_factory(coord=coord)
     run_id = finish_job(coord, provider, "no-eval", report_bytes=None)
     pub = publication(coord, run_id)
@@ -177,7 +177,7 @@ def test_no_report_or_a_malformed_one_is_held_back_naming_why(start_coordinator,
 
 
 def test_jobs_without_an_export_have_no_publication_and_nothing_to_publish(start_coordinator, provider_factory):
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     provider = provider_factory(coord=coord)
     provider.register()
     with coord.admin() as admin:
@@ -213,7 +213,7 @@ def test_a_job_left_undecided_by_a_stopped_coordinator_is_decided_at_start(start
     """The gate runs after the job's state is committed; a coordinator killed in between decides at its next start."""
     import sqlite3
 
-    coord = start_coordinator()
+    coord = start_coordinator(warm=True)
     provider = provider_factory(coord=coord)
     run_id = finish_job(coord, provider, "interrupted", report_bytes=report(WORSE))
     coord.stop()

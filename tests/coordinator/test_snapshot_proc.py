@@ -12,7 +12,8 @@ import sys
 import time
 
 import pytest
-from coordinator_helpers import register_provider, wait_until
+from coordinator_helpers import register_provider
+from launchers import wait_until
 
 from dflash_worker.coordinator.store import Progress, RunSpecData, Store, StoreReader
 from dflash_worker.coordinator.web import page
@@ -114,7 +115,7 @@ def test_the_child_goes_when_the_coordinator_is_sigkilled(start_coordinator):
 
     from dflash_worker.testing.procs import alive, children
 
-    coord = start_coordinator("--http-listen", "127.0.0.1:0")
+    coord = start_coordinator("--http-listen", "127.0.0.1:0", warm=True)
     req = urllib.request.Request(coord.info["http_address"] + "/status.html", headers={"Authorization": f"Bearer {coord.admin_token}"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200 and b"Providers" in r.read()

@@ -73,7 +73,7 @@ def test_the_page_updates_live_and_shows_the_evaluation(start_coordinator, brows
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    coord = start_coordinator("--http-listen", "127.0.0.1:0", "--page-refresh", "0.5")
+    coord = start_coordinator("--http-listen", "127.0.0.1:0", "--page-refresh", "0.5", warm=True)
     base = coord.info["http_address"]
     viewer = Path(coord.info["viewer_token_file"]).read_text().strip()
     with coord.admin() as admin:

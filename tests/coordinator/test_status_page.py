@@ -13,7 +13,8 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-from coordinator_helpers import Provider, register_provider, run_spec, wait_until
+from coordinator_helpers import Provider, register_provider, run_spec
+from launchers import wait_until
 from test_publish import BETTER, WORSE, report, spec_json
 
 from dflash_worker.coordinator.artifacts.publish import REPORT_NAME
@@ -21,7 +22,7 @@ from dflash_worker.coordinator.artifacts.publish import REPORT_NAME
 
 @pytest.fixture
 def coord(start_coordinator):
-    return start_coordinator("--http-listen", "127.0.0.1:0", "--auth-failure-limit", "8")
+    return start_coordinator("--http-listen", "127.0.0.1:0", "--auth-failure-limit", "8", warm=True)
 
 
 def hostport(coord) -> tuple[str, int]:
@@ -250,7 +251,7 @@ def test_under_tls_the_page_is_https_with_a_secure_cookie(start_coordinator, tmp
     certs = tls_world(tmp_path / "tls", clients=("admin",))
     coord = start_coordinator(
         "--tls-cert", str(certs.server.cert), "--tls-key", str(certs.server.key), "--http-listen", "127.0.0.1:0",
-        tls=ClientTls(ca_file=certs.ca.cert),
+        tls=ClientTls(ca_file=certs.ca.cert), warm=True
     )  # fmt: skip
     url = urllib.parse.urlsplit(coord.info["http_address"])
     assert url.scheme == "https", coord.info

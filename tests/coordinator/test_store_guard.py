@@ -126,8 +126,9 @@ def test_every_table_says_which_schema_version_created_it():
     assert all(1 <= TABLES_SINCE[t] <= SCHEMA_VERSION for t in schema_tables())
 
 
+@pytest.mark.real_process("coordinator")  # the lock names the pid of the serving process: the console script's own
 def test_a_second_coordinator_on_the_same_database_is_refused_until_the_first_dies(start_coordinator, tmp_path):
-    first = start_coordinator(warm=False)  # `python -m dflash_worker.coordinator` itself: the lock names its pid
+    first = start_coordinator()
     pid = first.pid
     assert pid == first.proc.pid
     r = _serve(first.db)

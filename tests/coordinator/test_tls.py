@@ -35,7 +35,7 @@ def _serve_tls(start_coordinator, certs, *, mtls: bool):
     if mtls:
         args += ["--tls-client-ca", str(certs.ca.cert)]
         admin = ClientTls(ca_file=certs.ca.cert, client_cert=certs.client("admin").cert, client_key=certs.client("admin").key)
-    return start_coordinator(*args, tls=admin)
+    return start_coordinator(*args, tls=admin, warm=True)
 
 
 def _provider(coord, name: str, creds) -> Provider:

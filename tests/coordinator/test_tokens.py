@@ -8,7 +8,8 @@ import time
 
 import grpc
 import pytest
-from coordinator_helpers import Provider, code_of, run_spec, wait_until
+from coordinator_helpers import Provider, code_of, run_spec
+from launchers import wait_until
 
 from dflash_worker.coordinator.cli import main as cli_main
 from dflash_worker.errors import NotFoundError, PolicyError
@@ -136,7 +137,7 @@ def test_rotate_with_no_grace_refuses_the_old_token_at_once(coordinator, capsys)
 
 
 def test_failed_authentications_are_rate_limited_per_peer(start_coordinator):
-    coord = start_coordinator("--auth-failure-limit", "5", "--auth-failure-window", "3")
+    coord = start_coordinator("--auth-failure-limit", "5", "--auth-failure-window", "3", warm=True)
     with coord.admin() as admin:
         good_token = admin.create_provider("box-a")
     good = Provider(coord.address, good_token)
@@ -163,7 +164,7 @@ def test_failed_authentications_are_rate_limited_per_peer(start_coordinator):
 
 def test_a_wrong_service_is_not_an_authentication_failure(start_coordinator):
     # PERMISSION_DENIED (a valid token on the wrong service) does not count towards the limit.
-    coord = start_coordinator("--auth-failure-limit", "2")
+    coord = start_coordinator("--auth-failure-limit", "2", warm=True)
     with coord.admin() as admin:
         admin_as_provider = Provider(coord.address, coord.admin_token)
         try:

@@ -30,7 +30,7 @@ SIDECAR = b'{"sha256": "honest"}'
 @pytest.fixture
 def coordinator(start_coordinator):
     """With the status page and /metrics."""
-    return start_coordinator("--http-listen", "127.0.0.1:0")
+    return start_coordinator("--http-listen", "127.0.0.1:0", warm=True)
 
 
 def _spec(**extra) -> str:

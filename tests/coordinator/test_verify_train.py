@@ -33,7 +33,7 @@ SELECTED = 8
 @pytest.fixture
 def coordinator(start_coordinator):
     """With /metrics."""
-    return start_coordinator("--http-listen", "127.0.0.1:0")
+    return start_coordinator("--http-listen", "127.0.0.1:0", warm=True)
 
 
 def _spec(**extra) -> str:

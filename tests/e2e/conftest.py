@@ -9,18 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from e2e_helpers import (
-    NATIVE_CLIENT,
-    Coordinator,
-    RunManager,
-    cmdline,
-    export_model,
-    local_path,
-    missing_binaries,
-    pid_alive,
-    pipeline_spec,
-    sha256_file,
-)
+from e2e_helpers import cmdline, export_model, local_path, missing_binaries, pid_alive, pipeline_spec, sha256_file
+from launchers import NATIVE_CLIENT, Coordinator, RunManager
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +49,8 @@ def spec(world) -> dict:
 
 
 class Processes:
-    """Everything a test started; whatever is still alive at teardown is killed, one pid at a time."""
+    """Everything a test started (tests/launchers.py: real unless a call says `warm=True`); whatever is still
+    alive at teardown is killed, one pid at a time."""
 
     def __init__(self):
         self.coordinators: list[Coordinator] = []
@@ -107,7 +98,12 @@ def session_procs():
 
 @dataclass(frozen=True)
 class Baseline:
-    """An uninterrupted `run-manager --local` run of `spec`."""
+    """An uninterrupted `run-manager --local` run of `spec` in the native client.
+
+    Real on purpose: the crash, rank, graph, trust, liar and verify tests compare their exports (most from warm
+    jobs) with this one byte for byte, so a warm job that differed from the native client would show. Being
+    session-scoped it serves tests of both kinds, and its launch is not held to a `real_process` marker.
+    """
 
     work: Path
     summary: dict
@@ -122,7 +118,6 @@ def baseline(tmp_path_factory, spec) -> Baseline:
     spec_file.write_text(json.dumps({"name": "baseline", "spec": spec}))
     procs = Processes()
     try:
-        # (the native client: every warm run's export, tests/warm_worker.py, is compared with this one's)
         rm = procs.run_manager(root / "work", "--local", "--json", "--spec", str(spec_file))
         rc = rm.wait()
         assert rc == 0, f"stdout:\n{rm.stdout}\nstderr:\n{rm.text()}"

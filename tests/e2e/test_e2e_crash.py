@@ -22,8 +22,8 @@ from e2e_helpers import (
     resume_worker,
     sha256_file,
     stop_at_first_checkpoint,
-    wait_until,
 )
+from launchers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +65,7 @@ def _check_same_as_baseline(job_dir: Path, registered: dict, baseline, first_ste
     assert sha256_file(job_dir / final) == sha256_file(base_job / final)
 
 
+@pytest.mark.real_process("native_client")  # the native client SIGKILLed and restarted by the run-manager
 def test_sigkilled_worker_is_restarted_and_resumes_to_an_identical_export(tmp_path, procs, spec, baseline):
     spec_file = tmp_path / "run.json"
     spec_file.write_text(json.dumps({"name": "worker-crash", "spec": spec}))
@@ -97,7 +98,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_to_an_identical_export(tmp_pa
     _check_same_as_baseline(job_dir, export_model(job), baseline)
 
 
-def _provider(procs, tmp_path: Path, *, lease_ttl: float, spec: dict, warm: bool = True):
+def _provider(procs, tmp_path: Path, *, lease_ttl: float, spec: dict, warm: bool):
     coord = procs.coordinator(tmp_path / "coord", lease_ttl=lease_ttl, warm=warm)
     run_id = coord.create_run("crash-run", spec, client_version=client_version())
     token = coord.provider_token("box")
@@ -112,7 +113,7 @@ def _provider(procs, tmp_path: Path, *, lease_ttl: float, spec: dict, warm: bool
 # from the coordinator, downloaded by B and verified before the worker starts.
 @pytest.mark.parametrize("takeover", ["same-work-dir", "new-work-dir", "other-machine"])
 def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_path, procs, spec, baseline, takeover):
-    coord, run_id, token = _provider(procs, tmp_path, lease_ttl=3, spec=spec)
+    coord, run_id, token = _provider(procs, tmp_path, lease_ttl=3, spec=spec, warm=True)
     work = tmp_path / "a" / "work"
     join = ("--coordinator", coord.address, "--token", token, "--max-jobs", "1")
     home_a, home_b = tmp_path / "a" / "home", tmp_path / "b" / "home"
@@ -169,9 +170,10 @@ def test_sigkilled_run_manager_job_is_taken_over_after_the_lease_expires(tmp_pat
     assert sha256_file(got) == baseline.export_sha256
 
 
+@pytest.mark.real_process("coordinator")
 def test_coordinator_killed_and_restarted_mid_training_the_job_completes(tmp_path, procs, spec, baseline):
     # A TTL longer than the outage: the same lease survives the restart. The coordinator is the console
-    # script itself (`warm=False`), SIGKILLed and started again on the same port and database.
+    # script itself (not `warm=True`), SIGKILLed and started again on the same port and database.
     coord, run_id, token = _provider(procs, tmp_path, lease_ttl=30, spec=spec, warm=False)
     work = tmp_path / "work"
     rm = procs.run_manager(work, "--coordinator", coord.address, "--token", token, "--max-jobs", "1", warm=True)

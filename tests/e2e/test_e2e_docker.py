@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 from e2e_helpers import (
-    REPO,
     STEPS,
     client_version,
     export_model,
@@ -39,8 +38,8 @@ from e2e_helpers import (
     local_path,
     metrics_steps,
     sha256_file,
-    wait_until,
 )
+from launchers import REPO, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -325,7 +324,7 @@ def test_image_history_and_no_secrets(image, docker_run, tmp_path):
 
 
 def test_cancel_stops_the_container_and_the_token_never_reaches_it(procs, tmp_path, spec, image, models):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=30)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=30, warm=True)
     coord.create_run("docker-cancel", spec, "--image", image, client_version=client_version())
     token = coord.provider_token("docker-box")
     token_file = tmp_path / "token"

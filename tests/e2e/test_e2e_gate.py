@@ -23,12 +23,12 @@ pytestmark = pytest.mark.slow
 
 
 def _run(procs, coord, tmp_path, name: str, spec: dict) -> tuple[str, dict]:
-    run_id, job, _ = run_one_job(procs, coord, tmp_path / f"work-{name}", name, spec)
+    run_id, job, _ = run_one_job(procs, coord, tmp_path / f"work-{name}", name, spec, warm=True)
     return run_id, job
 
 
 def test_a_draft_trained_on_shuffled_labels_is_held_back_and_an_override_is_recorded(tmp_path, procs, world, binaries):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=30)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=30, warm=True)
     good = pipeline_spec(world)
     good["recipe"]["capture"].update(regenerate=True, sampling="greedy", max_new_tokens=24)
     good["recipe"]["train"]["lr"] = 1e-2

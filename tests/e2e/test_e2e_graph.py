@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from e2e_helpers import client_version, kill_worker, sha256_file, wait_until
+from e2e_helpers import client_version, kill_worker, sha256_file
+from launchers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def _capture_identity(capture_dir: Path) -> tuple:
 
 
 def _graph_run(procs, tmp_path, spec, *, lease_ttl: float):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=lease_ttl)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=lease_ttl, warm=True)
     run_id = coord.create_run("graph", spec, "--capture-shards", str(N_CAPTURE), client_version=client_version())
     return coord, run_id
 
@@ -152,7 +153,7 @@ def test_an_online_graph_run_ships_token_ids_only(tmp_path, procs, spec):
     token-id shards (a few bytes per token, no hidden states); the train job computes the features."""
     spec = json.loads(json.dumps(spec))
     spec["recipe"]["train"]["features"] = "online"
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     run_id = coord.create_run("online-graph", spec, "--capture-shards", "2", client_version=client_version())
     rms = [_provider(procs, coord, tmp_path, f"p{i}") for i in range(2)]
     shown = _finish(coord, run_id, rms)

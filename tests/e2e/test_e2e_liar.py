@@ -25,7 +25,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from e2e_helpers import client_version, export_model, local_path, sha256_file, wait_until
+from e2e_helpers import client_version, export_model, local_path, sha256_file
+from launchers import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "coordinator"))
 from coordinator_helpers import Provider, artifact  # noqa: E402
@@ -79,7 +80,7 @@ def test_a_provider_that_lies_every_way_then_an_honest_one_finishes_with_the_uni
     h = _honest_bytes(baseline)
     quota = 4 * h
     coord = procs.coordinator(
-        tmp_path / "coord", lease_ttl=10, serve_args=("--quota-attempt-bytes", str(quota), "--quota-run-bytes", str(quota))
+        tmp_path / "coord", lease_ttl=10, serve_args=("--quota-attempt-bytes", str(quota), "--quota-run-bytes", str(quota)), warm=True
     )
     run_id = coord.create_run("liar", spec, client_version=client_version())
     liar = Provider(coord.address, coord.provider_token("liar"))

@@ -32,7 +32,7 @@ def scrape(coord) -> dict:
 
 
 def test_metrics_move_while_a_real_job_runs(tmp_path, procs, binaries):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, serve_args=("--http-listen", "127.0.0.1:0"))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, serve_args=("--http-listen", "127.0.0.1:0"), warm=True)
     token = coord.cli_json("providers", "create", "box")["token"]
     run_id = coord.create_run("metrics-e2e", NOOP_SPEC, client_version=client_version())
     before = scrape(coord)

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 def test_an_online_job_uploads_token_id_shards_and_exports(tmp_path, procs, world):
     spec = pipeline_spec(world)
     spec["recipe"]["train"]["features"] = "online"
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=30)
-    run_id, job, _ = run_one_job(procs, coord, tmp_path / "work", "online", spec)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=30, warm=True)
+    run_id, job, _ = run_one_job(procs, coord, tmp_path / "work", "online", spec, warm=True)
     manifest = json.loads(coord.fetch(run_id, "capture/manifest.json", tmp_path / "m.json").read_text())
     assert manifest["features"] == "online", manifest.get("key_inputs")
     totals = manifest["totals"]

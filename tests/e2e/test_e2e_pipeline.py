@@ -18,7 +18,7 @@ def test_real_pipeline_job_registers_its_export_with_a_matching_sha256(procs, ba
 
     # Read the record back from the coordinator's own database, through the admin
     # CLI of a coordinator started on it after `--local` stopped the embedded one.
-    coord = procs.coordinator(baseline.work / "coordinator", lease_ttl=30)
+    coord = procs.coordinator(baseline.work / "coordinator", lease_ttl=30, warm=True)
     shown = coord.show(baseline.summary["run_id"])
     (rjob,) = shown["jobs"]
     assert rjob["job_id"] == job["job_id"] and rjob["state"] == "succeeded", json.dumps(shown, indent=1)

@@ -33,8 +33,9 @@ def _jobs_started(work: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
 
 
+@pytest.mark.real_process("native_client")  # the client's version is the native client's
 def test_other_client_version_exits_10_and_the_job_never_starts(tmp_path, procs, world):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     run_id = coord.create_run("needs-9.9.9", _cheap_spec(world), client_version="9.9.9")
     rm = procs.run_manager(tmp_path / "work", *_join(coord, coord.provider_token("box")))
     rc = rm.wait()
@@ -46,8 +47,9 @@ def test_other_client_version_exits_10_and_the_job_never_starts(tmp_path, procs,
     assert _jobs_started(tmp_path / "work") == []
 
 
+@pytest.mark.real_process("native_client")
 def test_native_client_version_runs_only_where_the_admin_approved_it(tmp_path, procs, world):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     version = client_version()
     # B is older, so the coordinator looks at it first: its refusal must not hide A.
     run_b = coord.create_run("run-b-not-approved", _cheap_spec(world), client_version="9.9.9")
@@ -70,6 +72,7 @@ def test_native_client_version_runs_only_where_the_admin_approved_it(tmp_path, p
     assert spec_doc["lease"]["required_client_version"] == "9.9.9" and spec_doc["lease"]["run_id"] == run_a
 
 
+@pytest.mark.real_process("native_client")
 def test_multi_rank_run_is_not_started_on_a_cpu_provider(tmp_path, procs, world):
     spec_file = tmp_path / "run.json"
     spec_file.write_text(json.dumps({"name": "two-ranks", "spec": _cheap_spec(world), "max_local_ranks": 2}))
@@ -83,8 +86,9 @@ def test_multi_rank_run_is_not_started_on_a_cpu_provider(tmp_path, procs, world)
     assert _jobs_started(work) == []
 
 
+@pytest.mark.real_process("native_client")  # a native provider
 def test_ephemeral_checkpoint_run_is_not_leased_to_a_native_provider(tmp_path, procs, world):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     run_id = coord.create_run("ephemeral", _cheap_spec(world), "--checkpoint-policy", "ephemeral", client_version=client_version())
     work = tmp_path / "work"
     rm = procs.run_manager(work, *_join(coord, coord.provider_token("box"), "--idle-timeout", "3"))
@@ -99,7 +103,7 @@ def test_ephemeral_checkpoint_run_is_not_leased_to_a_native_provider(tmp_path, p
 
 
 def test_malformed_specs_fail_their_attempt_and_another_run_still_completes(tmp_path, procs, world):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     version = client_version()
     bad_stage = _cheap_spec(world) | {"stages": ["prepare", "trian"]}
     no_recipe = {k: v for k, v in pipeline_spec(world, stages=["prepare", "check"]).items() if k != "recipe"}

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from e2e_helpers import REPO, export_model, pipeline_spec, run_one_job, sha256_file
+from e2e_helpers import export_model, pipeline_spec, run_one_job, sha256_file
+from launchers import REPO
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.real_process("native_client")  # the one Qwen3.5 job end to end: in the native client's embedded interpreter
 def test_a_qwen3_5_moe_job_exports_a_draft_that_loads_and_pairs_with_its_target(tmp_path, procs, qwen3_5_moe_world):
     from dflash_worker.families import validate_pair
     from dflash_worker.model import load_draft
@@ -24,8 +26,8 @@ def test_a_qwen3_5_moe_job_exports_a_draft_that_loads_and_pairs_with_its_target(
     world = qwen3_5_moe_world
     spec = pipeline_spec(world)
     assert spec["recipe"]["model"]["family"] == "qwen3_5_moe"
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=30)
-    run_id, job, rm = run_one_job(procs, coord, tmp_path / "work", "qwen3_5_moe", spec, warm=False)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=30, warm=True)
+    run_id, job, rm = run_one_job(procs, coord, tmp_path / "work", "qwen3_5_moe", spec)
     assert job["attempts"] == 1, json.dumps(job, indent=1)
     # The worker loaded the text tower alone (its log line, re-emitted by the run-manager).
     loaded = [v["message"] for v in rm.messages(lambda v: str(v.get("message", "")).startswith("teacher loaded"))]

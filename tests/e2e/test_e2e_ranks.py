@@ -28,8 +28,8 @@ from e2e_helpers import (
     pid_alive,
     sha256_file,
     stop_at_first_checkpoint,
-    wait_until,
 )
+from launchers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +43,7 @@ def _shards(job_dir: Path) -> dict[str, str]:
     return {p.relative_to(cap).as_posix(): sha256_file(p) for p in sorted(cap.rglob("*.safetensors"))}
 
 
+@pytest.mark.real_process("native_client")  # one native client per rank, one of them SIGKILLed
 def test_a_two_rank_job_survives_a_sigkilled_rank_and_matches_one_rank(tmp_path, procs, spec, baseline):
     spec_file = tmp_path / "run.json"
     spec_file.write_text(json.dumps({"name": "two-ranks", "spec": spec, "max_local_ranks": 2}))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from e2e_helpers import client_version, is_checkpoint_report, pid_alive, wait_until
+from e2e_helpers import client_version, is_checkpoint_report, pid_alive
+from launchers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +21,9 @@ def _started(v: dict) -> bool:
     return str(v.get("message", "")).startswith("worker started")
 
 
+@pytest.mark.real_process("native_client")  # the revoked provider's worker is watched until it stops
 def test_revoked_provider_is_stopped_and_its_job_completes_elsewhere(tmp_path, procs, binaries):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     a = coord.cli_json("providers", "create", "box-a")
     b = coord.cli_json("providers", "create", "box-b")
     run_id = coord.create_run("revocation", NOOP_SPEC, client_version=client_version())

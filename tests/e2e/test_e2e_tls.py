@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_helpers import REPO, Coordinator, client_version
+from e2e_helpers import client_version
+from launchers import REPO, Coordinator
 
 sys.path.insert(0, str(REPO / "tests"))
 from tls_certs import CertFiles, TlsWorld, tls_world  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_process("native_client")]  # the native client over TLS
 
 NOOP_SPEC = {"stages": ["noop"], "noop": {"steps": 4, "step_seconds": 0.02, "checkpoint_every": 2}}
 
@@ -39,7 +40,7 @@ class TlsCoordinator(Coordinator):
     def start(self, port: int = 0) -> TlsCoordinator:
         super().start(port)
         assert (self.info["tls"], self.info["mtls"]) == (True, self.mtls), self.info
-        assert self.address.startswith("https://"), self.address
+        assert self.url.startswith("https://"), self.url
         return self
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -70,12 +71,12 @@ def _serve(coord: Coordinator):
 
 @pytest.fixture(scope="module")
 def tls_coord(root, certs, binaries):
-    yield from _serve(TlsCoordinator(root / "coord-tls", certs=certs, mtls=False, lease_ttl=10))
+    yield from _serve(TlsCoordinator(root / "coord-tls", certs=certs, mtls=False, lease_ttl=10, warm=True))
 
 
 @pytest.fixture(scope="module")
 def mtls_coord(root, certs, binaries):
-    yield from _serve(TlsCoordinator(root / "coord-mtls", certs=certs, mtls=True, lease_ttl=10))
+    yield from _serve(TlsCoordinator(root / "coord-mtls", certs=certs, mtls=True, lease_ttl=10, warm=True))
 
 
 def token_file(path: Path, token: str, mode: int = 0o600) -> Path:
@@ -105,7 +106,7 @@ def run_noop(coord: TlsCoordinator, procs, work: Path, provider: str, *args: str
     token = coord.provider_token(provider)
     run_id = coord.create_run(f"tls-{provider}-{work.name}", NOOP_SPEC, client_version=client_version())
     tf = token_file(work.parent / f"{work.name}.token", token)
-    rm = procs.run_manager(work, "--coordinator", coord.address, "--token-file", str(tf), "--name", provider, "--max-jobs", "1", *args)
+    rm = procs.run_manager(work, "--coordinator", coord.url, "--token-file", str(tf), "--name", provider, "--max-jobs", "1", *args)
     rc = rm.wait()
     assert rc == 0, f"stdout:\n{rm.stdout}\nstderr:\n{rm.text()}"
     (job,) = coord.show(run_id)["jobs"]
@@ -128,7 +129,7 @@ def test_client_certificate_from_another_ca_is_refused(mtls_coord, certs, procs,
     token = mtls_coord.provider_token("box-foreign")
     foreign = certs.foreign_client("box-foreign")
     tf = token_file(root / "foreign.token", token)
-    rm = procs.run_manager(root / "work-foreign", "--coordinator", mtls_coord.address, "--token-file", str(tf), *tls_args(certs, foreign))
+    rm = procs.run_manager(root / "work-foreign", "--coordinator", mtls_coord.url, "--token-file", str(tf), *tls_args(certs, foreign))
     err = refused(rm)
     # The coordinator ends the handshake (how depends on timing: a close or an alert); either is named.
     assert re.search(
@@ -144,7 +145,7 @@ def test_certificate_cn_must_be_the_tokens_provider(mtls_coord, certs, procs, ro
     tf = token_file(root / "cn.token", token)
     # A valid certificate from the right CA, but for another provider.
     rm = procs.run_manager(
-        root / "work-cn", "--coordinator", mtls_coord.address, "--token-file", str(tf), *tls_args(certs, certs.client("box-b"))
+        root / "work-cn", "--coordinator", mtls_coord.url, "--token-file", str(tf), *tls_args(certs, certs.client("box-b"))
     )
     err = refused(rm)
     want = "error: coordinator call `Register` failed: the client certificate's CN `box-b` and the token's provider `box-a-cn` disagree (Unauthenticated)"
@@ -158,7 +159,7 @@ def test_expired_client_certificate_is_refused(mtls_coord, certs, procs, root):
     token = mtls_coord.provider_token("box-old")
     expired = certs.expired_client("box-old")
     tf = token_file(root / "old.token", token)
-    rm = procs.run_manager(root / "work-old", "--coordinator", mtls_coord.address, "--token-file", str(tf), *tls_args(certs, expired))
+    rm = procs.run_manager(root / "work-old", "--coordinator", mtls_coord.url, "--token-file", str(tf), *tls_args(certs, expired))
     err = refused(rm)
     assert re.search(
         rf"error: client certificate `{re.escape(str(expired.cert))}` \(CN `box-old`\) expired on \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC", err
@@ -167,7 +168,7 @@ def test_expired_client_certificate_is_refused(mtls_coord, certs, procs, root):
 
 
 def test_plaintext_to_a_tls_coordinator_fails_with_a_hint(tls_coord, procs, root):
-    plain = tls_coord.address.removeprefix("https://")
+    plain = tls_coord.address
     rm = procs.run_manager(root / "work-plain", "--coordinator", plain, "--token", "whatever")
     err = refused(rm)
     assert f"error: coordinator call `Register` failed: the coordinator at `{plain}` speaks TLS, but this connection is plaintext" in err, (
@@ -177,7 +178,7 @@ def test_plaintext_to_a_tls_coordinator_fails_with_a_hint(tls_coord, procs, root
 
 
 def test_tls_to_a_plaintext_coordinator_is_named(certs, procs, tmp_path):
-    coord = procs.coordinator(tmp_path / "coord-plain", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord-plain", lease_ttl=10, warm=True)
     rm = procs.run_manager(tmp_path / "work", "--coordinator", f"https://{coord.address}", "--token", "whatever", *tls_args(certs))
     err = refused(rm)
     assert f"failed: the coordinator at `{coord.address}` does not speak TLS" in err, err
@@ -186,10 +187,10 @@ def test_tls_to_a_plaintext_coordinator_is_named(certs, procs, tmp_path):
 
 def test_expired_server_certificate_is_named(certs, procs, tmp_path):
     old = certs.ca.server_cert(tmp_path / "old-server", expired=True)
-    coord = TlsCoordinator(tmp_path / "coord-old", certs=certs, mtls=False, server=old, lease_ttl=10)
+    coord = TlsCoordinator(tmp_path / "coord-old", certs=certs, mtls=False, server=old, lease_ttl=10, warm=True)
     procs.coordinators.append(coord)
     coord.start()
-    rm = procs.run_manager(tmp_path / "work", "--coordinator", coord.address, "--token", "whatever", *tls_args(certs))
+    rm = procs.run_manager(tmp_path / "work", "--coordinator", coord.url, "--token", "whatever", *tls_args(certs))
     err = refused(rm)
     assert re.search(r"failed: the coordinator's TLS certificate was not accepted: invalid peer certificate: .*[Ee]xpired", err), err
     assert "hint: the coordinator's certificate has expired: its admin must renew it" in err, err
@@ -197,7 +198,7 @@ def test_expired_server_certificate_is_named(certs, procs, tmp_path):
 
 def test_token_file_readable_by_others_is_refused(tls_coord, certs, procs, root):
     tf = token_file(root / "open.token", "some-token", mode=0o644)
-    rm = procs.run_manager(root / "work-open", "--coordinator", tls_coord.address, "--token-file", str(tf), *tls_args(certs))
+    rm = procs.run_manager(root / "work-open", "--coordinator", tls_coord.url, "--token-file", str(tf), *tls_args(certs))
     err = refused(rm)
     assert f"error: token file `{tf}` has mode 0644: group or others can read or change it; it must be mode 0600 or stricter" in err, err
     assert f"hint: chmod 600 {tf}" in err, err

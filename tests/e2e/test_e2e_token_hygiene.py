@@ -20,9 +20,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_helpers import NATIVE_CLIENT, client_version, wait_until
+from e2e_helpers import client_version
+from launchers import NATIVE_CLIENT, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux", reason="reads /proc"),
+    pytest.mark.real_process("native_client"),  # the native worker's own /proc files
+]
 
 # Slow enough (about 4 s) that the worker is surely alive while its parent is read.
 NOOP_SPEC = {"stages": ["noop"], "noop": {"steps": 40, "step_seconds": 0.1, "checkpoint_every": 10}}
@@ -67,7 +72,7 @@ def descendants(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("source", ["env", "flag", "file"])
 def test_worker_finds_no_secret_in_its_own_or_its_parents_proc_files(tmp_path, procs, binaries, source):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     name = f"box-hygiene-{source}"
     token = coord.provider_token(name)
     run_id = coord.create_run(f"hygiene-{source}", NOOP_SPEC, client_version=client_version())

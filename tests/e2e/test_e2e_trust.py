@@ -59,7 +59,7 @@ def _hostile_attempt(address: str, token: str) -> str:
 
 @pytest.mark.parametrize("trust", [None, "any"])
 def test_an_honest_provider_finishes_after_a_hostile_attempt_with_the_uninterrupted_export(tmp_path, procs, spec, baseline, trust):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     run_id = coord.create_run("trust", {**spec, **({"trust_inputs": trust} if trust else {})}, client_version=client_version())
     job_id = _hostile_attempt(coord.address, coord.provider_token("hostile"))
 

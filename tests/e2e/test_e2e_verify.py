@@ -26,7 +26,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from e2e_helpers import client_version, sha256_file, wait_until
+from e2e_helpers import client_version, sha256_file
+from launchers import wait_until
 from test_e2e_graph import _finish, _job_dir, _kinds, _provider
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "coordinator"))
@@ -184,7 +185,7 @@ class Scripted:
 
 
 def test_a_forged_capture_is_caught_its_provider_quarantined_and_the_export_unchanged(tmp_path, procs, spec, baseline):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, serve_args=("--http-listen", "127.0.0.1:0"))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, serve_args=("--http-listen", "127.0.0.1:0"), warm=True)
     run_id = coord.create_run("verified", {**spec, "verify_fraction": 1}, "--capture-shards", str(N_CAPTURE), client_version=client_version())
     kinds = _kinds(coord, run_id)
     assert sorted(k for k, _ in kinds.values()) == ["capture", "capture", "evaluate", "prepare", "train", "verify", "verify", "verify"]
@@ -227,7 +228,7 @@ def test_a_forged_capture_is_caught_its_provider_quarantined_and_the_export_unch
 
 
 def test_a_tampered_training_is_caught_its_provider_quarantined_and_the_export_unchanged(tmp_path, procs, spec, baseline):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, serve_args=("--http-listen", "127.0.0.1:0"))
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, serve_args=("--http-listen", "127.0.0.1:0"), warm=True)
     run_id = coord.create_run("replayed", {**spec, "verify_fraction": 1}, "--capture-shards", str(N_CAPTURE), client_version=client_version())
     kinds = _kinds(coord, run_id)
     hostile = Scripted(coord, tmp_path / "hostile", tamper="train", kinds=None)
@@ -277,7 +278,7 @@ def test_a_partial_replay_starts_from_the_producer_s_checkpoint_on_a_real_run_ma
     """Fraction 1/8 of 16 steps (a checkpoint every 2; the coordinator holds the newest two): the train replay
     starts from the producer's step-14 checkpoint, which the verifier's run-manager downloads from the train job
     as its resume checkpoint, replays steps 15-16, and matches; the run succeeds with the clean run's export."""
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     run_id = coord.create_run("partial", {**spec, "verify_fraction": 0.125}, "--capture-shards", str(N_CAPTURE), client_version=client_version())
     rms = [_provider(procs, coord, tmp_path, f"p{i}") for i in range(2)]
     _finish(coord, run_id, rms)

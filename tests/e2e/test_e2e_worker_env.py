@@ -14,7 +14,8 @@ from pathlib import Path
 
 import e2e_helpers
 import pytest
-from e2e_helpers import NATIVE_CLIENT, client_version, cmdline, wait_until
+from e2e_helpers import client_version, cmdline
+from launchers import NATIVE_CLIENT, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +46,9 @@ def process_group(pgid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.real_process("native_client")  # the native worker's own environment and argv
 def test_native_worker_environment_holds_no_secret(tmp_path, procs, binaries):
-    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10)
+    coord = procs.coordinator(tmp_path / "coord", lease_ttl=10, warm=True)
     token = coord.provider_token("box-env")
     run_id = coord.create_run("worker-env", NOOP_SPEC, client_version=client_version())
     token_file = tmp_path / "token"

@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from e2e_helpers import wait_until
+from launchers import wait_until
 from warm_worker import command, job_pid, module_command
 
 from dflash_worker.worker.noop import noop_final_state
