@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -116,6 +117,32 @@ def test_dtypes(v2, tmp_path):
     assert all(p.dtype == torch.float32 for p in up.parameters())
     want = ours.fc.weight.to(torch.bfloat16).float()
     assert torch.equal(up.fc.weight, want)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_saved_weights_are_the_bytes_safetensors_save_file_writes(v2, tmp_path, dtype):
+    """`save_draft` writes through `weights.write`; drafts saved before (by `save_file`) must hash the same."""
+    ours, _ = v2
+    save_draft(ours, tmp_path / "ours", dtype=dtype)
+    tensors = {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in ours.state_dict().items()}
+    save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_a_failed_save_keeps_the_draft_already_there(v2, tmp_path, monkeypatch):
+    ours, _ = v2
+    save_draft(ours, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def refuse(tmp, path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("dflash_worker.manifest.commit_file", refuse)
+    changed = copy.deepcopy(ours)
+    changed.fc.weight.data.add_(1.0)
+    with pytest.raises(OSError, match="disk full"):
+        save_draft(changed, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # old files, no temporaries
 
 
 def _write(tmp_path, tensors, cfg):

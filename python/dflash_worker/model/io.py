@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -76,7 +75,8 @@ def save_draft(model: DraftModel, out_dir: str | os.PathLike, *, dtype: torch.dt
     leaves a half-written file under the final name. `dtype` casts floating
     tensors (default: as they are).
     """
-    from safetensors.torch import save_file
+    from ..manifest import write_bytes_atomic
+    from ..weights.write import safetensors_order, write_safetensors
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,34 +92,11 @@ def save_draft(model: DraftModel, out_dir: str | os.PathLike, *, dtype: torch.dt
     cfg = model.config.to_dict()
     if len(floats) == 1:
         cfg["dtype"] = str(next(iter(floats))).removeprefix("torch.")
-    _atomic_write(out / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
-    _atomic_write(out / "config.json", lambda p: Path(p).write_text(text, encoding="utf-8"))
+    # `safetensors_order` with one metadata key: the bytes `safetensors.torch.save_file` wrote
+    # here before, so drafts saved by older versions hash the same
+    write_safetensors(out / "model.safetensors", safetensors_order(tensors), metadata={"format": "pt"})
+    write_bytes_atomic(out / "config.json", (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return out
-
-
-def _atomic_write(final: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=str(final.parent))
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:
-        dfd = os.open(str(final.parent), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
 
 
 def read_target_layer_ids(draft_dir: str | Path) -> list[int]:

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..errors import CheckpointError
 from ..manifest import _fsync_dir, sha256_file, write_bytes_atomic, write_json_atomic
+from ..weights.write import safetensors_order, write_safetensors
 
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
@@ -84,9 +85,9 @@ def save(
 
     def write(tmp: Path) -> None:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in trainable.items()}
-        # one metadata key: safetensors writes metadata in hash order, several keys would make
-        # the bytes of identical checkpoints differ
-        save_file(tensors, str(tmp / "trainable.safetensors"), metadata={"format": FORMAT})
+        # `safetensors_order` with one metadata key: the bytes `safetensors.torch.save_file` wrote
+        # here before, so checkpoints of older versions hash the same
+        write_safetensors(tmp / "trainable.safetensors", safetensors_order(tensors), metadata={"format": FORMAT})
         torch.save(optimizer, tmp / "optimizer.pt")
         (tmp / "rng.json").write_bytes(json.dumps(rng, sort_keys=True).encode())
         (tmp / "state.json").write_bytes(
