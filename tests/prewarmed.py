@@ -14,8 +14,9 @@ What differs from a fresh interpreter, and where tests keep the real thing:
   `OMP_NUM_THREADS` and `PYTHONWARNINGS=ignore` are applied in the child explicitly;
 - `atexit` handlers do not run (the child leaves with `os._exit` after flushing stdout and stderr).
 The console script and the interpreter start are run for real by `tests/test_packaging.py` and
-every run-manager-started worker in `tests/e2e`; `torchrun` ranks and the tests that signal a
-process keep `subprocess`. `CommandServer` puts a stand-in `dflash-worker` on `PATH` for the shell
+by the tests marked `real_process` (tests/warm_worker.py: the native client a run-manager starts,
+the coordinator's console script); `torchrun` ranks and the tests that signal a process keep
+`subprocess`. `CommandServer` puts a stand-in `dflash-worker` on `PATH` for the shell
 blocks of `tests/docs/test_training_quickstart.py`.
 """
 

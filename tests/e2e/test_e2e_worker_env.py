@@ -12,10 +12,9 @@ import os
 import secrets
 from pathlib import Path
 
-import e2e_helpers
 import pytest
 from e2e_helpers import client_version, cmdline
-from launchers import NATIVE_CLIENT, wait_until
+from launchers import NATIVE_CLIENT, VENV, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +83,7 @@ def test_native_worker_environment_holds_no_secret(tmp_path, procs, binaries):
         assert not any(k.startswith("AWS_") or k.endswith(("_TOKEN", "_KEY")) or "SECRET" in k for k in env), sorted(env)
     # What it does get: enough to find its Python and run unbuffered.
     env = envs[worker]
-    assert env.get("PYTHONUNBUFFERED") == "1" and env.get("VIRTUAL_ENV") == str(e2e_helpers.VENV), sorted(env)
+    assert env.get("PYTHONUNBUFFERED") == "1" and env.get("VIRTUAL_ENV") == str(VENV), sorted(env)
     assert env.get("PATH") == os.environ.get("PATH"), sorted(env)
 
     rc = rm.wait()
