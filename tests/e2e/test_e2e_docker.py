@@ -44,7 +44,7 @@ from launchers import REPO, wait_until
 pytestmark = pytest.mark.slow
 
 BUILD = REPO / "scripts" / "build-cpu-image.sh"
-# What the run-manager sets (run-manager/src/docker.rs): uid 10001 when it runs as root.
+# What the run-manager sets (run-manager/src/worker/docker.rs): uid 10001 when it runs as root.
 CONTAINER_UID = 10001
 SHM_BYTES = 8 << 30
 CACHE_VARS = ("XDG_CACHE_HOME", "TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "MPLCONFIGDIR")
