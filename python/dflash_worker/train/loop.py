@@ -380,7 +380,7 @@ class Trainer:
             state=self.state(),
         )
         self.committed_step = self.step
-        protect = selection.protected_steps(self.best(), self.released_general)
+        protect = selection.protected_steps(self.best(self.guard()), self.released_general)
         ckpt.prune(self.run_dir, keep=self.cfg.keep_checkpoints, protect=protect)
         manifest = path / "manifest.json"
         name = f"{ckpt.CHECKPOINTS}/{path.name}/{manifest.name}"
@@ -434,9 +434,8 @@ class Trainer:
         """Whether the run committed the released draft as step 0 (a guarded run since `guard_patience`)."""
         return (self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(0)).is_dir()
 
-    def best(self) -> dict[str, Any] | None:
-        """The selected validation entry (`selection.best`)."""
-        guard = self.guard()
+    def best(self, guard: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The selected validation entry (`selection.best`), given this run's `guard()` report."""
         released_committed = guard is not None and self._released_checkpoint()
         return selection.best(self.val_history, guard, self.released_general, released_committed=released_committed)
 
@@ -472,7 +471,8 @@ class Trainer:
             msg = f"rank {self.ranks.rank}/{self.ranks.world}: trained {self.step} steps; rank 0 selects and exports"
             return TrainResult(self.run_dir, "completed", self.step, self.cfg.steps, msg)
 
-        best, guard = self.best(), self.guard()
+        guard = self.guard()
+        best = self.best(guard)
         chosen = selection.selected_step(best, self.step)
         path = self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(chosen)
         record = selection.record(best, guard, self.val_history, step=chosen, checkpoint=path.name,
