@@ -32,7 +32,8 @@ from .manifest import fingerprint as _fingerprint
 # Family names a recipe may name: the registry's (`families` imports no torch, so parsing a
 # recipe still never needs it; `families` validates the pair itself).
 FAMILIES = tuple(_REGISTRY)
-THINKING = ("on", "off")
+THINKING = ("on", "off", "per_row")
+TRAIN_TURNS = ("last", "all")
 DTYPES = ("float32", "bfloat16", "float16")
 SAMPLING = ("greedy", "sampled")
 SPLITS = ("train", "val", "test")
@@ -98,16 +99,21 @@ class DataConfig:
     """`[data]`: the directory written by `prepare-data` and how examples are rendered.
 
     `thinking` has no default on purpose: Qwen3 chat templates render differently with
-    thinking on and off, and a silent default would train on the wrong format.
+    thinking on and off, and a silent default would train on the wrong format. `per_row`
+    renders each row in its own mode (its `"thinking"`, else whether it carries reasoning;
+    `data.render.resolve_thinking`). `train_turns`: the loss covers every assistant turn of a
+    conversation (`all`) or only the final one (`last`).
     """
 
     dir: Path = _path_field()
     thinking: str
     max_length: int = 4096
+    train_turns: str = "all"
 
     def __post_init__(self) -> None:
         _check_type("data", "dir", self.dir, (Path,))
         _check_choice("data", "thinking", self.thinking, THINKING)
+        _check_choice("data", "train_turns", self.train_turns, TRAIN_TURNS)
         _check_positive_int("data", "max_length", self.max_length)
 
 

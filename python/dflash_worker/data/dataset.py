@@ -11,20 +11,29 @@ from typing import Any
 from ..errors import DataError
 from ..manifest import read_manifest_json, sha256_file
 from .prepare import FORMAT, SPLIT_NAMES
+from .render import row_thinking
 from .schema import Conversation
 
 
 @dataclass(frozen=True)
 class Example(Conversation):
-    """One prepared row; `file`/`line` locate it in the prepared split file."""
+    """One prepared row; `file`/`line` locate it in the prepared split file.
+
+    `thinking`: the row's own mode (the prepared row's `"thinking"`; for data prepared before it
+    was stored, whether an assistant turn has reasoning); what `[data].thinking = "per_row"`
+    renders it in (`render.resolve_thinking`). `tools`: the function schemas passed to the chat
+    template as `tools=` (None: the row has none).
+    """
 
     split: str
     file: Path
     line: int
     id: str
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     source: str
     origin: dict[str, Any]
+    thinking: bool = False
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 class PreparedData:
@@ -66,14 +75,19 @@ class PreparedData:
             for lineno, raw in enumerate(f, start=1):
                 try:
                     obj = json.loads(raw)
+                    messages = tuple(obj["messages"])
+                    thinking = obj.get("thinking")
+                    tools = obj.get("tools")
                     yield Example(
                         split=split,
                         file=fp,
                         line=lineno,
                         id=obj["id"],
-                        messages=tuple(obj["messages"]),
+                        messages=messages,
                         source=obj["source"],
                         origin=obj.get("origin", {}),
+                        thinking=thinking if isinstance(thinking, bool) else row_thinking(messages),
+                        tools=None if tools is None else tuple(tools),
                     )
                 except (ValueError, KeyError, TypeError) as exc:
                     raise DataError(f"`{fp}` line {lineno}: not a prepared row ({exc})") from None

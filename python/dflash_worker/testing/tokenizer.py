@@ -32,6 +32,9 @@ IM_END = "<|im_end|>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, THINK_START, THINK_END)
+# Qwen tokenizers also hold the tool markers as single (non-special) added tokens; opt-in here
+# (`build_tiny_tokenizer(tool_tokens=True)`) so every existing vocab and id stays as it was.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 QWEN3_STYLE_CHAT_TEMPLATE = (
     "{%- set ns = namespace(last_query=-1) %}"
@@ -97,11 +100,12 @@ def corpus_lines(n: int = 400, *, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(*, vocab_size: int = 384, seed: int = 0, lines: int = 400):
+def build_tiny_tokenizer(*, vocab_size: int = 384, seed: int = 0, lines: int = 400, tool_tokens: bool = False):
     """Train a byte-level BPE on `corpus_lines` and wrap it with the Qwen3-style template.
 
     The returned tokenizer has `len(tokenizer) == vocab_size` at most (BPE may stop early when
     the corpus runs out of merges); size a model's embedding with `len(tokenizer)`.
+    `tool_tokens` appends `TOOL_TOKENS` as added tokens after the trained vocab (ids above it).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -124,6 +128,8 @@ def build_tiny_tokenizer(*, vocab_size: int = 384, seed: int = 0, lines: int = 4
         model_max_length=1 << 20,
     )
     fast.chat_template = QWEN3_STYLE_CHAT_TEMPLATE
+    if tool_tokens:
+        fast.add_tokens(list(TOOL_TOKENS))
     return fast
 
 
