@@ -10,7 +10,7 @@ import torch
 from prewarmed import worker_cli
 
 from dflash_worker.errors import ExportError
-from dflash_worker.export.bf16 import verify_bf16, write_bf16
+from dflash_worker.export.bf16 import export_config, verify_bf16, write_bf16
 from dflash_worker.recipe import load_recipe
 from dflash_worker.train import train
 
@@ -89,7 +89,7 @@ def test_export_cli_formats_and_manifest(pipeline, trained_run):
     m = verify_bf16(run / "export")
     assert m["provenance"]["recipe"]["fingerprint"]
     assert set(m["files"]) == {"model.safetensors", "config.json"}
-    assert (run / "export" / "config.json").read_bytes() == (pipeline.draft / "config.json").read_bytes()
+    assert (run / "export" / "config.json").read_bytes() == export_config(pipeline.draft)[0]  # released + serving fields
 
 
 def test_damaged_export_fails_verification(tmp_path, trained_run):

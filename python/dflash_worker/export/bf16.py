@@ -12,7 +12,12 @@
   the same name; every other tensor is copied byte for byte from the released
   file (same dtype, same bytes), so tensors outside the trained scope are
   identical to the released draft;
-- ``config.json`` is the released draft's file, byte for byte;
+- ``config.json`` is the released draft's file, byte for byte, when every
+  serving engine finds each field it reads where it reads it; otherwise the
+  released dict plus the missing copies (`export_config`,
+  `serving.fields.complete_config`: e.g. `block_size` at the top level for
+  llama.cpp's converter, `final_logit_softcapping` inside `dflash_config` for
+  vLLM), never a changed value; the manifest's ``config_added`` lists them;
 - every floating tensor is checked finite first; a NaN or Inf raises
   `ExportError` naming the tensor, and nothing is written;
 - ``manifest.json`` holds sha256 and size per file, sha256 per tensor (so
@@ -66,6 +71,23 @@ def _released_tensors(released_dir: Path):
         for key, info in shard.tensors.items():
             out.append((key, info, shard.path))
     return out
+
+
+def export_config(released_dir: str | Path) -> tuple[bytes, dict[str, Any], list[str]]:
+    """The export's `config.json` from the released draft's: `(bytes, dict, added paths)`.
+
+    The released bytes when nothing is missing, so an export of a complete config keeps the file
+    byte for byte; else the completed dict as pretty JSON."""
+    from ..serving.fields import complete_config
+
+    path = Path(released_dir) / "config.json"
+    try:
+        data = path.read_bytes()
+        raw = json.loads(data)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"released draft config `{path}` is not readable JSON: {exc}") from None
+    cfg, added = complete_config(raw, source=str(path))
+    return (pretty_json(cfg) if added else data), cfg, added
 
 
 def _read(path: Path, begin: int, end: int) -> bytes:
@@ -144,16 +166,18 @@ def write_bf16(
         raise ExportError(f"export directory `{out_dir}` already exists\nhint: pass `overwrite=True` (CLI: `--overwrite`)")
     entries = _released_tensors(released_dir)
     plan = _plan(entries, trained, released_dir)  # every tensor checked before anything is written
+    config_bytes, _, config_added = export_config(released_dir)
 
     def fill(tmp: Path) -> dict[str, Any]:
         _write_weights(tmp / WEIGHTS, plan, _fault)
-        write_file(tmp / "config.json", (released_dir / "config.json").read_bytes())
+        write_file(tmp / "config.json", config_bytes)
         files = {name: {"sha256": sha256_file(tmp / name), "size": (tmp / name).stat().st_size} for name in (WEIGHTS, "config.json")}
         manifest = {
             "format": FORMAT,
             "files": files,
             "tensors": {key: hashlib.sha256(data).hexdigest() for key, _, _, data in plan},
             "trained": sorted(k for k, *_ in plan if _our_name(k) in trained),
+            "config_added": config_added,
             "released": {
                 "dir": str(released_dir),
                 "files": {p.name: sha256_file(p) for p in sorted({p for _, _, p in entries})},

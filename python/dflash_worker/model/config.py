@@ -302,10 +302,12 @@ class DraftConfig:
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
             out["use_sliding_window"] = True
+        # Softcapping in both places: vLLM and SGLang read it only inside `dflash_config`, older readers at the top.
         if self.final_logit_softcapping is not None:
-            out["final_logit_softcapping"] = self.final_logit_softcapping
+            out["final_logit_softcapping"] = sub["final_logit_softcapping"] = self.final_logit_softcapping
         else:
             out.pop("final_logit_softcapping", None)
+            sub.pop("final_logit_softcapping", None)
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
         if self.is_causal is not None:

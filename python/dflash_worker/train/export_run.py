@@ -151,7 +151,9 @@ def export_run(
     trained_bf16 = export_values(loaded.trainable, [n for n in names if n not in qnames])
     for n in names:
         tensors[n] = loaded.trainable[n].float() if n in qnames else trained_bf16[n]
-    config = json.loads((released / "config.json").read_text())
+    from ..export.bf16 import export_config
+
+    _, config, extra["config_added"] = export_config(released)  # the fields serving engines read, where they read them
     res = write_af4g64(tensors, config, out, qnames, manifest_extra=extra, overwrite=overwrite)
     return RunExport(res.out_dir, fmt, res.manifest)
 
