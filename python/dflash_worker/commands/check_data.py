@@ -11,8 +11,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, metavar="DIR", help="dir written by `prepare-data`")
     parser.add_argument("--target", required=True, metavar="TARGET_DIR",
                         help="target checkpoint dir; only its tokenizer and chat template are read, never weights")
-    parser.add_argument("--thinking", choices=("on", "off"), required=True,
-                        help="render with the chat template's thinking mode on or off (`enable_thinking`)")
+    parser.add_argument("--thinking", choices=("on", "off", "per_row"), required=True,
+                        help="render with the chat template's thinking mode on or off (`enable_thinking`), "
+                             "or each row in its own mode (`per_row`); use the recipe's `[data].thinking`")
+    parser.add_argument("--train-turns", choices=("all", "last"), default="all",
+                        help="train every assistant turn or only the final one; use the recipe's `[data].train_turns` (default all)")
     parser.add_argument("--max-length", type=int, default=4096, metavar="N",
                         help="longest allowed example in tokens; use the recipe's `[data].max_length` (default 4096)")
     parser.add_argument("--regenerate", action="store_true",
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     report = check_data(
         args.data, args.target, thinking=args.thinking, max_length=args.max_length,
         regenerate=args.regenerate, splits=tuple(args.split or ("train", "val", "test")),
-        on_progress=lambda n: bar.update(1),
+        on_progress=lambda n: bar.update(1), train_turns=args.train_turns,
     )
     bar.close()
     if args.json:
@@ -44,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         f"{report.tokens} tokens, {report.loss_tokens} response tokens, longest {report.longest}",
         file=summary,
     )
+    print("by thinking mode: " + "; ".join(
+        f"{mode} {c['examples']} examples, {c['tokens']} tokens, {c['loss_tokens']} response tokens"
+        for mode, c in report.by_mode.items()), file=summary)
     if report.notes:
         print("notes: " + ", ".join(f"{k} {v}" for k, v in report.notes.items()), file=summary)
     if report.ok:

@@ -9,7 +9,16 @@ example against a target's tokenizer before any weights load.
 from .check import CheckReport, Failure, check_data, load_tokenizer
 from .dataset import Example, PreparedData
 from .prepare import SPLIT_NAMES, prepare_data, split_of
-from .render import RenderedExample, control_tokens, render_example, render_prompt, resolve_thinking, row_thinking
+from .render import (
+    RenderedExample,
+    control_tokens,
+    render_example,
+    render_prompt,
+    render_row,
+    render_row_prompt,
+    resolve_thinking,
+    row_thinking,
+)
 from .schema import fold_text
 
 __all__ = [
@@ -26,6 +35,8 @@ __all__ = [
     "prepare_data",
     "render_example",
     "render_prompt",
+    "render_row",
+    "render_row_prompt",
     "resolve_thinking",
     "row_thinking",
     "split_of",

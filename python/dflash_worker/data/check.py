@@ -26,6 +26,11 @@ let them through.
 
 Notes (counted, not failures): ``reasoning_dropped`` (thinking off, row has
 reasoning), ``no_reasoning`` (thinking on, final turn has no reasoning).
+
+Each example renders in its thinking mode (`render.resolve_thinking`: the
+``thinking`` setting, or with ``per_row`` the row's own) with its ``tools``, and
+trains the assistant turns ``train_turns`` says; `CheckReport.by_mode` counts
+examples, tokens and response tokens per mode (``on`` / ``off``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any
 from ..errors import CheckpointError, DataError
 from .dataset import Example, PreparedData
 from .prepare import SPLIT_NAMES
-from .render import control_tokens, render_example, render_prompt, special_tokens_in_text
+from .render import THINKING_SETTINGS, TRAIN_TURNS, control_tokens, render_example, render_prompt, resolve_thinking, special_tokens_in_text
 
 MAX_LISTED_FAILURES = 20
 OVERLONG_REASONS = ("too_long", "prompt_too_long")
@@ -90,6 +95,9 @@ class CheckReport:
     notes: dict[str, int] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
     overlong: list[Overlong] = field(default_factory=list)
+    train_turns: str = "all"
+    # per resolved thinking mode (`on`, `off`): examples, tokens, loss_tokens
+    by_mode: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def failed(self) -> int:
@@ -103,6 +111,8 @@ class CheckReport:
         return {
             "ok": self.ok,
             "thinking": self.thinking,
+            "train_turns": self.train_turns,
+            "by_mode": self.by_mode,
             "max_length": self.max_length,
             "regenerate": self.regenerate,
             "examples": self.examples,
@@ -176,9 +186,11 @@ def check_example(
     max_length: int,
     regenerate: bool,
     tokens: Sequence[str],
+    train_turns: str = "all",
 ) -> tuple[list[tuple[str, str]], list[str], int, int, int]:
     """Check one example: `(failures as (reason, message), notes, length, loss_tokens, kept)`.
 
+    `thinking`: the `[data].thinking` setting (resolved for this example by `resolve_thinking`).
     `kept`: the loss tokens within the first `max_length` tokens (what truncation keeps).
     """
     fails: list[tuple[str, str]] = []
@@ -190,13 +202,15 @@ def check_example(
     if fails:
         return fails, notes, 0, 0, 0
     final = ex.messages[-1]
-    if thinking == "off" and any(m.get("reasoning_content") for m in ex.messages):
+    enable = resolve_thinking(thinking, ex)
+    tools = getattr(ex, "tools", None)
+    if not enable and any(m.get("reasoning_content") for m in ex.messages):
         notes.append("reasoning_dropped")
-    if thinking == "on" and ex.has_response and not final.get("reasoning_content") and not regenerate:
+    if enable and ex.has_response and not final.get("reasoning_content") and not regenerate:
         notes.append("no_reasoning")
     try:
         if regenerate:
-            ids = render_prompt(tokenizer, ex.prompt_messages, thinking=thinking)
+            ids = render_prompt(tokenizer, ex.prompt_messages, thinking=enable, tools=tools)
             if len(ids) >= max_length:
                 fails.append(
                     ("prompt_too_long", f"prompt is `{len(ids)}` tokens, leaving no room to generate within max_length `{max_length}`")
@@ -205,7 +219,7 @@ def check_example(
         if not ex.has_response:
             fails.append(("no_response", "prompt-only row\nhint: set `regenerate = true` in `[capture]` to generate responses"))
             return fails, notes, 0, 0, 0
-        r = render_example(tokenizer, ex.messages, thinking=thinking)
+        r = render_example(tokenizer, ex.messages, thinking=enable, tools=tools, train_turns=train_turns)
     except DataError as exc:
         fails.append(("render_error", str(exc)))
         return fails, notes, 0, 0, 0
@@ -233,21 +247,25 @@ def check_data(
     regenerate: bool = False,
     splits: Sequence[str] = SPLIT_NAMES,
     on_progress: Callable[[int], None] | None = None,
+    train_turns: str = "all",
 ) -> CheckReport:
     """Check every example of `splits`; `tokenizer` is a tokenizer or a target dir path.
 
-    Never loads weights. Returns a report; call `report.raise_if_failed()` to turn
-    failures into a DataError.
+    `thinking` and `train_turns` are the `[data]` settings. Never loads weights. Returns a
+    report; call `report.raise_if_failed()` to turn failures into a DataError.
     """
-    if thinking not in ("on", "off"):
-        raise DataError(f"thinking mode is `{thinking}`\nhint: use `on` or `off`")
+    if thinking not in THINKING_SETTINGS:
+        raise DataError(f"thinking mode is `{thinking}`\nhint: use `on`, `off` or `per_row`")
+    if train_turns not in TRAIN_TURNS:
+        raise DataError(f"train_turns is `{train_turns}`\nhint: use `last` or `all`")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
         raise DataError(f"max_length must be a positive integer, found `{max_length}`")
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_tokenizer(tokenizer)
     prepared = data if isinstance(data, PreparedData) else PreparedData(data)
     tokens = control_tokens(tokenizer)
-    report = CheckReport(thinking=thinking, max_length=max_length, regenerate=regenerate)
+    report = CheckReport(thinking=thinking, max_length=max_length, regenerate=regenerate, train_turns=train_turns)
+    by_mode = {mode: {"examples": 0, "tokens": 0, "loss_tokens": 0} for mode in ("on", "off")}
     fcounts: Counter[str] = Counter()
     ncounts: Counter[str] = Counter()
     by_split: Counter[str] = Counter()
@@ -255,8 +273,13 @@ def check_data(
         report.examples += 1
         by_split[ex.split] += 1
         fails, notes, n, loss, kept = check_example(
-            tokenizer, ex, thinking=thinking, max_length=max_length, regenerate=regenerate, tokens=tokens
+            tokenizer, ex, thinking=thinking, max_length=max_length, regenerate=regenerate, tokens=tokens,
+            train_turns=train_turns,
         )
+        mode = by_mode["on" if resolve_thinking(thinking, ex) else "off"]
+        mode["examples"] += 1
+        mode["tokens"] += n
+        mode["loss_tokens"] += loss
         if fails and fails[0][0] in OVERLONG_REASONS:
             report.overlong.append(Overlong(split=ex.split, id=ex.id, file=str(ex.file), line=ex.line, tokens=n, kept_loss_tokens=kept))
         report.tokens += n
@@ -274,4 +297,5 @@ def check_data(
     report.failure_counts = dict(sorted(fcounts.items()))
     report.notes = dict(sorted(ncounts.items()))
     report.examples_by_split = {s: by_split[s] for s in splits}
+    report.by_mode = by_mode
     return report

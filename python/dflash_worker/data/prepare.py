@@ -29,6 +29,10 @@ listed in ``replay.val_ids``: training validates them apart from the own
 rows and its checkpoint selection keeps general-domain acceptance within a
 tolerance of the released draft's (`train.selection`, the general-domain guard).
 
+Each prepared row records its own thinking mode (``"thinking"``: the input
+row's ``thinking``, else whether an assistant turn carries reasoning) and, when
+the input row has them, its ``tools`` (function schemas for the template).
+
 A prompt that appears in two sources (or with different spacing) is one
 group: all of its rows land in the same split, each keeping its own `source`
 tag; only rows identical in every message are duplicates.
@@ -55,6 +59,7 @@ from .. import __version__
 from ..errors import ConfigError, DataError
 from ..manifest import fingerprint, sha256_bytes, sha256_file, write_bytes_atomic, write_json_atomic
 from .jsonl import DEFAULT_MAX_LINE_BYTES, FileStats, LineError, iter_jsonl
+from .render import row_thinking
 from .schema import Row, exact_key, normalize_row, prompt_key
 
 FORMAT = "dflash-worker/prepared-data/v1"
@@ -330,7 +335,11 @@ def _row_json(kept: _Kept, *, general: bool = False) -> dict[str, Any]:
         "origin": {"file": kept.file, "line": kept.line},
         "schema": kept.row.schema,
         "source": kept.row.source,
+        # the row's own mode, what `[data].thinking = "per_row"` renders it in (`render.resolve_thinking`)
+        "thinking": row_thinking(kept.row.messages, kept.row.thinking),
     }
+    if kept.row.tools is not None:
+        row["tools"] = list(kept.row.tools)
     if general:  # a replay row held out for validation (`_replay`); other rows carry no `domain`
         row["domain"] = "general"
     return row

@@ -298,6 +298,18 @@ def render_example(
     return RenderedExample(input_ids=ids, loss_mask=mask, prompt_length=prompt_length)
 
 
+def render_row(tokenizer: Any, example: Any, data: Any) -> RenderedExample:
+    """`example` (a prepared `Example`) rendered as `[data]` (`data.thinking`, `data.train_turns`) says."""
+    return render_example(tokenizer, example.messages, thinking=resolve_thinking(data.thinking, example),
+                          tools=getattr(example, "tools", None), train_turns=data.train_turns)
+
+
+def render_row_prompt(tokenizer: Any, example: Any, data: Any) -> list[int]:
+    """The prompt of `example` (every turn before its response) with the generation prompt, in its thinking mode."""
+    return render_prompt(tokenizer, example.prompt_messages, thinking=resolve_thinking(data.thinking, example),
+                         tools=getattr(example, "tools", None))
+
+
 def control_tokens(tokenizer: Any) -> list[str]:
     """Every special or added token string of `tokenizer` (longest first)."""
     found: set[str] = set(getattr(tokenizer, "all_special_tokens", []) or [])
