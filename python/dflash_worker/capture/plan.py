@@ -189,7 +189,8 @@ def plan_capture(recipe: Recipe, emit: EventSink, device: DeviceChoice | None = 
     prepared = PreparedData(dcfg.dir)
     tokenizer = load_tokenizer(mcfg.target)
     report = check_data(
-        prepared, tokenizer, thinking=dcfg.thinking, max_length=dcfg.max_length, regenerate=cap.regenerate, splits=cap.splits
+        prepared, tokenizer, thinking=dcfg.thinking, max_length=dcfg.max_length, regenerate=cap.regenerate, splits=cap.splits,
+        train_turns=dcfg.train_turns,
     )
     report.raise_if_failed(overlong=cap.on_overlong)
     emit(Log(level="debug", message=f"data checked: `{report.examples}` examples"))

@@ -19,7 +19,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..data import Example, render_example, render_prompt
+from ..data import Example, render_row, render_row_prompt
 from ..errors import DataError
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int],
 
     cap, dcfg, tokenizer = plan.cap, plan.recipe.data, plan.tokenizer
     if cap.regenerate:
-        prompt = render_prompt(tokenizer, ex.prompt_messages, thinking=dcfg.thinking)
+        prompt = render_row_prompt(tokenizer, ex, dcfg)  # in the row's thinking mode, with its tools
         budget = min(cap.max_new_tokens, dcfg.max_length - len(prompt))
         g = generate(
             model, prompt, max_new_tokens=budget, stop_ids=stops, greedy=cap.sampling == "greedy",
@@ -105,7 +105,7 @@ def example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int],
         )
         ids, mask, truncated = prompt + g.ids, [0] * len(prompt) + [1] * len(g.ids), not g.stopped
     else:
-        r = render_example(tokenizer, ex.messages, thinking=dcfg.thinking)
+        r = render_row(tokenizer, ex, dcfg)
         ids, mask, truncated = r.input_ids, r.loss_mask, False
         if (ex.split, ex.id) in cut:
             ids, mask = ids[: dcfg.max_length], mask[: dcfg.max_length]

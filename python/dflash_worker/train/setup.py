@@ -135,6 +135,7 @@ def check_prepared_data(recipe: Recipe) -> None:
         recipe.data.dir,
         load_tokenizer(recipe.model.target),
         thinking=recipe.data.thinking,
+        train_turns=recipe.data.train_turns,
         max_length=recipe.data.max_length,
         regenerate=cap.regenerate,
         splits=tuple(s for s in ("train", "val") if s in cap.splits),

@@ -92,6 +92,7 @@ def run_check(ctx: StageContext) -> None:
         recipe.data.dir,
         recipe.model.target,
         thinking=recipe.data.thinking,
+        train_turns=recipe.data.train_turns,
         max_length=recipe.data.max_length,
         regenerate=bool(cap and cap.regenerate),
     )
