@@ -232,3 +232,16 @@ def test_cli_for_writes_serving_files_and_exits_3_when_an_engine_refuses(pipelin
     assert bad.returncode == 1 and ("does not match" in bad.stderr or "sha256" in bad.stderr), bad.stderr
     helped = worker_cli("export", "--help", timeout=120)
     assert all(f"`{e}`:" in helped.stdout.replace("\n", " ") for e in ENGINES)
+
+
+def test_mlx_refuses_a_qwen3_5_moe_target_with_one_tensor_per_expert(tmp_path):
+    """mlx-lm's `qwen3_5_moe` stacks only packed experts; the same target packed is not refused for it."""
+    reasons = {}
+    for layout in ("individual", "packed"):
+        target = tmp_path / layout
+        save_tiny_target(target, family="qwen3_5_moe", expert_layout=layout, mtp=False)
+        export = _export(tmp_path, layout, _v1(target))
+        p = plan("mlx", export, target)
+        reasons[layout] = [r for r in p.reasons if "one tensor per expert" in r]
+        assert any("Qwen3.5 targets" in n for n in p.notes)
+    assert reasons["individual"] and not reasons["packed"], reasons

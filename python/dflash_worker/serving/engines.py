@@ -36,7 +36,8 @@ CHECKED = {
     "v1/attention/backends/cpu_attn.py)",
     "sglang": "sglang 0.5.23 (srt/arg_groups/speculative_hook.py, srt/speculative/dflash_utils.py, srt/models/dflash.py)",
     "mlx": "dflash 0.1.0 (model_mlx.py) with mlx-lm, through dflash_worker.serving.mlx.load_draft",
-    "llama.cpp": "ggml-org/llama.cpp sources (conversion/qwen.py: DFlashModel; src/models/dflash.cpp); not built here",
+    "llama.cpp": "ggml-org/llama.cpp sources (conversion/qwen.py: DFlashModel at 03173d5e; src/models/dflash.cpp at "
+    "01b78a15); PyPI gguf 0.19.0 has no DFLASH architecture; not built or run here",
 }
 
 # vLLM 0.32.0 CPU attention kernels (`CPUAttentionBackend.get_supported_head_sizes`).
@@ -58,7 +59,9 @@ class Target:
     hidden_size: int
     head_dim: int
     vocab_size: int
+    model_type: str  # the text tower's
     weight_files: tuple[str, ...]
+    individual_experts: bool  # MoE experts stored one tensor per expert (`mlp.experts.0.gate_proj.weight`)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Target:
@@ -76,8 +79,20 @@ class Target:
             hidden_size=int(text.get("hidden_size", 0)),
             head_dim=int(text.get("head_dim") or text.get("hidden_size", 0) // heads),
             vocab_size=int(text.get("vocab_size", 0)),
+            model_type=str(text.get("model_type", "")),
             weight_files=tuple(sorted(p.name for p in path.glob("*.safetensors"))),
+            individual_experts=_individual_experts(path),
         )
+
+
+def _individual_experts(path: Path) -> bool:
+    """Whether any tensor name of the checkpoint is one expert's (headers only; no weights are read)."""
+    import re
+
+    from ..weights.checkpoint import list_tensors
+
+    one = re.compile(r"\.experts\.\d+\.")
+    return any(one.search(name) for name in list_tensors(path))
 
 
 @dataclass(frozen=True)
@@ -217,9 +232,12 @@ def _mlx(ex: Export, target: Target, device: str) -> Plan:
     others = [n for n in target.weight_files if not n.startswith("model")]
     if others:
         reasons.append(f"mlx-lm loads only `model*.safetensors`, and the target also stores `{others}`")
-    if d.kind == DFLASH2 or SLIDING_ATTENTION in d.layer_types:
-        notes.append("the project measured its acceptance with dflash 0.1.0 and the mlx-lm the lock pins; "
-                     "see docs/serving.md for the versions")
+    if target.model_type.startswith("qwen3_5_moe") and target.individual_experts:
+        reasons.append("mlx-lm's `qwen3_5_moe` reads packed experts (`experts.gate_up_proj`, `experts.down_proj`) only, "
+                       "and the target stores one tensor per expert")
+    if target.model_type.startswith("qwen3_5"):
+        notes.append("Qwen3.5 targets: the mlx-lm and dflash versions matter for acceptance (Gated DeltaNet q/k norm, "
+                     "the sliding-window cache); see docs/native-silicon.md for the versions that reproduce the project's")
     code = MLX_CODE.format(target=str(target.path), export=str(ex.path), block_size=d.block_size)
     return Plan("mlx", device, not reasons, tuple(reasons), tuple(notes), {"code": code, "format": ex.fmt},
                 f"```python\n{code}```\n")
@@ -227,7 +245,8 @@ def _mlx(ex: Export, target: Target, device: str) -> Plan:
 
 def _llamacpp(ex: Export, target: Target, device: str) -> Plan:
     d, reasons = ex.draft, _common("llama.cpp", ex, target)
-    notes = ["llama.cpp was not built or run here; the lines follow its sources"]
+    notes = ["llama.cpp was not built or run here; the lines follow its sources: run them from a llama.cpp checkout, "
+             "whose in-tree gguf-py has the DFLASH architecture (PyPI gguf 0.19.0 has none)"]
     if ex.fmt == "af4g64":
         reasons.append("AF4G64 is MLX's packed 4-bit layout; llama.cpp's converter reads unquantized safetensors "
                        "(convert the BF16 export and quantize with llama.cpp's own tools)")
