@@ -55,6 +55,10 @@ def _v1(target, **over):
 
 def test_demo_like_dflash2_export_vllm_refused_on_cpu_mlx_accepted(tmp_path, targets):
     export = _export(tmp_path, "demo", tiny_dflash2_config(target_config(targets[16]), block_size=4, selector_top_k=64))
+    written = json.loads((export / "config.json").read_text())
+    # saved drafts keep block_size in dflash_config only; llama.cpp's converter reads it at the top level only
+    assert written["block_size"] == written["dflash_config"]["block_size"] == 4
+    assert verify_bf16(export)["config_added"] == ["block_size"]
     vllm = plan("vllm", export, targets[16])
     assert not vllm.accepted
     assert any("`Model Runner V1 does not support: DFlash candidate-head drafts`" in r for r in vllm.reasons), vllm.reasons
