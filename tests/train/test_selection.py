@@ -130,3 +130,57 @@ def test_the_guard_note_warns_only_when_nothing_passed():
     assert "selected the released draft itself (step 0)" in warning and "\nhint: " in warning
     _, warning = selection.guard_note(failed, released_committed=False)
     assert "selected the one with the highest general acceptance instead" in warning
+
+
+# Thinking modes (`[data].thinking = "per_row"`): the released draft served `on` at 3.0 and `off` at 1.0.
+RELEASED_MODES = {**RELEASED, "modes": {"on": {"matching_proposals": 3.0, "blocks": 8}, "off": {"matching_proposals": 1.0, "blocks": 8},
+                                        "never": {"matching_proposals": 0.0, "blocks": 0}}}
+
+
+def _m(step: int, mp: float, general: float, on: float, off: float, on_blocks: int = 8) -> dict:
+    return {**_v(step, mp, general=general), "modes": {"on": {"matching_proposals": on, "blocks": on_blocks},
+                                                        "off": {"matching_proposals": off, "blocks": 8}}}
+
+
+def test_a_checkpoint_is_rejected_when_one_mode_falls_while_the_pooled_figure_rises():
+    # floors: on 0.9 x 3.0 = 2.7, off 0.9 x 1.0 = 0.9 (`never` scored nothing for the released draft: not guarded)
+    history = [_m(2, 1.6, 1.9, on=2.9, off=1.2), _m(4, 2.4, 1.95, on=2.6, off=2.2), _m(6, 2.0, 1.9, on=2.7, off=1.5)]
+    guard = _guard(history, released=RELEASED_MODES)
+    # step 4: best pooled and general figures, and `off` doubled, but `on` fell to 2.6 < 2.7
+    assert [(c["step"], c["rejected"], c["modes_below"]) for c in guard["checkpoints"]] == [(2, False, []), (4, True, ["on"]),
+                                                                                           (6, False, [])]
+    assert guard["modes"] == {"off": {"released_matching_proposals": 1.0, "released_blocks": 8, "floor": 0.9 * 1.0},
+                              "on": {"released_matching_proposals": 3.0, "released_blocks": 8, "floor": 0.9 * 3.0}}
+    assert guard["checkpoints"][1]["modes"] == {"off": 2.2, "on": 2.6}
+    assert selection.best(history, guard, RELEASED_MODES, released_committed=True)["step"] == 6
+    # without per-mode figures the same history selects step 4
+    assert selection.best(history, _guard(history), RELEASED, released_committed=True)["step"] == 4
+    note, warning = selection.guard_note(guard, released_committed=True)
+    assert note == "; the general-domain guard rejected steps: 4 (thinking on fell)" and warning is None
+    rec = selection.record(history[2], guard, history, step=6, checkpoint="step-00000006", checkpoint_manifest_sha256="ef",
+                           total_steps=6)
+    assert rec["rule"] == selection.GUARDED_RULE + selection.MODES_RULE
+    assert rec["history"][1]["modes_matching_proposals"] == {"on": 2.6, "off": 2.2}
+
+
+def test_a_mode_that_scored_nothing_is_rejected_and_when_no_checkpoint_keeps_every_mode_the_released_draft_is_selected():
+    history = [_m(2, 2.0, 1.9, on=3.5, off=0.5), _m(4, 2.5, 1.9, on=9.0, off=1.0, on_blocks=0)]
+    guard = _guard(history, released=RELEASED_MODES)
+    assert [c["modes_below"] for c in guard["checkpoints"]] == [["off"], ["on"]] and guard["passed"] is False
+    chosen = selection.best(history, guard, RELEASED_MODES, released_committed=True)
+    assert chosen["step"] == 0 and chosen["modes"] == RELEASED_MODES["modes"]
+    _, warning = selection.guard_note(guard, released_committed=True)
+    assert warning.startswith("no checkpoint kept general-domain matching proposals, and on each thinking mode it served "
+                              "(off, on), within 10% of the released draft's")
+
+
+def test_without_per_mode_figures_the_guard_is_what_it_was():
+    history = [_v(2, 1.0, general=1.9)]
+    guard = _guard(history)
+    assert "modes" not in guard and "modes_below" not in guard["checkpoints"][0]
+    assert selection.record(history[0], guard, history, step=2, checkpoint="c", checkpoint_manifest_sha256="a",
+                            total_steps=2)["rule"] == selection.GUARDED_RULE
+    assert selection.mode_floors(RELEASED, 0.1) == {}
+    assert "thinking" not in selection.released_note(RELEASED, 0.1)
+    assert selection.released_note(RELEASED_MODES, 0.1).endswith(
+        "; thinking `off`: 1.0000, kept at or above 0.9000; thinking `on`: 3.0000, kept at or above 2.7000")

@@ -33,6 +33,14 @@ validations in a row (training further only forgets more), selects and
 exports as above, and ``selection.json``'s ``guard.stopped_at`` names the step
 (None when the run trained every step). Without general rows nothing of this
 exists: validation, metrics and ``selection.json`` are what they were.
+
+Thinking modes: when each val row's thinking mode is known (``[data].thinking = "per_row"``), a
+validation entry and the released baseline also carry ``modes``: the `VAL_KEYS` over the scored
+val rows (own and general) of each mode. The guard then also guards each mode the released draft
+served (a mode it was measured on, ``blocks > 0``): a checkpoint is rejected when any such mode's
+matching proposals fall below ``(1 - general_tolerance) x`` the released draft's on that mode,
+even if its pooled and general figures rose (a draft adapted on one mode must not lose the
+other). The report names each checkpoint's modes below their floor (``modes_below``).
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ RULE = ("highest validation matching proposals (mean accepted tokens per block a
 GUARDED_RULE = ("highest own-domain validation matching proposals among the checkpoints whose general-domain "
                 "matching proposals are at least (1 - tolerance) x the released draft's, earliest step on ties; "
                 "when none is, the released draft itself (step 0; `guard.passed` false)")
+MODES_RULE = ("; each thinking mode the released draft served is guarded the same way: a checkpoint whose matching "
+              "proposals on any such mode fall below (1 - tolerance) x the released draft's on it is rejected")
 
 
 def guard_report(
@@ -59,18 +69,28 @@ def guard_report(
     stopped_at: int | None,
 ) -> dict[str, Any] | None:
     """The general-domain guard over `history` (module docstring), as ``selection.json`` records it;
-    None when the run has no released general baseline (`released`: no general val rows)."""
+    None when the run has no released general baseline (`released`: no general val rows). With
+    per-mode figures (``modes``) each mode the released draft served is guarded too."""
     if released is None or not released.get("blocks"):
         return None
     floor = (1.0 - tolerance) * released["matching_proposals"]
+    floors = mode_floors(released, tolerance)
     steps = []
     for v in history:
         if v.get("blocks", 0) <= 0:
             continue
         g = v.get("general") or {}
-        kept = bool(g.get("blocks")) and g["matching_proposals"] >= floor
-        steps.append({"step": v["step"], "matching_proposals": v["matching_proposals"],
-                      "general_matching_proposals": g.get("matching_proposals"), "rejected": not kept})
+        below = modes_below(v, floors)
+        kept = bool(g.get("blocks")) and g["matching_proposals"] >= floor and not below
+        entry = {"step": v["step"], "matching_proposals": v["matching_proposals"],
+                 "general_matching_proposals": g.get("matching_proposals"), "rejected": not kept}
+        if floors:
+            entry["modes"] = {m: (v.get("modes") or {}).get(m, {}).get("matching_proposals") for m in floors}
+            entry["modes_below"] = below
+        steps.append(entry)
+    extra = {} if not floors else {"modes": {m: {"released_matching_proposals": released["modes"][m]["matching_proposals"],
+                                                 "released_blocks": released["modes"][m]["blocks"], "floor": f}
+                                             for m, f in floors.items()}}
     return {
         "tolerance": tolerance,
         "released_general_matching_proposals": released["matching_proposals"],
@@ -81,7 +101,21 @@ def guard_report(
         "patience": patience,
         "stopped_at": stopped_at,
         "checkpoints": steps,
+        **extra,
     }
+
+
+def mode_floors(released: dict[str, Any], tolerance: float) -> dict[str, float]:
+    """Each thinking mode the released draft served (measured on, ``blocks > 0``) and its floor,
+    ``(1 - tolerance) x`` the released draft's matching proposals on that mode; {} without modes."""
+    modes = released.get("modes") or {}
+    return {m: (1.0 - tolerance) * f["matching_proposals"] for m, f in sorted(modes.items()) if f.get("blocks")}
+
+
+def modes_below(entry: dict[str, Any], floors: dict[str, float]) -> list[str]:
+    """The modes of `floors` on which validation `entry` fell below the floor (or scored nothing)."""
+    modes = entry.get("modes") or {}
+    return [m for m, f in floors.items() if not (modes.get(m) or {}).get("blocks") or modes[m]["matching_proposals"] < f]
 
 
 def guard_exhausted(guard: dict[str, Any] | None, patience: int) -> bool:
@@ -113,7 +147,8 @@ def best(
         return max((v for v in scored if v["step"] in kept), key=lambda v: (v["matching_proposals"], -v["step"]))
     rel = released or {}
     if released_committed:
-        return {"step": 0, **(rel.get("own") or {}), "general": {k: rel.get(k) for k in VAL_KEYS}}
+        modes = {"modes": rel["modes"]} if rel.get("modes") else {}
+        return {"step": 0, **(rel.get("own") or {}), "general": {k: rel.get(k) for k in VAL_KEYS}, **modes}
     return max(scored, key=lambda v: ((v.get("general") or {}).get("matching_proposals", -1.0), -v["step"]))
 
 
@@ -148,8 +183,10 @@ def record(
     if guard is not None:
         for h, v in zip(rows, history, strict=True):
             h["general_matching_proposals"] = (v.get("general") or {}).get("matching_proposals")
+            if "modes" in guard:
+                h["modes_matching_proposals"] = {m: f.get("matching_proposals") for m, f in (v.get("modes") or {}).items()}
     return {
-        "rule": RULE if guard is None else GUARDED_RULE,
+        "rule": RULE if guard is None else GUARDED_RULE + (MODES_RULE if "modes" in guard else ""),
         "step": step,
         "checkpoint": checkpoint,
         "checkpoint_manifest_sha256": checkpoint_manifest_sha256,
@@ -162,20 +199,26 @@ def record(
 
 def released_note(released: dict[str, Any], tolerance: float) -> str:
     """The message that reports the guard's baseline, the released draft's general acceptance."""
+    floors = mode_floors(released, tolerance)
+    modes = "".join(f"; thinking `{m}`: {released['modes'][m]['matching_proposals']:.4f}, kept at or above {f:.4f}"
+                    for m, f in floors.items())
     return (
         f"released draft: general-domain matching proposals {released['matching_proposals']:.4f} on "
         f"{released['examples']} examples ({released['blocks']} blocks); the general-domain guard keeps checkpoints "
-        f"at or above {(1.0 - tolerance) * released['matching_proposals']:.4f} (`general_tolerance` {tolerance})"
+        f"at or above {(1.0 - tolerance) * released['matching_proposals']:.4f} (`general_tolerance` {tolerance}){modes}"
     )
 
 
 def guard_note(guard: dict[str, Any], released_committed: bool) -> tuple[str, str | None]:
     """(the guard's part of the result message, the warning to emit when no checkpoint passed it, else None)."""
-    rejected = ", ".join(str(s) for s in guard["rejected_steps"]) or "none"
+    below = {c["step"]: c.get("modes_below") for c in guard["checkpoints"]}
+    rejected = ", ".join(str(s) + (f" (thinking {', '.join(below[s])} fell)" if below.get(s) else "")
+                         for s in guard["rejected_steps"]) or "none"
     if guard["passed"]:
         return f"; the general-domain guard rejected steps: {rejected}", None
+    modes = f", and on each thinking mode it served ({', '.join(guard['modes'])})," if guard.get("modes") else ""
     warning = (
-        f"no checkpoint kept general-domain matching proposals within {guard['tolerance']:.0%} of the released "
+        f"no checkpoint kept general-domain matching proposals{modes} within {guard['tolerance']:.0%} of the released "
         f"draft's ({guard['released_general_matching_proposals']:.4f}); "
         + ("selected the released draft itself (step 0): the export adapts nothing" if released_committed
            else "selected the one with the highest general acceptance instead")
