@@ -19,7 +19,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..data import Example, render_row, render_row_prompt
+from ..data import Example, render_row
 from ..errors import DataError
 
 if TYPE_CHECKING:
@@ -92,18 +92,12 @@ def example_tokens(plan: CapturePlan, model: Any, ex: Example, stops: list[int],
     mask are cut at the same position, and the plan guarantees response tokens remain.
     `truncated` is about generation (hit `max_new_tokens`), not this cut.
     """
-    from .generate import example_seed, generate
+    from .generate import regenerate_example
 
     cap, dcfg, tokenizer = plan.cap, plan.recipe.data, plan.tokenizer
-    if cap.regenerate:
-        prompt = render_row_prompt(tokenizer, ex, dcfg)  # in the row's thinking mode, with its tools
-        budget = min(cap.max_new_tokens, dcfg.max_length - len(prompt))
-        g = generate(
-            model, prompt, max_new_tokens=budget, stop_ids=stops, greedy=cap.sampling == "greedy",
-            temperature=cap.temperature, top_p=cap.top_p, seed=example_seed(cap.seed, ex.id),
-            device=plan.choice.device,
-        )
-        ids, mask, truncated = prompt + g.ids, [0] * len(prompt) + [1] * len(g.ids), not g.stopped
+    if cap.regenerate:  # in the row's thinking mode, turn by turn from the logged context (`regenerate_example`)
+        g = regenerate_example(model, tokenizer, ex, data=dcfg, cap=cap, stop_ids=stops, device=plan.choice.device)
+        ids, mask, truncated = g.ids, g.mask, g.truncated
     else:
         r = render_row(tokenizer, ex, dcfg)
         ids, mask, truncated = r.input_ids, r.loss_mask, False

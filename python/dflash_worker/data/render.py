@@ -217,18 +217,19 @@ def _changed_region(a: str, b: str) -> tuple[int, int]:
 
 def assistant_spans(
     tokenizer: Any, messages: list[dict[str, Any]], full: str, *, enable: bool,
-    tools: Sequence[dict[str, Any]] | None = None, turns: Sequence[int] | None = None,
+    tools: Sequence[dict[str, Any]] | None = None, turns: Sequence[int] | None = None, generation: bool = False,
 ) -> list[tuple[int, int]]:
     """Character spans in `full` (the rendered conversation) of the assistant turns at indices `turns`.
 
     `turns` defaults to every assistant turn; spans come in conversation order (module docstring).
+    `generation`: whether `full` was rendered with the generation prompt.
     """
     idx = [i for i, m in enumerate(messages) if m.get("role") == "assistant"] if turns is None else list(turns)
     mk = _markers(tokenizer, enable, tools)
     regions = []
     for i in idx:
         marked = _template(tokenizer, [*messages[:i], _marked(messages[i]), *messages[i + 1:]],
-                           generation=False, enable=enable, tools=tools)
+                           generation=generation, enable=enable, tools=tools)
         start, end = _changed_region(full, marked)
         if start >= len(full) or marked == full:
             raise DataError(f"chat template does not render assistant turn `messages[{i}]`\n"
@@ -265,6 +266,34 @@ def _turn_start(full: str, mk: _Markers, floor: int, fields_at: int) -> int | No
     return None if best is None else best[0]
 
 
+@dataclass(frozen=True)
+class RenderedTurns:
+    """A rendered conversation's token ids and, per trained assistant turn, `(message index, first token, end token)`."""
+
+    input_ids: list[int]
+    turns: list[tuple[int, int, int]]
+
+
+def render_turns(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], *, thinking: str | bool,
+    tools: Sequence[dict[str, Any]] | None = None, turns: Sequence[int] | None = None, generation: bool = False,
+) -> RenderedTurns:
+    """The whole conversation rendered and tokenized once, and the token range of each assistant turn in `turns`
+    (message indices; default every assistant turn). `generation` appends the generation prompt."""
+    enable = _thinking_flag(thinking)
+    msgs = _clean(messages, enable)
+    full = _template(tokenizer, msgs, generation=generation, enable=enable, tools=tools)
+    idx = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"] if turns is None else list(turns)
+    spans = assistant_spans(tokenizer, msgs, full, enable=enable, tools=tools, turns=idx, generation=generation) if idx else []
+    ids, starts = _encode_with_offsets(tokenizer, full)
+    out = []
+    for i, (s, e) in zip(idx, spans, strict=True):
+        inside = [t for t, at in enumerate(starts) if s <= at < e]  # a token trains when its first character does
+        if inside:
+            out.append((i, inside[0], inside[-1] + 1))
+    return RenderedTurns(input_ids=ids, turns=out)
+
+
 def render_example(
     tokenizer: Any, messages: Sequence[dict[str, Any]], *, thinking: str | bool,
     tools: Sequence[dict[str, Any]] | None = None, train_turns: str = "last",
@@ -276,26 +305,18 @@ def render_example(
     """
     if train_turns not in TRAIN_TURNS:
         raise DataError(f"train_turns is `{train_turns}`\nhint: use `last` or `all`")
-    enable = _thinking_flag(thinking)
-    msgs = _clean(messages, enable)
-    if not msgs:
+    if not messages:
         raise DataError("conversation has no messages")
-    if msgs[-1].get("role") != "assistant":
-        ids = _encode(tokenizer, _template(tokenizer, msgs, generation=True, enable=enable, tools=tools))
+    if messages[-1].get("role") != "assistant":
+        ids = render_prompt(tokenizer, messages, thinking=thinking, tools=tools)
         return RenderedExample(input_ids=ids, loss_mask=[0] * len(ids), prompt_length=len(ids))
-    full = _template(tokenizer, msgs, generation=False, enable=enable, tools=tools)
-    turns = [len(msgs) - 1] if train_turns == "last" else None
-    spans = assistant_spans(tokenizer, msgs, full, enable=enable, tools=tools, turns=turns)
-    ids, starts = _encode_with_offsets(tokenizer, full)
-    mask = [0] * len(ids)
-    k = 0
-    for t, at in enumerate(starts):
-        while k < len(spans) and at >= spans[k][1]:
-            k += 1
-        if k < len(spans) and spans[k][0] <= at:
-            mask[t] = 1
-    prompt_length = next((t for t, v in enumerate(mask) if v), len(ids))
-    return RenderedExample(input_ids=ids, loss_mask=mask, prompt_length=prompt_length)
+    r = render_turns(tokenizer, messages, thinking=thinking, tools=tools,
+                     turns=[len(messages) - 1] if train_turns == "last" else None)
+    mask = [0] * len(r.input_ids)
+    for _, a, b in r.turns:
+        mask[a:b] = [1] * (b - a)
+    prompt_length = r.turns[0][1] if r.turns else len(mask)
+    return RenderedExample(input_ids=r.input_ids, loss_mask=mask, prompt_length=prompt_length)
 
 
 def render_row(tokenizer: Any, example: Any, data: Any) -> RenderedExample:
