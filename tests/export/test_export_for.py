@@ -250,3 +250,26 @@ def test_mlx_refuses_a_qwen3_5_moe_target_with_one_tensor_per_expert(tmp_path):
         reasons[layout] = [r for r in p.reasons if "one tensor per expert" in r]
         assert any("Qwen3.5 targets" in n for n in p.notes)
     assert reasons["individual"] and not reasons["packed"], reasons
+
+
+def test_emitted_mlx_code_runs_on_the_export(tmp_path):
+    """The `code` of `serving/mlx.json` runs as written: mlx-lm loads the target, the project's loader the
+    export, z-lab dflash's MLX `stream_generate` drafts with it (greedy, as many tokens as it asks)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
+    pytest.importorskip("dflash.model_mlx", reason="z-lab dflash's MLX module is not importable")
+    from dflash_worker.testing.world import build_world
+
+    world = build_world(tmp_path / "world")
+    export = tmp_path / "export"
+    write_bf16(world.draft, {}, export)
+    p = plan("mlx", export, world.target)
+    assert p.accepted, p.reasons
+    code = p.fields["code"].replace("max_tokens=256", "max_tokens=12")
+    script = tmp_path / "serve_mlx.py"
+    script.write_text(code + "print('tokens', response.generation_tokens)\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "tokens 12" in res.stdout, res.stdout[-500:]
