@@ -40,6 +40,7 @@ that turns the ``[data].thinking`` setting and an example into that flag.
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -204,15 +205,26 @@ def _rename(call: dict[str, Any], before: str, after: str) -> dict[str, Any]:
 
 
 def _changed_region(a: str, b: str) -> tuple[int, int]:
-    """`(start, end)` in `a` of the part where `a` and `b` differ (common prefix and suffix removed)."""
+    """`(start, end)` in `a` of the part where `a` and `b` differ (common prefix and suffix removed).
+
+    Binary searches over slice comparisons (C speed): a long conversation is compared once per turn."""
     n = min(len(a), len(b))
-    p = 0
-    while p < n and a[p] == b[p]:
-        p += 1
-    s = 0
-    while s < n - p and a[len(a) - 1 - s] == b[len(b) - 1 - s]:
-        s += 1
-    return p, len(a) - s
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    p = lo
+    lo, hi = 0, n - p
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid:] == b[len(b) - mid:]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return p, len(a) - lo
 
 
 def assistant_spans(
@@ -288,9 +300,9 @@ def render_turns(
     ids, starts = _encode_with_offsets(tokenizer, full)
     out = []
     for i, (s, e) in zip(idx, spans, strict=True):
-        inside = [t for t, at in enumerate(starts) if s <= at < e]  # a token trains when its first character does
-        if inside:
-            out.append((i, inside[0], inside[-1] + 1))
+        a, b = bisect_left(starts, s), bisect_left(starts, e)  # a token trains when its first character does
+        if b > a:
+            out.append((i, a, b))
     return RenderedTurns(input_ids=ids, turns=out)
 
 
