@@ -260,6 +260,7 @@ def test_emitted_mlx_code_runs_on_the_export(tmp_path):
 
     pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
     pytest.importorskip("dflash.model_mlx", reason="z-lab dflash's MLX module is not importable")
+    pytest.importorskip("dflash_worker.serving.mlx", reason="the project's MLX loader is not importable")
     from dflash_worker.testing.world import build_world
 
     world = build_world(tmp_path / "world")
