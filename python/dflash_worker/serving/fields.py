@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import ExportError
 from ..model.config import ARCHITECTURES, DFLASH2, SLIDING_ATTENTION, DraftConfig
 
-ENGINE_NAMES = ("vllm", "sglang", "mlx", "llama.cpp")
+ENGINES = ("vllm", "sglang", "mlx", "llama.cpp")
 _SELECTOR_AND_CONV = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
