@@ -161,6 +161,17 @@ def test_valid_rows_are_normalised(prepared):
     assert [x["thinking"] for x in raw] == VALID_MODES
 
 
+def test_null_message_keys_are_dropped_and_unknown_ones_refused(tmp_path):
+    row = {"messages": [{"role": "user", "content": "hi", "name": None},
+                        {"role": "assistant", "content": "yo", "refusal": None, "tool_calls": None, "reasoning_content": None}]}
+    f = write_jsonl(tmp_path / "chat.jsonl", [row, {"messages": [{"role": "user", "content": "x", "refusal": "no"}]}])
+    with pytest.raises(DataError, match=r"line 2: `messages\[0\]` has unsupported key `refusal`"):
+        prepare_data([f], tmp_path / "out")
+    prepare_data([f], tmp_path / "out", split="train", skip_invalid=True)
+    (ex,) = PreparedData(tmp_path / "out").examples()
+    assert list(ex.messages) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_malformed_row_refused_with_file_line_and_reason(tmp_path, case):
     row, reason, word = BAD[case]

@@ -24,7 +24,8 @@ Accepted rows (one JSON object per line):
   ``thinking`` is the row's own thinking mode (``[data].thinking =
   "per_row"``); absent, the mode is whether an assistant turn carries
   ``reasoning_content``. A conversation ending with an assistant turn has a
-  response (the final assistant turn); otherwise it is a prompt.
+  response (the final assistant turn); otherwise it is a prompt. A message
+  key whose value is null is dropped; any other key not listed is refused.
 - ``{"prompt": ..., "response": ...}`` and ``{"prompt": ..., "completion": ...}``
 - ``{"prompt": ...}`` (prompt only: the response is generated at capture time)
 
@@ -214,7 +215,9 @@ def _message(m: Any, i: int, line: int) -> dict[str, Any] | LineError:
         return LineError(line, "misplaced_tool_calls", f"{where} has `tool_calls` on a `{role}` turn (only assistant turns call tools)")
     if role != "assistant" and m.get("reasoning_content") is not None:
         return LineError(line, "wrong_type", f"{where} has `reasoning_content` on a `{role}` turn")
-    extra = sorted(k for k in set(m) - set(MESSAGE_KEYS[role]) if not (k in ("tool_calls", "reasoning_content") and m[k] is None))
+    # a null key says nothing (OpenAI-style logs write `"refusal": null`, `"tool_calls": null`): dropped
+    m = {k: v for k, v in m.items() if v is not None or k in ("role", "content")}
+    extra = sorted(set(m) - set(MESSAGE_KEYS[role]))
     if extra:
         return LineError(
             line, "wrong_type", f"{where} has unsupported key `{extra[0]}` (allowed on `{role}`: {', '.join(MESSAGE_KEYS[role])})"
