@@ -125,6 +125,9 @@ class CaptureConfig:
     examples as fit in `shard_tokens` tokens (at least one). Set at most one of the two.
     `on_overlong` is what becomes of an example longer than `[data].max_length`: `skip` it,
     `truncate` it to `max_length` (skipped when no response token would be left), or `fail`.
+    `chunk_tokens`: the teacher forward (here and in online training) runs over an example in
+    chunks of this many tokens, carrying the target's own cache between them, so its memory
+    grows linearly with the example's length (`capture.teacher`).
     """
 
     output: Path = _path_field()
@@ -140,6 +143,7 @@ class CaptureConfig:
     splits: tuple[str, ...] = ("train", "val")
     device: str = "auto"
     on_overlong: str = "skip"
+    chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
         s = "capture"
@@ -165,6 +169,7 @@ class CaptureConfig:
             _check_positive_int(s, "shard_examples", self.shard_examples)
         if self.shard_tokens is not None:
             _check_positive_int(s, "shard_tokens", self.shard_tokens)
+        _check_positive_int(s, "chunk_tokens", self.chunk_tokens)
         if self.shard_examples is None and self.shard_tokens is None:
             object.__setattr__(self, "shard_examples", 256)
         if isinstance(self.splits, list):

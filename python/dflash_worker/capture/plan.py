@@ -149,6 +149,8 @@ def capture_key(
     }
     if overlong is not None and overlong.items:
         inputs["on_overlong"] = overlong.policy
+    if dcfg.max_length > cap.chunk_tokens:  # only then can an example run in chunks (`capture.teacher`)
+        inputs["chunk_tokens"] = cap.chunk_tokens
     if features_mode(recipe) == "online":  # only then: a cache capture's key stays what it was
         inputs["features"] = "online"
     return CaptureKey(fingerprint(inputs), inputs, teacher, tok_files, chat_sha, generation)

@@ -134,7 +134,8 @@ def _run_teacher(plan: CapturePlan, examples: list[Example], records: list[Shard
         teacher = Teacher(None, plan.geometry.layer_ids, device=plan.choice.device, dtype=plan.cap.dtype)
         emit(Log(message="online features: storing tokens only, the teacher is not loaded"))
     else:
-        teacher = Teacher.load(plan.recipe.model.target, plan.geometry.layer_ids, device=plan.choice.device, dtype=plan.cap.dtype)
+        teacher = Teacher.load(plan.recipe.model.target, plan.geometry.layer_ids, device=plan.choice.device, dtype=plan.cap.dtype,
+                               chunk_tokens=plan.cap.chunk_tokens)
         emit(Log(message=f"teacher loaded in {teacher.load_seconds:.1f}s{teacher.skipped_note()}"))
     if shards is None:
         _capture_examples(plan, teacher, examples, records, emit)

@@ -7,8 +7,23 @@ response (`example_tokens`) and to compute the features it stores; online traini
 step, so both modes see the same numbers for the same tokens on the same kind of device.
 
 Features: for each id in `layer_ids`, ``hidden_states[id + 1]`` (the output of decoder layer
-`id`) of one plain forward over the example (batch 1, no padding), concatenated on the last
-dim: ``[T, len(layer_ids) * hidden]`` on the CPU, in the teacher's dtype.
+`id`) of a forward over the example (batch 1, no padding), concatenated on the last dim:
+``[T, len(layer_ids) * hidden]`` on the CPU, in the teacher's dtype. Only those hidden states
+are asked for (transformers' ``output_hidden_states=[...]`` selection), so the other layers'
+outputs are freed as the forward goes.
+
+Long examples (`chunk_tokens`, `[capture].chunk_tokens`, for capture and online training alike):
+an example of at most `chunk_tokens` tokens runs as one plain forward (``use_cache=False``), the
+bytes every capture so far holds. A longer one runs chunk by chunk through the target's own
+cache (``use_cache=True``; the cache class transformers builds for the target: a KV cache for
+attention layers and, on hybrid Qwen3.5 targets, the Gated DeltaNet conv and recurrent states),
+each chunk attending to the cached prefix through SDPA with a ``[chunk, prefix + chunk]`` mask,
+never ``[T, T]``. Memory then grows linearly with `T`: the cache (keys/values of the attention
+layers), the features kept (written into one preallocated ``[T, F]`` tensor) and one chunk's
+activations. The values equal the one-shot forward's up to float reordering (a chunk's matmuls
+and attention reductions run over different shapes, so a few ulps differ; the tiny targets'
+bound is in tests/capture/test_long_context.py); the capture key names `chunk_tokens` whenever
+`max_length` exceeds it.
 """
 
 from __future__ import annotations
@@ -26,30 +41,64 @@ if TYPE_CHECKING:
     from .plan import CapturePlan
 
 
-def teacher_features(model: Any, input_ids: list[int], layer_ids: list[int], device: Any):
-    """`[T, len(layer_ids) * H]` on the CPU: ``hidden_states[id + 1]`` of each id, concatenated."""
+DEFAULT_CHUNK_TOKENS = 2048  # `[capture].chunk_tokens`'s default
+
+
+def teacher_features(model: Any, input_ids: list[int], layer_ids: list[int], device: Any, *,
+                     chunk_tokens: int | None = None):
+    """`[T, len(layer_ids) * H]` on the CPU: ``hidden_states[id + 1]`` of each id, concatenated.
+
+    `chunk_tokens`: longer examples run chunk by chunk through the target's cache (module
+    docstring); None runs every example as one forward.
+    """
     import torch
 
+    wanted = [i + 1 for i in layer_ids]
+    T = len(input_ids)
     with torch.inference_mode():
         x = torch.tensor([input_ids], dtype=torch.long, device=device)
-        out = model(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        hs = out.hidden_states
-        return torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1).to("cpu")
+        if chunk_tokens is None or T <= chunk_tokens:
+            out = model(input_ids=x, output_hidden_states=wanted, use_cache=False, logits_to_keep=1)
+            return _taps(out.hidden_states, layer_ids).to("cpu")
+        feats, cache = None, None
+        for start in range(0, T, chunk_tokens):
+            # `cache` None on the first chunk: the model builds its own cache class (hybrid targets: linear
+            # attention states beside the KV cache) and hands it back to carry into the next chunk
+            out = model(input_ids=x[:, start : start + chunk_tokens], cache=cache, use_cache=True,
+                        output_hidden_states=wanted, logits_to_keep=1)
+            cache = out.cache
+            part = _taps(out.hidden_states, layer_ids)
+            if feats is None:
+                feats = torch.empty((T, part.shape[-1]), dtype=part.dtype, device="cpu")
+            feats[start : start + part.shape[0]].copy_(part)
+            del out, part
+        return feats
+
+
+def _taps(hidden_states: Any, layer_ids: list[int]) -> Any:
+    """``[T, len(layer_ids) * H]``: the selected hidden states of batch row 0, concatenated."""
+    import torch
+
+    return torch.cat([hidden_states[i + 1][0] for i in layer_ids], dim=-1)
 
 
 class Teacher:
     """The frozen target on one device and the layers the draft taps (module docstring)."""
 
-    def __init__(self, model: Any, layer_ids: list[int], *, device: str, dtype: str, load_seconds: float = 0.0) -> None:
+    def __init__(self, model: Any, layer_ids: list[int], *, device: str, dtype: str, load_seconds: float = 0.0,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.device = device
         self.dtype = dtype
         self.load_seconds = load_seconds
+        self.chunk_tokens = chunk_tokens
 
     @classmethod
-    def load(cls, target: Path, layer_ids: list[int], *, device: str, dtype: str) -> Teacher:
-        """Stream the target in (`weights.load_model`) on `device` in `dtype` (a `[capture].dtype` name)."""
+    def load(cls, target: Path, layer_ids: list[int], *, device: str, dtype: str,
+             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Teacher:
+        """Stream the target in (`weights.load_model`) on `device` in `dtype` (a `[capture].dtype` name);
+        `chunk_tokens`: `[capture].chunk_tokens` (module docstring)."""
         import torch
 
         from ..weights import load_model
@@ -57,7 +106,7 @@ class Teacher:
         t = time.perf_counter()
         model = load_model(target, device=device, dtype=getattr(torch, dtype))
         model.eval()  # frozen: features are computed under `inference_mode`, nothing is trained
-        return cls(model, layer_ids, device=device, dtype=dtype, load_seconds=time.perf_counter() - t)
+        return cls(model, layer_ids, device=device, dtype=dtype, load_seconds=time.perf_counter() - t, chunk_tokens=chunk_tokens)
 
     def skipped_note(self) -> str:
         """`` (skipped unread: ...)`` for a multimodal target whose vision / MTP tensors were not read, else ``""``."""
@@ -70,7 +119,8 @@ class Teacher:
         """The tap features of one example: `[T, len(layer_ids) * hidden]`, CPU, in the teacher's dtype."""
         import torch
 
-        return teacher_features(self.model, input_ids, self.layer_ids, self.device).to(getattr(torch, self.dtype))
+        feats = teacher_features(self.model, input_ids, self.layer_ids, self.device, chunk_tokens=self.chunk_tokens)
+        return feats.to(getattr(torch, self.dtype))
 
     def release(self) -> bool:
         """Drop the model (``del`` + ``gc``, and the CUDA cache); True when nothing else still holds it."""

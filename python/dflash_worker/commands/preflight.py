@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     report = preflight(load_recipe(args.recipe), length=args.length)
     gib = 2**30
     print(
-        f"preflight: {report['sequence_length']} tokens, {report['blocks']} blocks on {report['device']['device']}\n"
+        f"preflight: {report['sequence_length']} tokens, {report['blocks']} blocks on {report['device']['device']} "
+        f"(the teacher in chunks of {report['chunk_tokens']} tokens, as capture runs it)\n"
         f"  teacher:           {_teacher_line(report['teacher'])}\n"
         f"  capture peak:      {report['capture_peak']['bytes'] / gib:.3f} GiB ({report['capture_peak']['what']})\n"
         f"  optimization peak: {report['optimization_peak']['bytes'] / gib:.3f} GiB ({report['optimization_peak']['what']})\n"

@@ -2,8 +2,10 @@
 
 Two phases, each measured on its own and reported as a *peak*:
 
-- capture: the frozen teacher's forward with ``output_hidden_states`` over one
-  sequence of ``[data].max_length`` tokens (the teacher is then released);
+- capture: the frozen teacher's feature forward over one sequence of
+  ``[data].max_length`` tokens, through the component capture calls
+  (`capture.teacher.Teacher`, chunked by ``[capture].chunk_tokens`` as capture runs it;
+  the teacher is then released);
 - optimization: the draft's forward, backward and AdamW update over one
   sequence of ``max_length`` tokens with ``blocks_per_sequence`` anchored
   blocks (QAT and gradient checkpointing as the recipe says), with the
@@ -124,21 +126,21 @@ class _Probe:
     layer_ids: list[int]
     cap_dtype: torch.dtype
     load_teacher: Callable[..., Any]  # `capture.teacher.Teacher.load`, imported before any phase is measured
+    chunk_tokens: int  # `[capture].chunk_tokens`: the teacher forward runs as capture and online training run it
     loaded: dict[str, int] = dataclasses.field(default_factory=dict)  # `bytes_read` of the capture phase's load
     timing: dict[str, float] = dataclasses.field(default_factory=dict)  # `target_forward_seconds` of the online step
 
     def capture(self) -> None:
-        """The frozen teacher's forward with ``output_hidden_states`` (the teacher is then released)."""
-        from ..weights import load_model
-
-        dev, L = self.device, self.length
-        target = load_model(self.recipe.model.target, device=dev, dtype=self.cap_dtype)
-        self.loaded["bytes_read"] = target.load_report.bytes_read
-        vocab = target.config.vocab_size
-        ids = torch.randint(0, vocab, (1, L), generator=self.gen).to(dev)
-        with torch.no_grad():
-            target(ids, output_hidden_states=True)
-        del target
+        """The frozen teacher's feature forward as capture runs it (`Teacher.features`, chunked by
+        `chunk_tokens`); the teacher is then released."""
+        dtype = str(self.cap_dtype).removeprefix("torch.")
+        teacher = self.load_teacher(self.recipe.model.target, self.layer_ids, device=str(self.device), dtype=dtype,
+                                    chunk_tokens=self.chunk_tokens)
+        self.loaded["bytes_read"] = teacher.model.load_report.bytes_read
+        vocab = teacher.model.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (self.length,), generator=self.gen)
+        teacher.features(ids.tolist())
+        teacher.release()
 
     def optimize(self, online: bool = False) -> None:
         """The draft's forward, backward and AdamW update; `online`: the target sits beside the draft
@@ -151,7 +153,8 @@ class _Probe:
 
         recipe, dev, L, gen, cfg = self.recipe, self.device, self.length, self.gen, self.recipe.require("train")
         dtype = str(self.cap_dtype).removeprefix("torch.")
-        teacher = self.load_teacher(recipe.model.target, self.layer_ids, device=str(dev), dtype=dtype) if online else None
+        teacher = (self.load_teacher(recipe.model.target, self.layer_ids, device=str(dev), dtype=dtype,
+                                     chunk_tokens=self.chunk_tokens) if online else None)
         model = load_draft(recipe.model.draft, device=dev, dtype=torch.float32)
         head = load_target_head(recipe.model.target, device=dev, dtype=torch.float32)
         names = set(scope_names(cfg.scope, [n for n, _ in model.named_parameters()]))
@@ -201,7 +204,7 @@ class _Probe:
 
 def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     """Measure the capture and optimization peaks of one near-max-length step; returns the report."""
-    from ..capture.teacher import Teacher
+    from ..capture.teacher import DEFAULT_CHUNK_TOKENS, Teacher
     from ..device import provenance, resolve_device
     from ..families import check_recipe_pair
     from ..model.io import read_target_layer_ids
@@ -214,7 +217,7 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     probe = _Probe(
         recipe, dev, int(length or recipe.data.max_length), torch.Generator().manual_seed(cfg.seed),
         read_target_layer_ids(recipe.model.draft), getattr(torch, cap.dtype) if cap is not None else torch.bfloat16,
-        Teacher.load,
+        Teacher.load, cap.chunk_tokens if cap is not None else DEFAULT_CHUNK_TOKENS,
     )
     capture = _measure(dev, probe.capture)
     gc.collect()
@@ -227,6 +230,7 @@ def preflight(recipe: Recipe, *, length: int | None = None) -> dict[str, Any]:
     forward_seconds = probe.timing["target_forward_seconds"]
     return {
         "sequence_length": probe.length,
+        "chunk_tokens": probe.chunk_tokens,
         "blocks": cfg.blocks_per_sequence,
         "teacher": dataclasses.asdict(pair.target) | probe.loaded,
         "capture_peak": capture,

@@ -230,8 +230,9 @@ def _online_teacher(recipe: Recipe, device: torch.device) -> Teacher | None:
 
     # the capture's dtype and the one component capture calls (`capture.teacher`), so the
     # features equal the cache's on the same kind of device
-    dtype = recipe.require("capture").dtype
-    return Teacher.load(recipe.model.target, read_target_layer_ids(recipe.model.draft), device=str(device), dtype=dtype)
+    cap = recipe.require("capture")
+    return Teacher.load(recipe.model.target, read_target_layer_ids(recipe.model.draft), device=str(device), dtype=cap.dtype,
+                        chunk_tokens=cap.chunk_tokens)
 
 
 def replay_train_rows(split: CapturedSplit) -> frozenset[int]:
