@@ -24,9 +24,13 @@ gives the final turn an empty think block), so a turn is not found by
 rendering prefixes of the conversation. Instead each assistant turn is
 rendered twice inside the whole conversation, once as logged and once with
 marker characters added to its fields; the two texts differ only inside that
-turn, which locates its fields. The span then opens after the longest prefix of
-the generation prompt (at least its first line, the role header) found just
-before the fields, and closes after the first end-of-turn text after them. A
+turn, which locates its fields. The span then opens after the longest
+whole-line prefix of the generation prompt (at least its first line, the role
+header) found just before the fields, and closes after the first end-of-turn
+text after them. So where a turn renders as generation starts (the final
+turn; with Qwen3.5 any turn with a think block) what the generation prompt
+holds (thinking off: the empty think block) stays context, as when served; an
+earlier turn rendered without it trains from after the role header. A
 template for which this fails (renders the turn nowhere, or no end-of-turn
 after it) is refused with the turn named.
 
