@@ -18,13 +18,19 @@ MAX_NEW = 6
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
+def target_dir(tmp_path_factory):
     from dflash_worker.testing.tokenizer import build_tiny_tokenizer, save_tiny_target_with_tokenizer
 
     tok = build_tiny_tokenizer(tool_tokens=True)
     tok.chat_template = (TEMPLATES / "qwen3.jinja").read_text(encoding="utf-8")
-    model, tok = save_tiny_target_with_tokenizer(tmp_path_factory.mktemp("t"), family="qwen3", tokenizer=tok)
-    return model.float().eval(), tok
+    d = tmp_path_factory.mktemp("t")
+    model, tok = save_tiny_target_with_tokenizer(d, family="qwen3", tokenizer=tok)
+    return d, model.float().eval(), tok
+
+
+@pytest.fixture(scope="module")
+def teacher(target_dir):
+    return target_dir[1:]
 
 
 def example(row, *, thinking, id="row"):
@@ -131,3 +137,26 @@ def test_a_sequence_over_max_length_is_cut_and_flagged(teacher):
         # what is kept was still answered from the logged context, within the room left
         a, b = runs(short.mask)[0]
         assert b - a <= max_length - len(context) and argmax_continues(model, context, short.ids[a:b])
+
+
+def test_capture_key_names_train_turns_only_where_it_changes_a_byte(tmp_path, target_dir):
+    from dflash_worker.capture.plan import capture_key
+    from dflash_worker.data import PreparedData, prepare_data
+    from dflash_worker.recipe import recipe_from_dict
+
+    from .conftest import write_jsonl
+
+    target, _, tok = target_dir
+    for name, rows, differs in (("single", [VALID[0]], False), ("multi", [ROW], True)):
+        data = tmp_path / name
+        prepare_data([write_jsonl(tmp_path / f"{name}.jsonl", rows)], data, split="train")
+        keys = {}
+        for turns in ("all", "last"):
+            recipe = recipe_from_dict({
+                "model": {"target": str(target), "draft": str(target), "family": "qwen3"},
+                "data": {"dir": str(data), "thinking": "per_row", "train_turns": turns},
+                "capture": {"output": str(tmp_path / "cap"), "splits": ["train"]},
+            }, base=tmp_path)
+            keys[turns] = capture_key(recipe, PreparedData(data), tok, [0], "cpu")
+        assert (keys["all"].key != keys["last"].key) is differs
+        assert ("train_turns" in keys["all"].inputs) is differs

@@ -153,6 +153,8 @@ def capture_key(
         inputs["chunk_tokens"] = cap.chunk_tokens
     if features_mode(recipe) == "online":  # only then: a cache capture's key stays what it was
         inputs["features"] = "online"
+    if any(ex.earlier_turns for ex in prepared.examples(cap.splits)):  # only then does it change a byte
+        inputs["train_turns"] = dcfg.train_turns
     return CaptureKey(fingerprint(inputs), inputs, teacher, tok_files, chat_sha, generation)
 
 

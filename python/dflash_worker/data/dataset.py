@@ -35,6 +35,11 @@ class Example(Conversation):
     thinking: bool = False
     tools: tuple[dict[str, Any], ...] | None = None
 
+    @property
+    def earlier_turns(self) -> bool:
+        """Whether an assistant turn comes before the response: where `[data].train_turns` changes what trains."""
+        return any(m.get("role") == "assistant" for m in self.prompt_messages)
+
 
 class PreparedData:
     """A prepared data directory. Construction checks the manifest and every split's sha256."""
