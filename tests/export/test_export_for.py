@@ -217,7 +217,8 @@ def test_cli_for_writes_serving_files_and_exits_3_when_an_engine_refuses(pipelin
     out = res.run_dir / "export-af4g64"
     proc = worker_cli("export", "--run", res.run_dir, "--format", "af4g64", "--for", "vllm", "--for", "mlx", timeout=300)
     assert proc.returncode == REFUSED, proc.stderr
-    assert "serving: vllm refuses it (cpu)" in proc.stderr and "DFlash candidate-head drafts" in proc.stderr
+    assert f"error: vllm refuses `{out}` (cpu)" in proc.stderr and "DFlash candidate-head drafts" in proc.stderr
+    assert "hint:" in proc.stderr and "serving: mlx accepts it (cpu)" in proc.stdout
     vllm = json.loads((out / "serving" / "vllm.json").read_text())
     mlx = json.loads((out / "serving" / "mlx.json").read_text())
     assert vllm["engine"] == "vllm" and vllm["accepted"] is False and vllm["reasons"]

@@ -80,9 +80,13 @@ def _serve(out: Path, target: Path, engines: list[str], device: str, log) -> int
     plans = [plan(engine, out, target, device=device) for engine in engines]
     write_plans(out, plans)
     for p in plans:
-        where = out / "serving" / f"{p.engine}.json"
         if p.accepted:
-            print(f"serving: {p.engine} accepts it ({device}): `{where}`", file=log)
-        else:
-            print(f"serving: {p.engine} refuses it ({device}): " + "; ".join(p.reasons), file=sys.stderr)
-    return 0 if all(p.accepted for p in plans) else REFUSED
+            print(f"serving: {p.engine} accepts it ({device}): `{out / 'serving' / f'{p.engine}.json'}`", file=log)
+    refused = [p for p in plans if not p.accepted]
+    for p in refused:  # a refusal reads like any error: the reasons, then what to do
+        print(f"error: {p.engine} refuses `{out}` ({device}): " + "; ".join(p.reasons), file=sys.stderr)
+    if refused:
+        other = " or `--serving-device cuda` for a GPU" if device == "cpu" else ""
+        print(f"hint: every engine's answer is in `{out / 'serving' / 'README.md'}`; serve it with an engine that "
+              f"accepts it{other}", file=sys.stderr)
+    return REFUSED if refused else 0
