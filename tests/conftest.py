@@ -34,6 +34,8 @@ RECORD_ENV = "DFLASH_RECORD_DURATIONS"
 _recorded: dict[str, float] = {}
 _recorded_cpu: dict[str, float] = {}
 ROOT = Path(__file__).resolve().parents[1]
+# vLLM's interop tests run only in vLLM's own environment (`make interop-vllm`, scripts/interop-vllm.sh).
+collect_ignore = ["interop_vllm"]
 
 
 def _set_cargo_env() -> None:
