@@ -340,3 +340,41 @@ def test_per_row_renders_each_row_in_its_mode_and_check_data_counts_per_mode(pre
     on, off = rep.by_mode["on"], rep.by_mode["off"]
     assert (f"by thinking mode: on 3 examples, {on['tokens']} tokens, {on['loss_tokens']} response tokens; "
             f"off 2 examples, {off['tokens']} tokens, {off['loss_tokens']} response tokens") in out
+
+
+def _conversation(draw_turns, words):
+    """A conversation from drawn turn kinds: `q` user question, `a` answer, `t` tool call + result."""
+    msgs, n = [], 0
+    for kind, w in zip(draw_turns, words, strict=True):
+        if kind == "q" or not msgs:
+            msgs.append({"role": "user", "content": f"question {w}?"})
+        if kind == "t":
+            n += 1
+            msgs.append({"role": "assistant", "content": "" if n % 2 else f"calling {w}", "reasoning_content": f"need {w}",
+                         "tool_calls": [call("add", {"a": n, "b": w}, id=f"c{n}")]})
+            msgs.append({"role": "tool", "tool_call_id": f"c{n}", "content": f"result {w}"})
+        msgs.append({"role": "assistant", "content": f"answer {w}.", **({"reasoning_content": f"think {w}"} if n % 2 else {})})
+    return msgs
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_every_assistant_turn_is_one_trained_run_ending_at_end_of_turn(name):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    tok = template_tokenizer(name)
+    kinds = st.lists(st.sampled_from("qat"), min_size=1, max_size=5)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(kinds=kinds, enable=st.booleans(), seed=st.integers(0, 99))
+    def check(kinds, enable, seed):
+        msgs = _conversation(kinds, [seed + i for i in range(len(kinds))])
+        clean = [m if enable else {k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs]
+        r = render_example(tok, msgs, thinking=enable, tools=[CALC], train_turns="all")
+        assert tok.decode(r.input_ids, skip_special_tokens=False) == oracle(tok, clean, [CALC], enable)
+        got = masked_runs(tok, r)
+        assert len(got) == sum(m["role"] == "assistant" for m in msgs)
+        assert all(run.endswith("<|im_end|>") and run.count("<|im_end|>") == 1 for run in got)
+        assert not any("question" in run or "result" in run or "<|im_start|>" in run for run in got)
+
+    check()
