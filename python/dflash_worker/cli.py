@@ -26,7 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "capture": ("capture", "run the frozen teacher over prepared data and cache the draft's features (resumable)"),
     "preflight": ("preflight", "one near-max-length training step: peak memory of capture and optimization, go/no-go"),
     "train": ("train", "train the released draft on captured features; checkpoint, validate, select, export (resumable)"),
-    "export": ("export", "export a finished run's selected checkpoint as BF16 or AF4G64 with a provenance manifest"),
+    "export": ("export", "export a finished run's selected checkpoint as BF16 or AF4G64 with a provenance manifest; "
+               "`--for ENGINE` says how vLLM, SGLang, MLX or llama.cpp serves it"),
     "evaluate": ("evaluate", "speculative generation on held-out prompts: released vs trained draft, report + plot"),
 }
 
