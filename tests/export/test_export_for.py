@@ -232,6 +232,14 @@ def test_cli_for_writes_serving_files_and_exits_3_when_an_engine_refuses(pipelin
     assert again.returncode == 0, again.stderr
     assert f"export: kept `{out}`" in again.stdout and not (out / "serving" / "vllm.json").exists()
     assert verify_export(out) == manifest
+    # an export without its run (as `dflash-coordinator artifacts get` fetches it): the manifest names the target
+    alone = worker_cli("export", "--export", out, "--for", "vllm", "--for", "mlx", timeout=300)
+    assert alone.returncode == REFUSED and "DFlash candidate-head drafts" in alone.stderr, alone.stderr
+    assert json.loads((out / "serving" / "mlx.json").read_text())["code"] == mlx["code"]
+    given = worker_cli("export", "--export", out, "--target", pipeline.target, "--for", "mlx", timeout=300)
+    assert given.returncode == 0, given.stderr
+    nothing = worker_cli("export", "--export", out, timeout=300)
+    assert nothing.returncode == 1 and "needs `--for ENGINE`" in nothing.stderr
     # a damaged existing export is not checked as if it were the run's
     (out / "config.json").write_text("{}")
     bad = worker_cli("export", "--run", res.run_dir, "--format", "af4g64", "--for", "mlx", timeout=300)

@@ -28,7 +28,14 @@ REFUSED = 3  # exit status: export written, an engine refused it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", required=True, metavar="DIR", help="run directory written by `dflash-worker train`")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="DIR", help="run directory written by `dflash-worker train`")
+    source.add_argument("--export", metavar="DIR", dest="export_dir",
+                        help="an existing export directory (e.g. fetched by `dflash-coordinator artifacts get`), with "
+                        "`--for`: checked against its manifest and for each engine, never rewritten")
+    parser.add_argument("--target", metavar="DIR", default=None,
+                        help="the target checkpoint, for `--export` (default: the target named in the export "
+                        "manifest's provenance)")
     parser.add_argument("--format", choices=("bf16", "af4g64"), default="bf16",
                         help="`bf16`: safetensors in the released upstream layout (default); "
                         "`af4g64`: MLX affine 4-bit, group 64")
@@ -52,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import ExportError
     from ..train.export_run import export_dir_name, export_run, read_selection, recipe_from_state, verify_export
 
+    if args.export_dir is not None:
+        return _serve_export(args)
+    if args.target is not None:
+        raise ExportError("`--target` goes with `--export`; with `--run` the target is the run's recipe's\n"
+                          "hint: drop `--target`")
     run_dir = Path(args.run)
     selection = read_selection(run_dir)
     recipe = recipe_from_state(run_dir, selection)
@@ -71,6 +83,30 @@ def run(args: argparse.Namespace) -> int:
     if not args.engines:
         return 0
     return _serve(out, recipe.model.target, list(dict.fromkeys(args.engines)), args.serving_device, log)
+
+
+def _serve_export(args: argparse.Namespace) -> int:
+    """`--export DIR --for ENGINE`: an export without its run (fetched from a coordinator, copied over)."""
+    from ..errors import ConfigError
+    from ..train.export_run import verify_export
+
+    out = Path(args.export_dir)
+    if not args.engines:
+        raise ConfigError("`--export` checks an existing export for serving engines and needs `--for ENGINE`\n"
+                          "hint: add `--for vllm` (or sglang, mlx, llama.cpp); to write an export, use `--run`")
+    manifest = verify_export(out)
+    target = args.target
+    if target is None:
+        try:
+            target = manifest["provenance"]["recipe"]["resolved"]["model"]["target"]
+        except (KeyError, TypeError):
+            raise ConfigError(f"export `{out}` names no target in its manifest's provenance\n"
+                              "hint: pass `--target DIR`, the target checkpoint the draft was trained for") from None
+    log = sys.stderr if args.json else sys.stdout
+    print(f"export: kept `{out}` (matches its manifest)", file=log)
+    if args.json:
+        print(json.dumps(manifest, indent=2, sort_keys=True))
+    return _serve(out, Path(target), list(dict.fromkeys(args.engines)), args.serving_device, log)
 
 
 def _serve(out: Path, target: Path, engines: list[str], device: str, log) -> int:
