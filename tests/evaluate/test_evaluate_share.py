@@ -8,7 +8,7 @@ import pytest
 from dflash_worker import dist
 from dflash_worker.evaluate import report
 
-PROMPTS = [(f"p{i}", [i, i + 1]) for i in range(7)]
+PROMPTS = [report._Prompt(f"p{i}", [i, i + 1], "off") for i in range(7)]
 
 
 @pytest.fixture
@@ -16,10 +16,10 @@ def evaluated(monkeypatch) -> list[int]:
     """The prompt indices `_evaluate_prompt` is called with, in order."""
     seen: list[int] = []
 
-    def fake(models, i, pid, ids):
-        assert (pid, ids) == PROMPTS[i]
+    def fake(models, i, prompt):
+        assert prompt == PROMPTS[i]
         seen.append(i)
-        return {"id": pid}
+        return {"id": prompt.id}
 
     monkeypatch.setattr(report, "_evaluate_prompt", fake)
     return seen

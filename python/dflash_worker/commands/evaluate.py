@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="evaluate at most N prompts (default: `[evaluate].max_prompts`, else 32)")
     parser.add_argument("--output", metavar="DIR", default=None,
                         help="report directory for report.json, report.md, acceptance.png (default: `RUN/evaluate-SPLIT`)")
+    parser.add_argument("--min-context", type=int, default=None, metavar="TOKENS",
+                        help="score only the prompts of at least TOKENS tokens (as rendered for the target)")
+    parser.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
+                        help="score only the prompts of at most TOKENS tokens (as rendered for the target)")
     parser.add_argument("--json", action="store_true", help="print report.json on stdout")
 
 
@@ -38,16 +42,20 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = evaluate_run(args.run, split=args.split, out_dir=args.output, max_prompts=args.max_prompts, on_event=on_event,
-                              data_dir=args.data)
+                              data_dir=args.data, min_context=args.min_context, max_context=args.max_context)
     finally:
         if bar is not None:
             bar.close()
+    from ..evaluate.breakdown import summary_lines
+
     b, t = report["baseline"], report["trained"]
     lossless = {True: "lossless", False: "NOT lossless: " + ", ".join(m["id"] for m in report["lossless_mismatches"]),
                 None: "lossless not checked (temperature > 0)"}[report["lossless"]]
     print(f"evaluate: {report['prompts']} prompts, acceptance length (pooled) baseline {b['tau_pooled']:.3f} -> trained "
           f"{t['tau_pooled']:.3f}: {report['verdict']} (per-prompt mean {b['tau_mean']:.3f} -> {t['tau_mean']:.3f}); {lossless}",
           file=sys.stderr if args.json else sys.stdout)  # with `--json` stdout holds only the report
+    for line in summary_lines(report):
+        print(line, file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     return 0

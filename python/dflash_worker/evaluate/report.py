@@ -4,7 +4,8 @@ Both drafts run real speculative generation against the teacher
 (`dflash_worker.evaluate.speculate.speculative_generate`) on the same prompts
 of a held-out split (default ``test``) of a prepared data directory (default:
 the run's own ``[data].dir``; ``data_dir`` / ``--data`` scores any other),
-rendered with the run's chat template and thinking mode, stopping on the
+rendered with the run's chat template and thinking mode (each row's own with
+``[data].thinking = "per_row"``), stopping on the
 shared stop-token rule (`dflash_worker.stop_tokens`). Per draft and prompt we
 record the per-step acceptance lengths exactly as `speculative_generate`
 returns them and derive:
@@ -12,7 +13,11 @@ returns them and derive:
 - acceptance length ``tau``: the headline is the **pooled** figure, committed
   tokens / verify steps over all prompts (what upstream ``dflash_generate``
   and the papers report); the mean of per-prompt ``tau`` is reported beside
-  it (short answers weigh more in that mean);
+  it (short answers weigh more in that mean); a prompt that made no verify
+  step has no ``tau`` and is counted apart (`breakdown`);
+- pooled ``tau`` per thinking mode and per context bucket (the anchor's
+  position: 0-1k, 1k-4k, 4k-16k, 16k+ tokens; `breakdown`); ``min_context`` /
+  ``max_context`` keep only the prompts of that many tokens;
 - matching proposals = ``tau - 1`` (mean accepted draft tokens per step);
 - per-position acceptance: for block position k, the fraction of steps that
   accepted at least k draft tokens (steps cut short by `max_new_tokens` or a
@@ -54,10 +59,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..stop_tokens import RULE as STOP_TOKENS_RULE
 from ..worker.events import EventSink, Progress
+from . import breakdown
 
 if TYPE_CHECKING:
     from ..device import DeviceChoice
@@ -127,27 +133,64 @@ LOSSLESS_REFERENCE = "the teacher's own greedy decoding (argmax, same stop token
 
 
 def summarize(rows: list[dict[str, Any]], name: str, block_size: int) -> dict[str, Any]:
-    """Overall figures of draft `name`: pooled tau (the headline) and the mean of per-prompt tau."""
-    taus = [r[name]["tau"] for r in rows]
+    """Overall figures of draft `name`: pooled tau (the headline), the mean of per-prompt tau over the
+    prompts that made a verify step (`breakdown.made_steps`), and pooled tau per thinking mode and
+    per context bucket (rows without ``prompt_tokens``: no buckets)."""
+    taus = [r[name]["tau"] for r in rows if breakdown.made_steps(r)]
     pooled = step_stats([a for r in rows for a in r[name]["acceptance_lengths"]], block_size)
     mean = sum(taus) / len(taus) if taus else 0.0
-    return {"tau_pooled": pooled["tau"], "tau_mean": mean, "matching_proposals_mean": mean - 1.0,
-            "committed_tokens": sum(sum(r[name]["acceptance_lengths"]) for r in rows), "verify_steps": pooled["steps"],
-            "pooled": pooled}
+    out = {"tau_pooled": pooled["tau"], "tau_mean": mean, "matching_proposals_mean": mean - 1.0,
+           "committed_tokens": sum(sum(r[name]["acceptance_lengths"]) for r in rows), "verify_steps": pooled["steps"],
+           "pooled": pooled, "modes": breakdown.by_mode(rows, name)}
+    if all("prompt_tokens" in r for r in rows):
+        out["buckets"] = breakdown.by_bucket(rows, name)
+    return out
 
 
-def _prompts(data_dir: Path, split: str, limit: int, tokenizer, thinking: str) -> list[tuple[str, list[int]]]:
-    from ..data import PreparedData, render_prompt
+class _Prompt(NamedTuple):
+    """One prompt to evaluate: its example id, its rendered token ids and its thinking mode (``on`` / ``off``)."""
+
+    id: str
+    ids: list[int]
+    thinking: str
+
+
+def context_bounds(min_context: int | None, max_context: int | None) -> tuple[int, int | None]:
+    """`--min-context` / `--max-context` checked: (least, most or None) prompt tokens."""
+    from ..errors import ConfigError
+
+    for flag, v in (("--min-context", min_context), ("--max-context", max_context)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ConfigError(f"`{flag}` is `{v}`, it must be a token count >= 0\nhint: e.g. `{flag} 4096`")
+    lo = min_context or 0
+    if max_context is not None and lo > max_context:
+        raise ConfigError(f"`--min-context` `{lo}` is above `--max-context` `{max_context}`: no prompt can be selected\n"
+                          "hint: swap them, or drop one")
+    return lo, max_context
+
+
+def _prompts(data_dir: Path, split: str, limit: int, tokenizer, data, context: tuple[int, int | None]) -> list[_Prompt]:
+    """The first `limit` prompts of `split` whose rendered length is within `context` (inclusive), each
+    rendered in its thinking mode (`[data].thinking` `data`: one for all, or each row's own with `per_row`)."""
+    from ..data import PreparedData, resolve_thinking
+    from ..data.render import render_row_prompt
     from ..errors import DataError
 
-    prompts = []
+    lo, hi = context
+    prompts, seen = [], 0
     for ex in PreparedData(data_dir).iter_split(split):
-        prompts.append((ex.id, render_prompt(tokenizer, ex.prompt_messages, thinking=thinking)))
+        ids = render_row_prompt(tokenizer, ex, data)
+        seen += 1
+        if len(ids) < lo or (hi is not None and len(ids) > hi):
+            continue
+        prompts.append(_Prompt(ex.id, ids, "on" if resolve_thinking(data.thinking, ex) else "off"))
         if len(prompts) >= limit:
             break
     if not prompts:
-        raise DataError(f"split `{split}` of `{data_dir}` has no prompts to evaluate\n"
-                        "hint: pick another `--split`, or `--data DIR` with prompts in that split")
+        within = "" if (lo, hi) == (0, None) else f" of {lo} to {hi if hi is not None else 'any'} tokens ({seen} seen)"
+        raise DataError(f"split `{split}` of `{data_dir}` has no prompts{within} to evaluate\n"
+                        "hint: pick another `--split`, `--data DIR` with prompts in that split"
+                        + (", or widen `--min-context` / `--max-context`" if within else ""))
     return prompts
 
 
@@ -166,7 +209,7 @@ class _Models:
         return self.drafts["baseline"].block_size
 
 
-def _evaluate_prompt(m: _Models, i: int, pid: str, ids: list[int]) -> dict[str, Any]:
+def _evaluate_prompt(m: _Models, i: int, prompt: _Prompt) -> dict[str, Any]:
     """One prompt: both drafts' speculative generation and, at temperature 0, the teacher's greedy decoding."""
     import torch
 
@@ -174,8 +217,9 @@ def _evaluate_prompt(m: _Models, i: int, pid: str, ids: list[int]) -> dict[str, 
 
     target, ecfg, stop, T = m.target, m.ecfg, m.stop, m.block_size
 
+    ids = prompt.ids
     x = torch.tensor([ids], dtype=torch.long, device=m.device)
-    row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids)}
+    row: dict[str, Any] = {"id": prompt.id, "prompt_tokens": len(ids), "thinking": prompt.thinking}
     outs = {}
     for name, draft in m.drafts.items():
         gen = torch.Generator(device="cpu").manual_seed(i) if ecfg.temperature > 0 else None
@@ -184,7 +228,7 @@ def _evaluate_prompt(m: _Models, i: int, pid: str, ids: list[int]) -> dict[str, 
             temperature=ecfg.temperature, generator=gen,
         )
         row[name] = {"acceptance_lengths": list(res.acceptance_lengths), **step_stats(res.acceptance_lengths, T),
-                     "output_tokens": res.num_output_tokens}
+                     "output_tokens": res.num_output_tokens, "stopped_on": res.stopped_on}
         outs[name] = res.output_ids[0].tolist()
     row["same_output"] = outs["baseline"] == outs["trained"]
     if ecfg.temperature == 0:
@@ -214,6 +258,8 @@ def evaluate_run(
     data_dir: str | Path | None = None,
     recipe: Recipe | None = None,
     part: EvalPart | None = None,
+    min_context: int | None = None,
+    max_context: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate a completed run; writes report.json / report.md / acceptance.png and returns the report.
 
@@ -223,13 +269,15 @@ def evaluate_run(
     recipe when the run directory holds its export and `selection.json` but not the selected
     checkpoint (a graph's evaluate job), else the checkpoint's own is read. `part`: this job's
     share of an evaluation divided over jobs (module docstring); a shard other than 0 writes and
-    returns its part file instead of a report.
+    returns its part file instead of a report. `min_context` / `max_context`: only the prompts of
+    at least / at most that many tokens (`ConfigError` for a negative bound or min above max).
     """
     from .. import dist
     from ..device import resolve_device
     from ..recipe import EvaluateConfig
     from ..train.export_run import read_selection, recipe_from_state
 
+    context = context_bounds(min_context, max_context)  # (refused before anything loads)
     ranks = dist.ranks_from_env()
     emit = (on_event or (lambda e: None)) if ranks.main else (lambda e: None)
     run_dir = Path(run_dir)
@@ -243,12 +291,12 @@ def evaluate_run(
     dist.init(ranks, dev)  # (a no-op under a job, which holds the group: `dflash_worker.job`)
     try:
         return _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir,
-                         part or EvalPart(0, 1))
+                         part or EvalPart(0, 1), context)
     finally:
         dist.shutdown(ranks)
 
 
-def _evaluate_share(models: _Models, prompts: list[tuple[str, list[int]]], share: list[int], ranks, emit) -> list[tuple[int, dict]]:
+def _evaluate_share(models: _Models, prompts: list[_Prompt], share: list[int], ranks, emit) -> list[tuple[int, dict]]:
     """Evaluate the prompts `share` lists (this part's), split over the ranks; every rank's `(index, row)`
     pairs gathered, in prompt order."""
     from .. import dist
@@ -256,8 +304,7 @@ def _evaluate_share(models: _Models, prompts: list[tuple[str, list[int]]], share
     mine = [i for j, i in enumerate(share) if j % ranks.world == ranks.rank]
     local = []
     for j, i in enumerate(mine):
-        pid, ids = prompts[i]
-        local.append((i, _evaluate_prompt(models, i, pid, ids)))
+        local.append((i, _evaluate_prompt(models, i, prompts[i])))
         emit(Progress(phase="evaluate", step=min((j + 1) * ranks.world, len(share)), total_steps=len(share)))
     pairs = sorted((pair for piece in dist.gather(ranks, local) for pair in piece), key=lambda p: p[0])
     if [i for i, _ in pairs] != share:  # (a rank that lost prompts is a bug, not a smaller report)
@@ -265,7 +312,7 @@ def _evaluate_share(models: _Models, prompts: list[tuple[str, list[int]]], share
     return pairs
 
 
-def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir, part):
+def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit, out_dir, max_prompts, data_dir, part, context):
     """`evaluate_run` once the device is placed: this rank's prompts, then rank 0's report (module docstring)."""
     import torch
 
@@ -278,7 +325,7 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
     data = Path(data_dir) if data_dir is not None else Path(recipe.data.dir)
 
     tokenizer = load_tokenizer(recipe.model.target)
-    prompts = _prompts(data, split, max_prompts or ecfg.max_prompts, tokenizer, recipe.data.thinking)
+    prompts = _prompts(data, split, max_prompts or ecfg.max_prompts, tokenizer, recipe.data, context)
     target = load_model(recipe.model.target, device=dev, dtype=torch.float32)
     stop = stop_token_ids(recipe.model.target, tokenizer)
     trained, trained_from = _trained_draft(run_dir, recipe, dev, selection)
@@ -290,7 +337,7 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
     pairs = _evaluate_share(models, prompts, share, ranks, emit)
     out = Path(out_dir) if out_dir is not None else run_dir / f"evaluate-{split}"
     facts = {"split": split, "prompts": len(prompts), "selection_step": selection["step"], "temperature": ecfg.temperature,
-             "max_new_tokens": ecfg.max_new_tokens}
+             "max_new_tokens": ecfg.max_new_tokens, "context_filter": _context_filter(context)}
     if part.count > 1 and part.index > 0:
         doc = {"format": PART_FORMAT, "part": part.index, "parts": part.count, **facts,
                "prompt_ids": [prompts[i][0] for i in share], "rows": [[i, row] for i, row in pairs]}
@@ -305,6 +352,7 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
     rows = [row for _, row in sorted(pairs, key=lambda p: p[0])]
 
     base_o, tr_o = summarize(rows, "baseline", T), summarize(rows, "trained", T)
+    scored = [r for r in rows if breakdown.made_steps(r)]
     report = {
         "run": str(run_dir),
         "data": str(data),
@@ -327,7 +375,11 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
         "verdict": verdict(tr_o["tau_pooled"], base_o["tau_pooled"], ecfg.tie_tolerance),
         "verdict_basis": "tau_pooled",
         "verdict_per_prompt_mean": verdict(tr_o["tau_mean"], base_o["tau_mean"], ecfg.tie_tolerance),
-        "verdict_counts": {v: sum(1 for r in rows if r["verdict"] == v) for v in VERDICTS},
+        "verdict_counts": {v: sum(1 for r in scored if r["verdict"] == v) for v in VERDICTS},
+        "scored_prompts": len(scored),
+        "no_verify": breakdown.no_verify(rows),
+        "context_filter": facts["context_filter"],
+        "bucket_rule": breakdown.BUCKET_RULE,
         # kept for compatibility: compares the two drafts with each other, not with the teacher
         "greedy_outputs_identical": all(r["same_output"] for r in rows) if ecfg.temperature == 0 else None,
         **_lossless(rows, ecfg.temperature),
@@ -339,7 +391,12 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
     return report
 
 
-def read_part(path: Path, k: int, count: int, facts: dict[str, Any], prompts: list[tuple[str, list[int]]]) -> list[tuple[int, dict]]:
+def _context_filter(context: tuple[int, int | None]) -> dict[str, Any] | None:
+    """The report's record of `--min-context` / `--max-context` (None: every prompt)."""
+    return None if context == (0, None) else {"min_tokens": context[0], "max_tokens": context[1]}
+
+
+def read_part(path: Path, k: int, count: int, facts: dict[str, Any], prompts: list[_Prompt]) -> list[tuple[int, dict]]:
     """The rows of evaluate shard `k`'s part file (another provider's: checked, never trusted): it must be
     shard `k` of `count` of this split, prompt set and selected step, with one well-formed row for each
     of its prompts (``i % count == k``) in order; `DataError` names the file and what is wrong."""
@@ -373,6 +430,9 @@ def read_part(path: Path, k: int, count: int, facts: dict[str, Any], prompts: li
 def _row_ok(row: Any, *, greedy: bool) -> bool:
     """The fields the report reads from a row, with their types."""
     if not isinstance(row, dict) or not isinstance(row.get("id"), str) or row.get("verdict") not in VERDICTS:
+        return False
+    tokens = row.get("prompt_tokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0 or row.get("thinking") not in ("on", "off"):
         return False
     for name in ("baseline", "trained"):
         d = row.get(name)
@@ -411,7 +471,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         "",
         f"Overall verdict (on pooled tau): **{r['verdict']}** ({r['tie_rule']}, tie_tolerance {r['tie_tolerance']}).",
         f"Prompts: {r['prompts']} (improved {r['verdict_counts']['improved']}, tied {r['verdict_counts']['tied']}, "
-        f"regressed {r['verdict_counts']['regressed']}); temperature {r['temperature']}, max_new_tokens {r['max_new_tokens']}.",
+        f"regressed {r['verdict_counts']['regressed']}, no verify step {r['no_verify']['prompts']}); "
+        f"temperature {r['temperature']}, max_new_tokens {r['max_new_tokens']}.",
         f"Data: `{r['data']}` (from {r['data_source']}); stop token ids {r['stop_token_ids']} ({r['stop_token_rule']}).",
         "",
     ]
@@ -423,6 +484,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     for label, o in (("baseline (released)", b), (f"trained (step {r['selection_step']})", t)):
         lines.append(f"| {label} | {o['tau_pooled']:.3f} | {o['tau_mean']:.3f} | {o['pooled']['matching_proposals']:.3f} | "
                      f"{o['verify_steps']} | {o['committed_tokens']} |")
+    lines += ["", *breakdown.markdown(r)]
     lines += [
         "",
         "Per-position acceptance (fraction of steps accepting at least k draft tokens):",
@@ -432,10 +494,13 @@ def render_markdown(r: dict[str, Any]) -> str:
     ]
     for k, (x, y) in enumerate(zip(b["pooled"]["per_position"], t["pooled"]["per_position"]), start=1):
         lines.append(f"| {k} | {x:.3f} | {y:.3f} |")
-    lines += ["", "| prompt | baseline tau | trained tau | verdict | matches teacher |", "|---|---|---|---|---|"]
+    lines += ["", "| prompt | tokens | thinking | baseline tau | trained tau | verdict | matches teacher |",
+              "|---|---|---|---|---|---|---|"]
     for row in r["per_prompt"]:
         same = "-" if "lossless" not in row else ("yes" if row["lossless"] else "**no**")
-        lines.append(f"| `{row['id']}` | {row['baseline']['tau']:.3f} | {row['trained']['tau']:.3f} | {row['verdict']} | {same} |")
+        taus = (f"{row['baseline']['tau']:.3f} | {row['trained']['tau']:.3f} | {row['verdict']}" if breakdown.made_steps(row)
+                else "- | - | no verify step")
+        lines.append(f"| `{row['id']}` | {row.get('prompt_tokens', '-')} | {row.get('thinking', '-')} | {taus} | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -462,9 +527,10 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax1.set_ylabel("P(accepted >= k)")
     ax1.set_title("per-position acceptance")
     ax1.legend()
-    idx = range(len(r["per_prompt"]))
-    ax2.bar([i - 0.2 for i in idx], [row["baseline"]["tau"] for row in r["per_prompt"]], width=0.4, label="baseline")
-    ax2.bar([i + 0.2 for i in idx], [row["trained"]["tau"] for row in r["per_prompt"]], width=0.4, label="trained")
+    scored = [row for row in r["per_prompt"] if breakdown.made_steps(row)]  # (no verify step: no tau to draw)
+    idx = range(len(scored))
+    ax2.bar([i - 0.2 for i in idx], [row["baseline"]["tau"] for row in scored], width=0.4, label="baseline")
+    ax2.bar([i + 0.2 for i in idx], [row["trained"]["tau"] for row in scored], width=0.4, label="trained")
     ax2.set_xlabel("prompt")
     ax2.set_ylabel("acceptance length tau")
     ax2.set_title(f"verdict: {r['verdict']}")
