@@ -34,8 +34,9 @@ RECORD_ENV = "DFLASH_RECORD_DURATIONS"
 _recorded: dict[str, float] = {}
 _recorded_cpu: dict[str, float] = {}
 ROOT = Path(__file__).resolve().parents[1]
-# vLLM's interop tests run only in vLLM's own environment (`make interop-vllm`, scripts/interop-vllm.sh).
-collect_ignore = ["interop_vllm"]
+# vLLM's interop tests run only in vLLM's own environment (`make interop-vllm`, scripts/interop-vllm.sh);
+# SGLang's and llama.cpp's need theirs (`make interop-sglang`, `make interop-llamacpp`).
+collect_ignore = ["interop_vllm", "interop_sglang", "interop_llamacpp"]
 
 
 def _set_cargo_env() -> None:
