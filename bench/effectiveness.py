@@ -1335,7 +1335,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the world(s) to build and adapt in: `perl` (default), `rust` (other corpora, a tokenizer twice "
                    "the size), `man` (the rust world's general text, manual pages as the own domain, a tokenizer 1.5 "
                    "times the size), or several (`perl,man`): each into `OUT/<world>/`, then the adoption rule over "
-                   "every world's runs (`OUT/verdict.md`)")
+                   "every world's runs (`OUT/verdict.md`); or one of the generated worlds `tool`, `thinking`, `long` "
+                   "(bench/effectiveness_worlds.py: chat logs with tools, both thinking modes, long documents)")
     p.add_argument("--seeds", type=int, default=None, help="number of adaptation seeds (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="smaller teacher, data and steps: a fast end-to-end run")
     p.add_argument("--smoke", action="store_true", help="miniature sizes for the smoke test (numbers are meaningless)")
@@ -1366,9 +1367,13 @@ def main(argv: list[str] | None = None) -> int:
     if seeds < 1 or a.threads < 1:
         p.error("--seeds and --threads must be >= 1")
     worlds = [w.strip() for w in a.world.split(",") if w.strip()]
-    bad = [w for w in worlds if w not in WORLDS]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling module, however this script was started
+    from effectiveness_worlds import CHAT_WORLDS, run_world
+    from effectiveness_worlds import render as render_world
+
+    bad = [w for w in worlds if w not in WORLDS + CHAT_WORLDS]
     if bad or not worlds or len(set(worlds)) != len(worlds):
-        p.error(f"--world: give distinct worlds among {', '.join(WORLDS)}, found `{a.world}`")
+        p.error(f"--world: give distinct worlds among {', '.join(WORLDS + CHAT_WORLDS)}, found `{a.world}`")
     over: dict[str, Any] = {}
     if a.recipes:
         over["recipes"] = tuple(x.strip() for x in a.recipes.split(",") if x.strip())
@@ -1392,8 +1397,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     reports = []
     for w in worlds:
-        ws = world_settings(s, w)
         out = a.out if len(worlds) == 1 else a.out / w
+        if w in CHAT_WORLDS:  # its own runs and table; the adoption rule covers the corpus worlds
+            print(render_world(run_world(w, s, seeds=seeds, out=out, threads=a.threads)))
+            continue
+        ws = world_settings(s, w)
         r = run_benchmark(ws, seeds=seeds, out=out, threads=a.threads)
         print(render(r))
         reports.append(r)
