@@ -4,9 +4,11 @@ An example longer than `chunk_tokens` runs chunk by chunk through the target's o
 cache. Its features must equal the one-shot forward's: byte for byte where the example fits in one
 chunk (the bytes every capture so far holds), and up to float reordering otherwise: a chunk's GEMMs
 and attention reductions run over other shapes than the one-shot forward's, which moves the last bit
-of some values. The bound is `ULPS` float epsilons of the largest feature magnitude (observed on these
-tiny targets: up to 2.6 in float32, 1.04 in bfloat16); a chunk run without the carried cache misses it
-by more than five times (checked too), so the bound tells a right chunking from a wrong one.
+of some values, and the chunk's attention (`prefix_causal_sdpa`) merges two softmax halves by their
+log-sum-exps. The bound is `ULPS[dtype]` float epsilons of the largest feature magnitude (observed on
+these tiny targets: up to 2.6 in float32; up to 2.7 in bfloat16, 6.3 on `qwen3_moe`, where a last-bit
+change can flip a token's top-2 experts); a chunk run without the carried cache misses it by more than
+four times (checked too), so the bound tells a right chunking from a wrong one.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dflash_worker.capture.teacher import teacher_features
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 LAYER_IDS = [0, 2, 3]  # 3: the last layer, whose hidden state is the final-normed output
 LENGTH = 1000
-ULPS = 4
+ULPS = {torch.float32: 4, torch.bfloat16: 8}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def test_chunked_features_equal_the_one_shot_forward(targets, family, dtype):
     # one chunk (the example fits): the one-shot forward, byte for byte
     for chunk in (None, LENGTH):
         assert torch.equal(teacher_features(model, ids, LAYER_IDS, "cpu", chunk_tokens=chunk), ref), chunk
-    bound = ULPS * torch.finfo(dtype).eps * float(ref.float().abs().max())
+    bound = ULPS[dtype] * torch.finfo(dtype).eps * float(ref.float().abs().max())
     # 256: a multiple of the Gated DeltaNet's 64-token chunks; 300 and 97: not, the last chunk short
     for chunk in (256, 300, 97):
         got = teacher_features(model, ids, LAYER_IDS, "cpu", chunk_tokens=chunk)
@@ -69,27 +71,28 @@ def test_chunked_features_equal_the_one_shot_forward(targets, family, dtype):
         assert diff <= bound, f"{family} {dtype} chunk {chunk}: max abs diff {diff:.3g} > bound {bound:.3g}"
     # the control: the second chunk run without the first one's cache is far outside the bound
     alone = teacher_features(model, ids[256:512], LAYER_IDS, "cpu")
-    assert float((alone.float() - ref[256:512].float()).abs().max()) > 5 * bound
+    assert float((alone.float() - ref[256:512].float()).abs().max()) > 4 * bound
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_chunked_forward_never_builds_a_length_squared_mask(targets, family, monkeypatch):
-    """Every attention call of a chunked forward sees at most `chunk x T` scores: no `[T, T]` mask or
-    score matrix (SDPA, through transformers' own attention path, is where both would be made)."""
-    import torch.nn.functional as F
+def test_chunked_forward_builds_no_attention_mask(targets, family, monkeypatch):
+    """Every attention call of a chunked forward goes through `prefix_causal_sdpa` with no mask (transformers
+    builds none for it): queries of at most one chunk against the cached prefix plus the chunk, never a
+    `[T, T]` mask or score matrix; after the loop the target's own SDPA is back."""
+    from dflash_worker.capture import teacher as teacher_mod
 
     model = _load(targets[family], torch.float32)
-    seen: list[tuple[int, int, tuple | None]] = []
-    sdpa = F.scaled_dot_product_attention
+    seen: list[tuple[int, int, bool]] = []
+    inner = teacher_mod.prefix_causal_sdpa
 
-    def spy(q, k, v, attn_mask=None, *args, **kwargs):
-        seen.append((q.shape[-2], k.shape[-2], None if attn_mask is None else tuple(attn_mask.shape)))
-        return sdpa(q, k, v, attn_mask, *args, **kwargs)
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append((query.shape[-2], key.shape[-2], attention_mask is None))
+        return inner(module, query, key, value, attention_mask, *args, **kwargs)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(teacher_mod, "prefix_causal_sdpa", spy)
     T, chunk = 900, 128
     teacher_features(model, _ids(T), LAYER_IDS, "cpu", chunk_tokens=chunk)
-    assert seen, "no attention call went through SDPA"
-    assert max(q for q, _, _ in seen) == chunk and max(k for _, k, _ in seen) == T
-    for q, k, mask in seen:
-        assert q <= chunk and (mask is None or mask[-2] * mask[-1] <= chunk * T), (q, k, mask)
+    layers = sum(1 for t in model.config.get_text_config().layer_types if t == "full_attention")
+    assert len(seen) == layers * -(-T // chunk), seen
+    assert all(unmasked for _, _, unmasked in seen) and max(q for q, _, _ in seen) == chunk and max(k for _, k, _ in seen) == T
+    assert model.config._attn_implementation == "sdpa"

@@ -17,20 +17,27 @@ an example of at most `chunk_tokens` tokens runs as one plain forward (``use_cac
 bytes every capture so far holds. A longer one runs chunk by chunk through the target's own
 cache (``use_cache=True``; the cache class transformers builds for the target: a KV cache for
 attention layers and, on hybrid Qwen3.5 targets, the Gated DeltaNet conv and recurrent states),
-each chunk attending to the cached prefix through SDPA with a ``[chunk, prefix + chunk]`` mask,
-never ``[T, T]``. Memory then grows linearly with `T`: the cache (keys/values of the attention
-layers), the features kept (written into one preallocated ``[T, F]`` tensor) and one chunk's
-activations. The values equal the one-shot forward's up to float reordering (a chunk's matmuls
-and attention reductions run over different shapes, so a few ulps differ; the tiny targets'
-bound is in tests/capture/test_long_context.py); the capture key names `chunk_tokens` whenever
-`max_length` exceeds it.
+each chunk's queries attending to the cached prefix and causally to their own chunk with no mask
+built at all: an SDPA target runs its attention layers through `prefix_causal_sdpa`, registered
+in transformers' own `AttentionInterface` for the chunked loop only. On the CPU it is SDPA's flash
+kernel twice (the prefix keys unmasked, the chunk's own keys causal) merged by their log-sum-exps;
+elsewhere SDPA with a lower-right causal bias (`torch.nn.attention.bias.causal_lower_right`). An
+explicit ``[chunk, prefix + chunk]`` mask would cost both memory (its float copy inside SDPA) and
+time (a masked kernel skips no block). Memory then grows linearly with `T`: the cache
+(keys/values of the attention layers), the features kept (written into one preallocated
+``[T, F]`` tensor) and one chunk's activations. The values equal the one-shot forward's up to
+float reordering (a chunk's matmuls and attention reductions run over other shapes, so a few ulps
+differ; the tiny targets' bound is in tests/capture/test_long_context.py); the capture key names
+`chunk_tokens` whenever `max_length` exceeds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,18 +68,80 @@ def teacher_features(model: Any, input_ids: list[int], layer_ids: list[int], dev
             out = model(input_ids=x, output_hidden_states=wanted, use_cache=False, logits_to_keep=1)
             return _taps(out.hidden_states, layer_ids).to("cpu")
         feats, cache = None, None
-        for start in range(0, T, chunk_tokens):
-            # `cache` None on the first chunk: the model builds its own cache class (hybrid targets: linear
-            # attention states beside the KV cache) and hands it back to carry into the next chunk
-            out = model(input_ids=x[:, start : start + chunk_tokens], cache=cache, use_cache=True,
-                        output_hidden_states=wanted, logits_to_keep=1)
-            cache = out.cache
-            part = _taps(out.hidden_states, layer_ids)
-            if feats is None:
-                feats = torch.empty((T, part.shape[-1]), dtype=part.dtype, device="cpu")
-            feats[start : start + part.shape[0]].copy_(part)
-            del out, part
+        with _prefix_attention(model):
+            for start in range(0, T, chunk_tokens):
+                # `cache` None on the first chunk: the model builds its own cache class (hybrid targets: linear
+                # attention states beside the KV cache) and hands it back to carry into the next chunk
+                out = model(input_ids=x[:, start : start + chunk_tokens], cache=cache, use_cache=True,
+                            output_hidden_states=wanted, logits_to_keep=1)
+                cache = out.cache
+                part = _taps(out.hidden_states, layer_ids)
+                if feats is None:
+                    feats = torch.empty((T, part.shape[-1]), dtype=part.dtype, device="cpu")
+                feats[start : start + part.shape[0]].copy_(part)
+                del out, part
         return feats
+
+
+PREFIX_ATTENTION = "prefix_causal_sdpa"  # no "flash" in it: transformers reads such names as hub kernels
+
+
+@contextlib.contextmanager
+def _prefix_attention(model: Any) -> Iterator[None]:
+    """`model`'s attention layers run `prefix_causal_sdpa` inside (an SDPA target only; eager or flash
+    targets keep theirs, with the masks transformers builds for them)."""
+    before = model.config._attn_implementation
+    if before != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PREFIX_ATTENTION, prefix_causal_sdpa)
+    model.set_attn_implementation(PREFIX_ATTENTION)  # not in the mask registry: transformers builds no mask
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def prefix_causal_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
+                       scaling: float | None = None, sliding_window: int | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """A transformers attention function for a chunk after a cached prefix: query ``i`` of ``C`` sits at
+    position ``S - C + i`` of the ``S`` keys and sees every key up to it (module docstring).
+
+    query ``[1, Hq, C, D]``, key / value ``[1, Hkv, S, D]``; returns ``([1, C, Hq, D], None)``."""
+    import torch
+    import torch.nn.functional as F
+
+    assert attention_mask is None and query.shape[0] == 1, "the chunked teacher runs batch 1 without padding"
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    C, S = query.shape[-2], key.shape[-2]
+    P = S - C
+    if sliding_window is not None:  # a sliding layer: its own `[C, S]` mask (transformers' rule, q - k < window)
+        q_pos = torch.arange(P, S, device=query.device)[:, None]
+        k_pos = torch.arange(S, device=query.device)[None, :]
+        mask = (k_pos <= q_pos) & (q_pos - k_pos < sliding_window)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    elif P == 0:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    elif query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        # both halves and their merge in float32, rounded to the teacher's dtype once, as the one-shot kernel does
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        q, k, v = query.float(), key.float(), value.float()
+        o_pre, lse_pre = flash(q, k[:, :, :P], v[:, :, :P], 0.0, False, scale=scaling)
+        o_own, lse_own = flash(q, k[:, :, P:], v[:, :, P:], 0.0, True, scale=scaling)
+        # softmax over both key sets = each part's softmax weighted by its share of the total exp-sum
+        lse_pre, lse_own = lse_pre.unsqueeze(-1), lse_own.unsqueeze(-1)
+        top = torch.maximum(lse_pre, lse_own)
+        w_pre, w_own = (lse_pre - top).exp(), (lse_own - top).exp()
+        out = ((o_pre * w_pre + o_own * w_own) / (w_pre + w_own)).to(query.dtype)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(C, S), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _taps(hidden_states: Any, layer_ids: list[int]) -> Any:
