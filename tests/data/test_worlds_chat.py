@@ -136,3 +136,14 @@ def test_thinking_rows_prepare_and_check_per_mode(tmp_path, tiny_tokenizer):
     per_on = report.by_mode["on"]["loss_tokens"] / n_on
     per_off = report.by_mode["off"]["loss_tokens"] / (30 - n_on)
     assert per_on > per_off + 10, report.by_mode
+
+
+def test_build_world_refuses_an_unknown_kind_and_a_tool_world_without_a_template(tmp_path):
+    from dflash_worker.errors import ConfigError
+    from dflash_worker.testing.world import build_world
+
+    with pytest.raises(ConfigError, match="unknown world kind `chat`"):
+        build_world(tmp_path / "a", kind="chat")
+    with pytest.raises(ConfigError, match="chat template that renders tools"):
+        build_world(tmp_path / "b", kind="tool")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
