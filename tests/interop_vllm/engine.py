@@ -14,8 +14,8 @@ Requests (JSON):
   error it raises, if any.
 - ``{"op": "load", "target", "speculative_config"}``: the engine built with the CPU runner's
   refusal of candidate-head (DFlash2) drafts patched out, so vLLM's loader builds its draft class
-  and loads the export; then every parameter of that class is compared with the exported tensors
-  (`check_loaded`).
+  and loads the export; right after its `load_weights`, every parameter of that class is compared
+  with the exported tensors (`check_loaded`).
 """
 
 from __future__ import annotations
@@ -65,15 +65,11 @@ def refusal(req: dict) -> dict:
     return {"error": None}
 
 
-def _drafter_model(worker):
-    return worker.model_runner.drafter.model
-
-
 def _draft_class(llm) -> str:
-    return llm.collective_rpc(lambda worker: type(_drafter_model(worker)).__name__)[0]
+    return llm.collective_rpc(lambda worker: type(worker.model_runner.drafter.model).__name__)[0]
 
 
-def check_loaded(worker, export: str) -> dict:
+def check_loaded(model, export: str) -> dict:
     """Every parameter of vLLM's draft class against the export's tensors, byte for byte (in float32,
     which holds every BF16 value exactly). vLLM fuses q/k/v and gate/up projections into one
     parameter each: the expected value is the exported tensors concatenated in its order.
@@ -84,7 +80,6 @@ def check_loaded(worker, export: str) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    model = _drafter_model(worker)
     tensors = load_file(str(Path(export) / "model.safetensors"))
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     used, compared, mismatched, unfilled = set(), [], [], []
@@ -120,13 +115,25 @@ def check_loaded(worker, export: str) -> dict:
 
 def load(req: dict) -> dict:
     from vllm.config import VllmConfig
+    from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
 
     # The refusal `refusal` records, patched out as the issue's reproduction did: vLLM's own
     # loader then builds its DFlash2 class from the export's config and loads its tensors.
     VllmConfig._is_dflash_candidate_draft = lambda self: False
+    export, checked = req["speculative_config"]["model"], {}
+    load_weights = DFlash2Qwen3ForCausalLM.load_weights
+
+    def checking_load_weights(self, weights):
+        out = load_weights(self, weights)
+        # checked here, right after loading: vLLM's CPU build then repacks the linear layers'
+        # weights for its GEMM kernels and leaves their `.weight` empty
+        checked["result"] = check_loaded(self, export)
+        return out
+
+    DFlash2Qwen3ForCausalLM.load_weights = checking_load_weights
     llm = _llm(req, max_num_seqs=1)
-    export = req["speculative_config"]["model"]
-    return llm.collective_rpc(check_loaded, args=(export,))[0]
+    assert _draft_class(llm) == "DFlash2Qwen3ForCausalLM" and "result" in checked, "vLLM did not load the draft through its DFlash2 class"
+    return checked["result"]
 
 
 def main(argv: list[str]) -> int:
