@@ -496,3 +496,55 @@ def test_the_keep_general_preset_distils_guards_and_needs_general_val_rows(repla
     (world.root / "keep-none.toml").write_text(_toml(plain))
     with pytest.raises(ConfigError, match=r"keep_general.*general-domain val rows.*holds none.*\n.*--replay-val-fraction"):
         train(load_recipe(world.root / "keep-none.toml"))
+
+
+@pytest.fixture(scope="module")
+def mixed(world) -> GuardWorld:
+    """The own rows in both thinking modes (`"thinking"` alternating; the general rows carry no
+    reasoning, so they are `off`), prepared and captured with `[data].thinking = "per_row"`."""
+    from dflash_worker.capture import run_capture
+    from dflash_worker.data import prepare_data
+    from dflash_worker.recipe import recipe_from_dict
+
+    rows = [{**json.loads(line), "thinking": i % 2 == 0} for i, line in enumerate(world.own.read_text().splitlines())]
+    own = world.root / "mixed.jsonl"
+    own.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data, capture = world.root / "mixed-data", world.root / "mixed-capture"
+    prepare_data([own], data, seed=0, val_fraction=0.25, test_fraction=0.0, replay=[world.general],
+                 replay_fraction=0.0, replay_val_fraction=0.25)
+    base = {**world.base, "data": {**world.base["data"], "dir": str(data), "thinking": "per_row"},
+            "capture": {**world.base["capture"], "output": str(capture)}}
+    run_capture(recipe_from_dict(base, base=world.root))
+    return GuardWorld(world.root, base, world.general, own)
+
+
+def test_per_row_thinking_validates_and_guards_each_mode(mixed):
+    from dflash_worker.train import selection
+
+    res = train(load_recipe(mixed.recipe("mixed-guarded", steps=8, general_tolerance=TOLERANCE)))
+    assert res.status == "completed"
+    sel = _selection(mixed.root / "mixed-guarded")
+    state = ckpt.load(mixed.root / "mixed-guarded" / ckpt.CHECKPOINTS / ckpt.step_name(sel["step"])).state
+    released, history = state["released_general"], state["val_history"]
+    # the released draft was measured on both modes, before the first update
+    assert sorted(released["modes"]) == ["off", "on"] and all(m["blocks"] > 0 for m in released["modes"].values())
+    for entry in [released, *history]:
+        own = entry["own"] if entry is released else entry
+        general = entry if entry is released else entry["general"]
+        modes = entry["modes"]
+        # the modes split exactly the rows scored (own and general), no block scored twice or lost
+        assert sum(m["blocks"] for m in modes.values()) == own["blocks"] + general["blocks"]
+        pooled = sum(m["matching_proposals"] * m["blocks"] for m in modes.values()) / sum(m["blocks"] for m in modes.values())
+        both = (own["matching_proposals"] * own["blocks"] + general["matching_proposals"] * general["blocks"]) / (
+            own["blocks"] + general["blocks"])
+        assert pooled == pytest.approx(both, rel=1e-12)
+    guard = sel["guard"]
+    assert sel["rule"] == selection.GUARDED_RULE + selection.MODES_RULE
+    for mode, g in guard["modes"].items():
+        assert g["released_matching_proposals"] == released["modes"][mode]["matching_proposals"]
+        assert g["floor"] == pytest.approx((1 - TOLERANCE) * g["released_matching_proposals"])
+    # a checkpoint is rejected exactly when its general figure or any mode fell below its floor
+    for c, v in zip(guard["checkpoints"], [h for h in history if h["blocks"] > 0]):
+        below = [m for m in guard["modes"] if v["modes"][m]["matching_proposals"] < guard["modes"][m]["floor"]]
+        assert c["modes_below"] == below
+        assert c["rejected"] == (bool(below) or v["general"]["matching_proposals"] < guard["floor"])

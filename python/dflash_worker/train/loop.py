@@ -75,7 +75,7 @@ from .resume import (
 )
 from .setup import TrainSetup, check_prepared_data
 from .signals import SignalGuard, StopFlags
-from .validate import Validator
+from .validate import Validator, val_modes
 
 if TYPE_CHECKING:
     from ..device import DeviceChoice
@@ -343,7 +343,8 @@ class Trainer:
         """Load the draft (FP32 masters), the target head and the captured data; build the components."""
         self._setup = parts = TrainSetup.load(self.recipe, self.export_format, self.device_choice, self.ranks)
         self.scorer = Scorer(parts, self.cfg, self.attention)
-        self.validator = Validator(self.scorer, parts.val_split, parts.val_own, parts.val_general, self.cfg)
+        self.validator = Validator(self.scorer, parts.val_split, parts.val_own, parts.val_general, self.cfg,
+                                   modes=val_modes(parts.val_split, self.recipe.data))
 
     @property
     def parts(self) -> TrainSetup:

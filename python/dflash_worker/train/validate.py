@@ -7,13 +7,18 @@ every validation, through the training forward (`forward.Scorer.score`) while th
 are swapped out for `params.export_values` (BF16, or AF4G64 for an AF4G64 export's quantized
 tensors). `measure_released` scores the released draft so, before the first update: the
 general-domain guard's baseline (`selection`).
+
+Thinking modes: with ``[data].thinking = "per_row"`` each val row's mode is its prepared example's
+(`val_modes`, `data.render.resolve_thinking`), and every measurement also carries ``modes``: the
+same figures over the scored rows (own and general together) of each mode, from the same forward
+passes (no extra scoring), which the guard reads per mode (`selection`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,25 +29,59 @@ from .objectives import summarize, weight_total
 from .params import export_values, swapped
 from .selection import VAL_KEYS
 
+if TYPE_CHECKING:
+    from ..recipe import DataConfig
+
+MODES = {True: "on", False: "off"}
+
+
+def val_modes(split: CapturedSplit | None, data: DataConfig) -> dict[int, str]:
+    """Each val row's thinking mode (``on`` / ``off``) when ``[data].thinking = "per_row"``, from its
+    prepared example (`resolve_thinking`); {} for a one-mode dataset (the guard has nothing more to
+    tell apart) or no val split. A row whose example the data directory lacks has no mode."""
+    if split is None or data.thinking != "per_row":
+        return {}
+    from ..data import PreparedData
+    from ..data.render import resolve_thinking
+
+    examples = {ex.id: ex for ex in PreparedData(data.dir).iter_split("val")}
+    return {i: MODES[bool(resolve_thinking(data.thinking, examples[split.id_of(i)]))]
+            for i in range(len(split)) if split.id_of(i) in examples}
+
+
+def _summary(scores: list[tuple[int, dict, float, float, float]], positions: int) -> dict[str, Any]:
+    """Matching proposals (`summarize`) and the CE terms of the row `scores` of `Validator.score`."""
+    out = summarize([c for _, c, _, _, _ in scores], positions)
+    denom = sum(d for *_, d in scores)
+    out["ce"] = sum(ce for _, _, ce, _, _ in scores) / denom if denom else None
+    out["selector_ce"] = sum(sel for _, _, _, sel, _ in scores) / denom if denom else None
+    return out
+
 
 class Validator:
     """Measures the draft of `scorer` on the val `split`'s `own` and `general` rows (indices)."""
 
-    def __init__(self, scorer: Scorer, split: CapturedSplit | None, own: list[int], general: list[int], cfg: TrainConfig) -> None:
+    def __init__(self, scorer: Scorer, split: CapturedSplit | None, own: list[int], general: list[int], cfg: TrainConfig,
+                 modes: dict[int, str] | None = None) -> None:
         self.scorer = scorer
         self.split = split
         self.own = own
         self.general = general
         self.cfg = cfg
+        self.modes = modes or {}  # val row -> thinking mode (`val_modes`); {}: no per-mode figures
 
     def blocks(self, rows: list[int]) -> Iterator[Blocks]:
         """The first `val_examples` of the validation sequences `rows` with anchors (the same at every validation)."""
+        for _, b in self._blocks(rows):
+            yield b
+
+    def _blocks(self, rows: list[int]) -> Iterator[tuple[int, Blocks]]:
         cfg, split = self.cfg, self.split
         for i in rows[: cfg.val_examples] if split is not None else ():
             seq = split.get(i)
             anchors = sample_anchors(seq.loss_mask, cfg.blocks_per_sequence, mix(cfg.seed, 2, i))
             if anchors.numel():
-                yield self.scorer.blocks(seq, anchors)
+                yield i, self.scorer.blocks(seq, anchors)
 
     @contextlib.contextmanager
     def export_weights(self) -> Iterator[None]:
@@ -59,22 +98,33 @@ class Validator:
         finally:
             model.train(was_training)
 
-    def measure(self, rows: list[int]) -> dict[str, Any]:
-        """Matching proposals (`summarize`) and the CE terms over validation sequences `rows`."""
+    def score(self, rows: list[int]) -> list[tuple[int, dict, float, float, float]]:
+        """Per scored validation sequence of `rows`: (row, match counts, CE sum, selector CE sum, weight total)."""
         parts = self.scorer.parts
         pw, with_selector = parts.weights.positions, parts.model.candidate_selector is not None
-        counts = []
-        ce = sel = denom = 0.0
-        for b in self.blocks(rows):
+        out = []
+        for i, b in self._blocks(rows):
             s = self.scorer.score(b, objective="weighted_ce", with_selector=with_selector)
-            counts.append(s.counts)
-            ce += float(s.ce_sum)
-            sel += float(s.selector_sum)
-            denom += weight_total(b.valid, pw)
-        out = summarize(counts, parts.weights.block_size - 1)
-        out["ce"] = ce / denom if denom else None
-        out["selector_ce"] = sel / denom if denom else None
+            out.append((i, s.counts, float(s.ce_sum), float(s.selector_sum), float(weight_total(b.valid, pw))))
         return out
+
+    def measure(self, rows: list[int]) -> dict[str, Any]:
+        """Matching proposals (`summarize`) and the CE terms over validation sequences `rows`."""
+        return _summary(self.score(rows), self.scorer.parts.weights.block_size - 1)
+
+    def _measure_all(self) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, dict[str, Any]] | None]:
+        """The own rows' figures, the general rows' (None without any), and, with `modes`, each mode's
+        over both (None without modes), from one scoring of each row."""
+        positions = self.scorer.parts.weights.block_size - 1
+        own = self.score(self.own)
+        general = self.score(self.general) if self.general else []
+        by_mode = None
+        if self.modes:
+            scored = own + general
+            by_mode = {m: {k: v for k, v in _summary([x for x in scored if self.modes.get(x[0]) == m], positions).items()
+                           if k in VAL_KEYS}
+                       for m in sorted({self.modes[x[0]] for x in scored if x[0] in self.modes})}
+        return _summary(own, positions), (_summary(general, positions) if self.general else None), by_mode
 
     def validate(self, step: int, inside: Callable[[], None] | None = None) -> dict[str, Any]:
         """The validation entry of `step`: matching proposals computed with exactly the export's weights
@@ -83,11 +133,12 @@ class Validator:
         with self.export_weights():
             if inside is not None:
                 inside()
-            out = self.measure(self.own)
-            general = self.measure(self.general) if self.general else None
+            out, general, modes = self._measure_all()
         out["step"] = step
         if general is not None:
             out["general"] = {k: general[k] for k in VAL_KEYS}
+        if modes is not None:
+            out["modes"] = modes
         return out
 
     def measure_released(self) -> dict[str, Any]:
@@ -95,7 +146,8 @@ class Validator:
         loaded (call before the first update), through the path `validate` takes; ``own``: the own
         rows, what selecting the released draft (step 0) records."""
         with self.export_weights():
-            general = self.measure(self.general)
-            own = self.measure(self.own)
+            own, general, modes = self._measure_all()
+        if general is None:
+            general = self.measure([])
         return {"step": 0, "examples": len(self.general[: self.cfg.val_examples]), **{k: general[k] for k in VAL_KEYS},
-                "own": {k: own[k] for k in VAL_KEYS}}
+                "own": {k: own[k] for k in VAL_KEYS}, **({} if modes is None else {"modes": modes})}
