@@ -21,7 +21,8 @@ from mlx import nn
 
 from dflash_worker.errors import CheckpointError, ConfigError
 from dflash_worker.export import write_af4g64
-from dflash_worker.model import DraftConfig, build_draft, load_draft as load_torch_draft, save_draft
+from dflash_worker.model import DraftConfig, build_draft, save_draft
+from dflash_worker.model import load_draft as load_torch_draft
 from dflash_worker.model.quant import dequantize_af4g64, full_projection
 from dflash_worker.serving.mlx import load_draft
 from dflash_worker.testing.tiny import tiny_qwen3_config

@@ -1,12 +1,22 @@
 """Tiny Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3.5-MoE targets built from real transformers configs.
 
+Every target is saved as transformers' `save_pretrained` saves a large checkpoint:
+sharded (`model-000NN-of-000MM.safetensors` plus `model.safetensors.index.json`;
+the default `max_shard_size` gives several shards even for these tiny models), so
+the project's loader and other engines' loaders (mlx-lm reads `model*.safetensors`)
+see the layout of a released checkpoint.
+
 The Qwen3.5 families are saved the way they are released: transformers' own
 multimodal wrapper (`Qwen3_5ForConditionalGeneration`,
 `Qwen3_5MoeForConditionalGeneration`) with a small vision tower, text weights
 under `model.language_model.*`, plus `mtp.*` tensors that transformers does not
-write (added as their own shard, as released checkpoints carry them). Experts
-are stored individually (what `save_pretrained` writes) or packed
-(`experts.gate_up_proj` / `experts.down_proj`, `expert_layout="packed"`).
+write; released checkpoints carry them in their numbered shards (the last ones),
+and so do these. Experts are stored as transformers saves them: individually
+(`experts.{e}.{gate,up,down}_proj.weight`, what `save_pretrained` writes by
+default) or packed (`experts.gate_up_proj [E, 2I, H]` / `experts.down_proj
+[E, H, I]`, gate rows first, `expert_layout="packed"`: transformers' own layout,
+written with `save_original_format=False`, the layout released Qwen3.5-MoE
+checkpoints use and the one mlx-lm's `qwen3_5_moe` reads).
 """
 
 from __future__ import annotations
@@ -130,50 +140,65 @@ def save_tiny_target(
         config = tiny_qwen3_config(**overrides) if family == "qwen3" else tiny_qwen3_moe_config(**overrides)
         model = AutoModelForCausalLM.from_config(config)
     model = model.to(getattr(torch, dtype)).eval()
-    model.save_pretrained(str(path), max_shard_size=max_shard_size)
-    if expert_layout == "packed" and family.endswith("_moe"):
-        pack_experts(path)
+    packed = expert_layout == "packed" and family.endswith("_moe")
+    # transformers keeps MoE experts packed in memory and converts them back to per-expert tensors on
+    # save unless told to keep its own (packed) format
+    model.save_pretrained(str(path), max_shard_size=max_shard_size, save_original_format=not packed)
     if mtp and family in HYBRID_FAMILIES:
-        add_mtp_shard(path, target_text_config(config), dtype=getattr(torch, dtype), seed=seed)
+        add_mtp_tensors(path, target_text_config(config), dtype=getattr(torch, dtype), seed=seed, max_shard_size=max_shard_size)
     return model
 
 
-def _read_index(path: Path) -> dict[str, Any]:
-    """The checkpoint's weight map (file per tensor), writing an index for a single-file checkpoint."""
+def _weight_files(path: Path) -> list[str]:
+    """The checkpoint's weight files: those its index names, else the single `model.safetensors`."""
     import json
-
-    from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return json.loads(index.read_text())
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        names = list(f.keys())
-    return {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]
 
 
-def _write_index(path: Path, doc: dict[str, Any]) -> None:
-    """Write `model.safetensors.index.json` for `doc["weight_map"]`, with the tensors' total size."""
+def _read_tensors(path: Path) -> dict[str, Any]:
+    """Every tensor of a saved checkpoint."""
+    from safetensors.torch import load_file
+
+    return {k: v for file in _weight_files(path) for k, v in load_file(str(path / file)).items()}
+
+
+def _save_sharded(path: Path, tensors: dict[str, Any], max_shard_size: str | int) -> None:
+    """Replace the checkpoint's weight files by `tensors` sharded as `save_pretrained` shards them:
+    huggingface_hub's `split_torch_state_dict_into_shards` (what transformers calls), files
+    `model-000NN-of-000MM.safetensors` (or one `model.safetensors`) and the index json."""
     import json
 
-    from ..weights.header import read_header
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
 
-    total = sum(t.nbytes for f in sorted(set(doc["weight_map"].values())) for t in read_header(path / f).tensors.values())
-    doc["metadata"] = {**doc.get("metadata", {}), "total_size": total}
-    (path / "model.safetensors.index.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    single = path / "model.safetensors"
-    if single.is_file() and "model.safetensors" not in doc["weight_map"].values():
-        single.unlink()
+    # in name order, so the files depend only on the tensors: a checkpoint packed after saving equals one
+    # saved packed, file for file (`mtp.*` sorts after `model.*`, into the last shards, as released)
+    tensors = dict(sorted(tensors.items()))
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    index = path / "model.safetensors.index.json"
+    for file in _weight_files(path):
+        (path / file).unlink()
+    index.unlink(missing_ok=True)
+    for file, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n].contiguous() for n in names}, str(path / file), metadata={"format": "pt"})
+    if split.is_sharded:
+        doc = {"metadata": {"total_parameters": sum(t.numel() for t in tensors.values()), **split.metadata},
+               "weight_map": split.tensor_to_filename}
+        index.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
-def add_mtp_shard(path: str | Path, text_config, *, dtype, seed: int = 0) -> list[str]:
-    """Add `mtp.*` tensors (one MTP layer's worth, shapes as released) in their own shard `mtp.safetensors`.
+def add_mtp_tensors(path: str | Path, text_config, *, dtype, seed: int = 0, max_shard_size: str | int = "64KB") -> list[str]:
+    """Add `mtp.*` tensors (one MTP layer's worth, shapes as released) after the model's own, re-sharded
+    as `save_pretrained` would shard them (so they land in the last numbered shards).
 
     transformers does not write the multi-token-prediction heads; released Qwen3.5
     checkpoints carry them, and the loader must skip them unread. Returns their names.
     """
     import torch
-    from safetensors.torch import save_file
 
     path = Path(path)
     H = text_config.hidden_size
@@ -187,55 +212,35 @@ def add_mtp_shard(path: str | Path, text_config, *, dtype, seed: int = 0) -> lis
         "mtp.layers.0.post_attention_layernorm.weight": (H,),
         "mtp.layers.0.mlp.down_proj.weight": (H, 2 * H),
     }
-    tensors = {n: (torch.randn(s, generator=gen) * 0.02).to(dtype) for n, s in shapes.items()}
-    save_file(tensors, str(path / "mtp.safetensors"), metadata={"format": "pt"})
-    doc = _read_index(path)
-    doc["weight_map"].update({n: "mtp.safetensors" for n in tensors})
-    _write_index(path, doc)
-    return sorted(tensors)
+    mtp = {n: (torch.randn(s, generator=gen) * 0.02).to(dtype) for n, s in shapes.items()}
+    _save_sharded(path, {**_read_tensors(path), **mtp}, max_shard_size)
+    return sorted(mtp)
 
 
-def pack_experts(path: str | Path) -> int:
+def pack_experts(path: str | Path, *, max_shard_size: str | int = "64KB") -> int:
     """Rewrite per-expert MoE tensors (`experts.{e}.{gate,up,down}_proj.weight`) of a saved
     checkpoint as packed `experts.gate_up_proj [E, 2I, H]` and `experts.down_proj [E, H, I]`
-    (gate rows first), in a shard `experts.safetensors`. Returns the number of packed layers."""
+    (gate rows first: transformers' own layout), re-sharded as `save_pretrained` shards.
+    Returns the number of packed layers."""
     import re
 
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     path = Path(path)
-    doc = _read_index(path)
     pat = re.compile(r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-    by_file: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, Any] = {}
     experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    for file in sorted(set(doc["weight_map"].values())):
-        with safe_open(str(path / file), "pt") as f:
-            keep = {}
-            for k in f.keys():
-                m = pat.match(k)
-                if m:
-                    experts.setdefault(m["base"], {})[(int(m["e"]), m["proj"])] = f.get_tensor(k)
-                else:
-                    keep[k] = f.get_tensor(k)
-        by_file[file] = keep
-    packed: dict[str, torch.Tensor] = {}
+    for name, t in _read_tensors(path).items():
+        m = pat.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m["base"], {})[(int(m["e"]), m["proj"])] = t
     for base, parts in experts.items():
         n = 1 + max(e for e, _ in parts)
-        packed[f"{base}.gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(n)])
-        packed[f"{base}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
-    weight_map: dict[str, str] = {}
-    for file, tensors in by_file.items():
-        if tensors:
-            save_file(tensors, str(path / file), metadata={"format": "pt"})
-            weight_map.update({k: file for k in tensors})
-        else:
-            (path / file).unlink()
-    save_file(packed, str(path / "experts.safetensors"), metadata={"format": "pt"})
-    weight_map.update({k: "experts.safetensors" for k in packed})
-    doc["weight_map"] = weight_map
-    _write_index(path, doc)
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(n)])
+        out[f"{base}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+    _save_sharded(path, out, max_shard_size)
     return len(experts)
 
 
