@@ -13,6 +13,12 @@ are compared, so background load on a shared machine hurts both alike.
     .venv/bin/python bench/capture.py [--examples 32] [--dtype float32] [--threads 1] [--repeats 3]
 
 Goal: capture overhead <= 10% over the baseline forward.
+
+`--lengths 2048,4096,8192,16384`: long contexts instead (bench/long_context.py): peak RSS and time
+per token of the capture forward (chunked by `--chunk-tokens`) beside transformers' plain forward of
+the same tiny hybrid (`qwen3_5`) and dense (`qwen3`) targets at each length, each in its own process.
+
+    .venv/bin/python bench/capture.py --lengths 2048,4096,8192,16384 [--chunk-tokens 2048]
 """
 
 from __future__ import annotations
@@ -66,7 +72,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="alternating baseline/capture rounds (best kept)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on a small shared CPU, spinning OpenMP threads distort timings)")
+    import long_context
+
+    long_context.add_arguments(ap)
     args = ap.parse_args()
+    if args.lengths:
+        return long_context.run(args, "capture")
     torch.set_num_threads(args.threads)
 
     from dflash_worker.capture import run_capture

@@ -31,12 +31,20 @@ Times are medians over `--repeats` rounds in which the two modes alternate (a sh
 load then falls on both).
 
 Usage: .venv/bin/python bench/train.py --features [--examples N] [--train-steps S] [--grad-accum A] [--repeats R]
+
+`--lengths 2048,4096,8192,16384`: long contexts instead (bench/long_context.py): one online training
+step (the chunked teacher forward beside the draft, then forward, backward and AdamW over `--blocks`
+anchored blocks) beside transformers' plain forward of the same tiny hybrid (`qwen3_5`) and dense
+(`qwen3`) targets at each length, peak RSS and time per token, each in its own process.
+
+Usage: .venv/bin/python bench/train.py --lengths 2048,4096,8192,16384 [--chunk-tokens 2048] [--blocks M]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -221,7 +229,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant (after one warm-up)")
     ap.add_argument("--length", type=int, default=1024, help="sequence length (context tokens)")
     ap.add_argument("--blocks", type=int, default=16, help="anchored blocks per sequence")
+    import long_context
+
+    long_context.add_arguments(ap)
     args = ap.parse_args()
+    if args.lengths:
+        sys.exit(long_context.run(args, "train"))
     if args.features:
         features_bench(args)
         return

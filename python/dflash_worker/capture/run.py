@@ -21,7 +21,8 @@ Order of work, cheapest checks first, one function per step; this module holds t
    online training calls too), optionally regenerate each response (greedy or per-example seeded
    sampling), run the teacher once over prompt+response with
    `output_hidden_states` and keep ``hidden_states[id + 1]`` for each target
-   layer id; a `ShardWriter` (`capture.shards`) writes shards atomically (shard, then sidecar) on
+   layer id (an example longer than `[capture].chunk_tokens` in chunks through the target's
+   cache, `capture.teacher`); a `ShardWriter` (`capture.shards`) writes shards atomically (shard, then sidecar) on
    a writer thread that overlaps the next examples' forward passes; release
    the teacher (``del`` + ``gc``);
 4. `capture_manifest`: ``manifest.json``, written last.
