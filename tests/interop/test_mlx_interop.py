@@ -31,6 +31,7 @@ import dflash.model_mlx as zlab
 import mlx.core as mx
 import pytest
 import torch
+from export_drafts import torch_draft
 from prewarmed import run_main
 
 from dflash_worker.errors import CheckpointError
@@ -73,7 +74,7 @@ class Trained:
         from dflash_worker.evaluate import speculative_generate
 
         if fmt not in self._references:
-            draft = _torch_draft(self.export(fmt))
+            draft = torch_draft(self.export(fmt))
             self._references[fmt] = [
                 speculative_generate(draft, self.torch_target, torch.tensor([ids]), max_new_tokens=MAX_NEW,
                                      stop_token_ids=self.stop).acceptance_lengths
@@ -127,32 +128,6 @@ def trained(tmp_path_factory):
         return _CACHE[family]
 
     return get
-
-
-def _torch_draft(export: Path):
-    """The export as the project's torch draft (float32): BF16 as `evaluate` loads it; AF4G64 with every
-    quantized weight dequantized from the file's bytes (`model.quant.dequantize_af4g64`, MLX's own
-    arithmetic), which is what the AF4G64 export serves."""
-    from safetensors.torch import load_file
-
-    from dflash_worker.model import DraftConfig, DraftModel
-    from dflash_worker.model import load_draft as load_torch_draft
-    from dflash_worker.model.quant import dequantize_af4g64
-
-    if not json.loads((export / "config.json").read_text()).get("quantization"):
-        return load_torch_draft(export, dtype=torch.float32)
-    stored = load_file(str(export / "model.safetensors"))
-    state = {}
-    for name, t in stored.items():
-        base = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")):
-            continue
-        if f"{base}.scales" in stored:
-            t = dequantize_af4g64(t, stored[f"{base}.scales"], stored[f"{base}.biases"], dtype=torch.float32)
-        state[name] = t.float()
-    model = DraftModel(DraftConfig.from_file(export / "config.json"))
-    model.load_state_dict(state, strict=True)
-    return model.float().eval()
 
 
 def _torch_greedy(t: Trained, ids: list[int]) -> list[int]:

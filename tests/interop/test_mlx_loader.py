@@ -131,3 +131,70 @@ def test_dflash_worker_imports_no_mlx_unless_serving_mlx_is_imported() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """The tiny Qwen3 target the drafts above fit, in torch (float32) and in mlx-lm."""
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    from dflash_worker.testing.tiny import save_tiny_target
+
+    path = tmp_path_factory.mktemp("target")
+    torch_target = save_tiny_target(path, seed=5).float().eval()
+    return torch_target, mlx_load_model(path)[0]
+
+
+def _draft_logits(export: Path, target, ids: list[int], *, mlx_side: bool) -> np.ndarray:
+    """The draft's logits for one block after the context `ids[:-1]` (features from the torch target): through
+    z-lab's MLX draft as `load_draft` loads it, or through the project's torch draft of the same export."""
+    from export_drafts import torch_draft
+
+    from dflash_worker.model.draft import context_features
+
+    torch_target, mlx_target = target
+    cfg = DraftConfig.from_file(export / "config.json")
+    with torch.no_grad():
+        out = torch_target(torch.tensor([ids[:-1]]), output_hidden_states=True)
+        features = context_features(out.hidden_states, cfg.target_layer_ids)
+        block = [ids[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1)
+        if mlx_side:
+            draft = load_draft(export).bind(mlx_target)
+            return _np(draft(mx.array([block]), mx.array(features.numpy()), draft.make_cache(), logits_start=1))
+        draft = torch_draft(export, float32_dequant=True)  # the arithmetic MLX's quantized layers use
+        embed = torch_target.get_input_embeddings().weight
+        hidden = draft.step(features, draft.embed(torch.tensor([block]), embed), draft.new_cache())[:, 1:]
+        return draft.logits(hidden, torch_target.get_output_embeddings()).numpy()
+
+
+IDS = [5, 17, 99, 3, 42, 42, 7, 18, 200, 11, 64, 9]  # longer than the sliding window (6): the window applies
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "af4g64"])
+def test_mlx_draft_logits_equal_the_project_drafts(exports, target, fmt) -> None:
+    """One block through both implementations of the same export: equal logits (float32, to rounding).
+    AF4G64 is compared with its weights dequantized as MLX's quantized matmul does (float32 from the BF16
+    scales), not as `mx.dequantize` does (BF16): the two differ in the third decimal of these logits."""
+    root, _ = exports
+    want = _draft_logits(root / fmt, target, IDS, mlx_side=False)
+    got = _draft_logits(root / fmt, target, IDS, mlx_side=True)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("tensor", ["fc.weight", "layers.1.self_attn.q_proj.weight"])
+def test_mlx_draft_logits_see_a_tensor_broken_in_the_export(exports, target, tensor, tmp_path) -> None:
+    """The same comparison fails once one tensor of the export is changed (swapped for another's values)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root, _ = exports
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "bf16", broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors[tensor] = tensors[tensor].flip(0).contiguous()
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    want = _draft_logits(root / "bf16", target, IDS, mlx_side=False)
+    got = _draft_logits(broken, target, IDS, mlx_side=True)
+    assert np.abs(got - want).max() > 1e-2 * float(np.abs(want).max())
