@@ -29,7 +29,7 @@ export DFLASH_GIT_COMMIT
 export PYO3_PYTHON := $(abspath $(PY))
 export PYO3_ENVIRONMENT_SIGNATURE := $(shell $(BASE_PYTHON) scripts/cargo-env.py pyo3-signature)
 
-.PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness docker-image-cpu interop-vllm
+.PHONY: install demo test lint test-python test-rust fuzz proto lock bench-effectiveness docker-image-cpu interop-vllm interop-sglang interop-llamacpp
 
 install:
 	@scripts/setup-env.sh
@@ -64,6 +64,15 @@ docker-image-cpu: install
 # environment of GBs under ~/.cache/dflash-worker/interop, built on first use (scripts/interop-vllm.sh).
 interop-vllm:
 	@scripts/interop-vllm.sh $(PYTEST_ARGS)
+
+# SGLang's own DFlash config parser on the project's exports (tests/interop_sglang; scripts/interop-sglang.sh).
+interop-sglang:
+	@scripts/interop-sglang.sh $(PYTEST_ARGS)
+
+# llama.cpp's own converter on the project's exports, and its build for running them, within a time limit
+# (tests/interop_llamacpp; scripts/interop-llamacpp.sh).
+interop-llamacpp:
+	@scripts/interop-llamacpp.sh $(PYTEST_ARGS)
 
 # Lint gates (CI runs them through `make test`): ruff with the config in pyproject.toml; no class
 # over 400 lines, function over 80 or file over 600 in python/dflash_worker, generated protobuf stubs
