@@ -96,3 +96,27 @@ def test_chunked_forward_builds_no_attention_mask(targets, family, monkeypatch):
     assert len(seen) == layers * -(-T // chunk), seen
     assert all(unmasked for _, _, unmasked in seen) and max(q for q, _, _ in seen) == chunk and max(k for _, k, _ in seen) == T
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("window", [None, 50])
+def test_prefix_causal_sdpa_equals_masked_attention(dtype, window):
+    """`prefix_causal_sdpa` against SDPA with the explicit lower-right causal (and sliding) mask, on GQA
+    shapes: the CPU flash + log-sum-exp merge (float32, bfloat16) and the lower-right bias branch other
+    devices take (float64 takes it on the CPU), with and without a cached prefix."""
+    import torch.nn.functional as F
+
+    from dflash_worker.capture.teacher import prefix_causal_sdpa
+
+    gen = torch.Generator().manual_seed(1)
+    for P, C in ((0, 64), (200, 64), (37, 1)):
+        S = P + C
+        q = torch.randn(1, 4, C, 16, generator=gen).to(dtype)
+        k, v = (torch.randn(1, 2, S, 16, generator=gen).to(dtype) for _ in range(2))
+        got, none = prefix_causal_sdpa(None, q, k, v, None, scaling=0.25, sliding_window=window)
+        q_pos, k_pos = torch.arange(P, S)[:, None], torch.arange(S)[None, :]
+        mask = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
+        want = F.scaled_dot_product_attention(q.double(), k.repeat_interleave(2, 1).double(), v.repeat_interleave(2, 1).double(),
+                                              attn_mask=mask, scale=0.25).transpose(1, 2)
+        assert none is None and got.shape == (1, C, 4, 16) and got.dtype == dtype
+        assert float((got.double() - want).abs().max()) <= 4 * torch.finfo(dtype).eps * float(want.abs().max()), (P, C, dtype)
