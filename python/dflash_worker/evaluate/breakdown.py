@@ -117,12 +117,12 @@ def markdown(r: dict[str, Any]) -> list[str]:
         tm = t["modes"][mode]
         lines.append(f"| {mode} | {bm['prompts']} | {_fmt(bm['tau'])} | {_fmt(tm['tau'])} | {bm['steps']} / {tm['steps']} |")
     if "buckets" not in b:
-        return [*lines, ""]
+        return lines
     lines += ["", f"Acceptance length tau (pooled) per context bucket ({BUCKET_RULE}):", "",
               "| context (tokens) | baseline tau | baseline steps | trained tau | trained steps |", "|---|---|---|---|---|"]
     for x, y in zip(b["buckets"], t["buckets"]):
         lines.append(f"| {x['bucket']} | {_fmt(x['tau'])} | {x['steps']} | {_fmt(y['tau'])} | {y['steps']} |")
-    return [*lines, ""]
+    return lines
 
 
 def summary_lines(r: dict[str, Any]) -> list[str]:
