@@ -75,7 +75,20 @@ def test_demo_like_dflash2_export_vllm_refused_on_cpu_mlx_accepted(tmp_path, tar
     sg = plan("sglang", export, targets[16], device="cuda")
     assert sg.accepted, sg.reasons
     assert sg.fields["flags"][sg.fields["flags"].index("--speculative-num-draft-tokens") + 1] == "4"
-    assert not plan("llama.cpp", export, targets[16]).accepted
+    lc = plan("llama.cpp", export, targets[16])
+    assert not lc.accepted
+    # llama.cpp 0c1e570 converts DFlash2; its loader bounds the selector: hidden 64 < 64 * 65
+    assert [r for r in lc.reasons if "DFlash2" in r] == [r for r in lc.reasons if "selector lattice" in r] != []
+
+
+def test_dflash2_within_llamacpps_selector_lattice_accepted(tmp_path, targets):
+    # hidden size 64 >= top_k * (top_k + 1) = 56: llama.cpp's DFlash2 loader takes it (make interop-llamacpp)
+    export = _export(tmp_path, "lattice", tiny_dflash2_config(target_config(targets[64]), block_size=4, selector_top_k=7,
+                                                              layer_types=FULL, use_sliding_window=False,
+                                                              sliding_window=None))
+    lc = plan("llama.cpp", export, targets[64])
+    assert lc.accepted, lc.reasons
+    assert lc.fields["command"][-2:] == ["--spec-draft-n-max", "3"]
 
 
 def test_v1_full_attention_export_vllm_accepted_with_its_speculative_config(tmp_path, targets):

@@ -36,8 +36,9 @@ CHECKED = {
     "sglang": "sglang 0.5.23 (srt/arg_groups/speculative_hook.py, srt/speculative/dflash_utils.py, srt/models/dflash.py)",
     "mlx": "dflash 0.1.0 (model_mlx.py) and mlx-lm 0.32.2 (models/qwen3_5_moe.py), through "
     "dflash_worker.serving.mlx.load_draft",
-    "llama.cpp": "ggml-org/llama.cpp sources (conversion/qwen.py: DFlashModel at 03173d5e; src/models/dflash.cpp at "
-    "01b78a15); PyPI gguf 0.19.0 has no DFLASH architecture; not built or run here",
+    "llama.cpp": "llama.cpp 0c1e570 (the sources llama-cpp-python 0.3.36 vendors: convert_hf_to_gguf.py with its "
+    "in-tree gguf-py, src/models/dflash.cpp), converted and run by `make interop-llamacpp`; PyPI gguf 0.19.0 has no "
+    "DFLASH architecture",
 }
 
 # vLLM 0.32.0 CPU attention kernels (`CPUAttentionBackend.get_supported_head_sizes`).
@@ -247,14 +248,15 @@ def _mlx(ex: Export, target: Target, device: str) -> Plan:
 
 def _llamacpp(ex: Export, target: Target, device: str) -> Plan:
     d, reasons = ex.draft, _common("llama.cpp", ex, target)
-    notes = ["llama.cpp was not built or run here; the lines follow its sources: run them from a llama.cpp checkout, "
-             "whose in-tree gguf-py has the DFLASH architecture (PyPI gguf 0.19.0 has none)"]
+    notes = ["run the converter from a llama.cpp checkout (0c1e570 or later): its in-tree gguf-py has the DFLASH "
+             "architecture, PyPI gguf 0.19.0 has none; older converters (03173d5e) take DFlash v1 only and read "
+             "`block_size` only at the top level, which the export also writes"]
     if ex.fmt == "af4g64":
         reasons.append("AF4G64 is MLX's packed 4-bit layout; llama.cpp's converter reads unquantized safetensors "
                        "(convert the BF16 export and quantize with llama.cpp's own tools)")
     if d.kind == DFLASH2:
-        reasons.append("llama.cpp's converter (`conversion/qwen.py: DFlashModel`) registers `DFlashDraftModel` only and "
-                       "writes no convolution or selector metadata, so a DFlash2 draft cannot reach its DFlash2 loader")
+        # 0c1e570's converter registers DFlash2DraftModel and writes the convolution and selector keys
+        # (tests/interop_llamacpp: every tensor bit for bit); its loader still bounds the selector.
         if d.hidden_size < (d.selector_top_k or 0) * ((d.selector_top_k or 0) + 1):
             reasons.append(f"llama.cpp's DFlash2 loader needs hidden size >= top_k * (top_k + 1): `DFlash2 hidden size is "
                            f"too small for the selector lattice` (hidden `{d.hidden_size}`, top_k `{d.selector_top_k}`)")

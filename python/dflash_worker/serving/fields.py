@@ -16,8 +16,9 @@ The engines read the same draft config differently (read in their sources, the v
 - z-lab `dflash` 0.1.0 MLX (`model_mlx.load_draft`): `target_layer_ids` and `mask_token_id` only inside
   `dflash_config` (a `KeyError` otherwise); `block_size` and `final_logit_softcapping` there first, then at
   the top level; `num_target_layers`, `head_dim` and `max_position_embeddings` required at the top level.
-- llama.cpp (`conversion/qwen.py: DFlashModel`): `block_size` only at the top level (16 when absent),
-  `target_layer_ids` and `mask_token_id` inside `dflash_config`.
+- llama.cpp (converter at 03173d5e, `conversion/qwen.py: DFlashModel`): `block_size` only at the top level
+  (16 when absent), `target_layer_ids` and `mask_token_id` inside `dflash_config`; the 0c1e570 converter
+  that `make interop-llamacpp` runs reads `dflash_config.block_size` first, so both copies keep both right.
 
 So a config that keeps a field in one place only is read with another value by some engine (the
 llama.cpp converter writes block 16 for a block-4 draft whose size sits in `dflash_config`; vLLM drops
