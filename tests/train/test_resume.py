@@ -227,3 +227,16 @@ def test_an_unusable_checkpoint_is_skipped_for_the_next_older_one(pipeline, refe
     assert any(level == "warning" and m.startswith(f"skipped checkpoint `{newest}`") and "optimizer.pt" in m for level, m in logs), logs
     assert ("info", f"resumed from `{older[1]}` at step {older[0]}") in logs, logs
     _assert_identical(reference, _final(run), run)
+
+
+def test_checkpoints_from_before_chunk_tokens_and_train_turns_resume_at_their_defaults():
+    """A checkpoint written before `[capture].chunk_tokens` and `[data].train_turns` existed resumes under
+    their defaults (2048, "all"), and is refused under any other value, the field named."""
+    from dflash_worker.train.resume import compare_for_resume
+
+    saved = {"recipe_view": {"train.lr": 1.0}, "data_fingerprint": "d", "draft_fingerprint": {}}
+    now = {"train.lr": 1.0, "capture.chunk_tokens": 2048, "data.train_turns": "all"}
+    compare_for_resume(saved, {**saved, "recipe_view": now})
+    for key, other in (("capture.chunk_tokens", 512), ("data.train_turns", "last")):
+        with pytest.raises(ResumeError, match=f"`{key}`"):
+            compare_for_resume(saved, {**saved, "recipe_view": {**now, key: other}})

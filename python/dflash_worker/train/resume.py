@@ -118,7 +118,10 @@ def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     diffs = []
     s_rec, c_rec = saved.get("recipe_view") or {}, current["recipe_view"]
     if s_rec:  # a key added after a checkpoint was written (or absent from a view) counts as its default
-        added = {"train.features": "cache", "train.general_tolerance": 0.03, "train.guard_patience": 0, "train.replay_kd": 0.0}
+        # (`data.train_turns`: "all" trains what "last" did on the rows that existed before it, whose final
+        # turn was their only assistant turn; multi-turn captures change the capture key, hence the data fingerprint)
+        added = {"train.features": "cache", "train.general_tolerance": 0.03, "train.guard_patience": 0, "train.replay_kd": 0.0,
+                 "capture.chunk_tokens": 2048, "data.train_turns": "all"}
         s_rec, c_rec = {**added, **s_rec}, {**added, **c_rec}
     for key in sorted(set(s_rec) | set(c_rec)):
         if s_rec.get(key, "<absent>") != c_rec.get(key, "<absent>"):
