@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from loss_masks import mask_runs
 
 from dflash_worker.capture.generate import regenerate_example
 from dflash_worker.data import render_prompt
@@ -56,17 +57,6 @@ def argmax_continues(model, context, new):
     return torch.equal(logits[len(context) - 1 : len(context) + len(new) - 1].argmax(-1), torch.tensor(new))
 
 
-def runs(mask):
-    out, start = [], None
-    for t, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = t
-        if not m and start is not None:
-            out.append((start, t))
-            start = None
-    return out
-
-
 ROW = {"tools": VALID[2]["tools"], "messages": [
     {"role": "user", "content": "Add 2 and 3."},
     {"role": "assistant", "content": "", "tool_calls": [call("add", {"a": 2, "b": 3}, id="x1")]},
@@ -95,7 +85,7 @@ def test_every_turn_is_regenerated_from_its_logged_context(teacher):
     g = regen(teacher, ex)
     logged = render_turns(tok, list(ex.prompt_messages), thinking=False, tools=ex.tools, generation=True)
     assert [i for i, _, _ in logged.turns] == [1, 3]
-    trained = runs(g.mask)
+    trained = mask_runs(g.mask)
     assert len(trained) == 3  # the two earlier assistant turns and the response
     # each regenerated turn is the teacher's answer to the turns before it as logged (not as regenerated)
     for (i, _, _), (a, b) in zip(logged.turns, trained[:2], strict=True):
@@ -135,7 +125,7 @@ def test_a_sequence_over_max_length_is_cut_and_flagged(teacher):
         assert short.truncated and len(short.ids) <= max_length and len(short.mask) == len(short.ids)
         assert 0 < sum(short.mask) < sum(full.mask)
         # what is kept was still answered from the logged context, within the room left
-        a, b = runs(short.mask)[0]
+        a, b = mask_runs(short.mask)[0]
         assert b - a <= max_length - len(context) and argmax_continues(model, context, short.ids[a:b])
 
 

@@ -9,6 +9,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from loss_masks import mask_runs
 
 from dflash_worker.data import PreparedData, check_data, prepare_data, render_row
 from dflash_worker.testing.worlds_chat import THINKING_SHAPES, thinking_rows, tool_row, tool_rows, weather, write_jsonl
@@ -29,17 +30,6 @@ def tool_tokenizer(request):
     tok = build_tiny_tokenizer(tool_tokens=True)
     tok.chat_template = (TEMPLATES / f"{request.param}.jinja").read_text(encoding="utf-8")
     return tok
-
-
-def runs(mask):
-    out, start = [], None
-    for t, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = t
-        if not m and start is not None:
-            out.append((start, t))
-            start = None
-    return out
 
 
 def test_tool_rows_are_deterministic_by_seed_and_row():
@@ -98,7 +88,7 @@ def test_tool_rows_prepare_strictly_and_train_every_assistant_turn_in_both_modes
     for ex in PreparedData(tmp_path / "data").examples(("train", "val", "test")):
         assistants = [m for m in ex.messages if m["role"] == "assistant"]
         r = render_row(tool_tokenizer, ex, data)
-        trained = runs(r.loss_mask)
+        trained = mask_runs(r.loss_mask)
         assert len(trained) == len(assistants), (ex.id, trained)
         for (a, b), m in zip(trained, assistants, strict=True):
             text = tool_tokenizer.decode(r.input_ids[a:b], skip_special_tokens=False)
@@ -109,7 +99,7 @@ def test_tool_rows_prepare_strictly_and_train_every_assistant_turn_in_both_modes
         untrained = tool_tokenizer.decode([t for t, k in zip(r.input_ids, r.loss_mask, strict=True) if not k])
         assert all(m["content"] in untrained for m in ex.messages if m["role"] in ("user", "tool"))
         only_last = render_row(tool_tokenizer, ex, last)
-        assert runs(only_last.loss_mask) == trained[-1:] and only_last.input_ids == r.input_ids
+        assert mask_runs(only_last.loss_mask) == trained[-1:] and only_last.input_ids == r.input_ids
 
 
 def test_thinking_rows_mix_and_one_mode():

@@ -13,6 +13,7 @@ import json
 
 import pytest
 from e2e_helpers import run_one_job
+from loss_masks import mask_runs
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +38,6 @@ def tool_spec(world) -> dict:
     spec["recipe"]["evaluate"] = {"max_new_tokens": 8}
     spec["evaluate"] = {"split": "test", "max_prompts": 4}
     return spec
-
-
-def runs(mask) -> list[tuple[int, int]]:
-    out, start = [], None
-    for t, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = t
-        if not m and start is not None:
-            out.append((start, t))
-            start = None
-    return out
 
 
 def captured(capture_dir) -> dict[tuple[str, str], tuple[list[int], list[int]]]:
@@ -86,7 +76,7 @@ def test_a_tool_world_job_trains_every_assistant_turn_in_both_thinking_modes(tmp
         ex = examples[key]
         assistants = [(i, m) for i, m in enumerate(ex.messages) if m["role"] == "assistant"]
         last_user = max(i for i, m in enumerate(ex.messages) if m["role"] == "user")
-        trained = runs(mask)
+        trained = mask_runs(mask)
         assert len(trained) == len(assistants), (key, trained)
         for (a, b), (i, m) in zip(trained, assistants, strict=True):
             text = tok.decode(ids[a:b], skip_special_tokens=False)
