@@ -586,6 +586,35 @@ def teacher_texts(c: Corpus, s: Settings) -> list[str]:
     return texts
 
 
+def pretrain_lm(model, batches, *, steps: int, lr: float, label: str) -> list[float]:
+    """Next-token CE pretraining of `model` for `steps` steps; `batches(gen)` draws each step's
+    `model(**batch)` arguments (with `labels`) from the seeded generator `gen`. AdamW (0.9, 0.95),
+    weight decay 0.01, linear warmup over 3% of the steps then cosine to 10% of `lr`, gradient norm
+    clipped at 1. Deterministic: the same model, batches and steps give the same weights. Returns the
+    per-step losses."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    losses: list[float] = []
+    for step in range(steps):
+        frac = step / steps
+        warm = min(1.0, (step + 1) / max(1.0, 0.03 * steps))
+        for g in opt.param_groups:
+            g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        loss = model(**batches(gen)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if (step + 1) % 100 == 0:
+            log(f"  {label} step {step + 1}/{steps}  loss {statistics.fmean(losses[-100:]):.3f}  "
+                f"{(time.perf_counter() - t0) / 60:.1f} min")
+    return losses
+
+
 def build_teacher(c: Corpus, s: Settings, cache: Path) -> tuple[Path, dict[str, Any]]:
     """Train (or reuse) the teacher for `s.teacher_steps` steps; returns its checkpoint dir and metadata.
 
@@ -633,31 +662,16 @@ def build_teacher(c: Corpus, s: Settings, cache: Path) -> tuple[Path, dict[str, 
         config = Qwen3Config(**common, rope_theta=10000.0)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=s.teacher_lr, betas=(0.9, 0.95), weight_decay=0.01)
-    gen = torch.Generator().manual_seed(0)
-    t0 = time.perf_counter()
-    step, losses = 0, []
     L = s.teacher_seq
-    total = s.teacher_steps
-    while step < total:
-        # linear warmup over 3% of the steps, cosine to 10% after
-        frac = step / total
-        warm = min(1.0, (step + 1) / max(1.0, 0.03 * total))
-        lr = s.teacher_lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr
+
+    def windows(gen: torch.Generator) -> dict[str, torch.Tensor]:
         starts = torch.randint(0, len(stream) - L - 1, (s.teacher_batch,), generator=gen)
         batch = torch.stack([stream[i : i + L] for i in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
-        step += 1
-        if step % 100 == 0:
-            log(f"  teacher step {step}/{total}  loss {statistics.fmean(losses[-100:]):.3f}  "
-                f"{(time.perf_counter() - t0) / 60:.1f} min")
+        return {"input_ids": batch, "labels": batch}
+
+    t0 = time.perf_counter()
+    losses = pretrain_lm(model, windows, steps=s.teacher_steps, lr=s.teacher_lr, label="teacher")
+    step = len(losses)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.eval().save_pretrained(str(tmp))

@@ -11,9 +11,11 @@ without `--skip-invalid`:
   or two tool rounds, parallel calls, an optional system turn and a closing exchange. Rows cycle
   through four thinking shapes (`THINKING_SHAPES`) so `[data].thinking = "per_row"` sees both modes,
   given explicitly and inferred from `reasoning_content`.
-- `thinking_rows`: short arithmetic questions answered with a reasoning trace (thinking on) or
-  without (off), every row with its explicit `"thinking"`; `on_fraction` sets the mix and
-  `one_mode` keeps the rows of one mode (what a draft "released" on one mode only was trained on).
+- `thinking_rows`: short arithmetic questions answered with a reasoning trace in words and a short
+  answer (thinking on) or, without reasoning (off), with the working in the answer in symbols (as
+  served models write differently in each mode), every row with its explicit `"thinking"`;
+  `on_fraction` sets the mix and `one_mode` keeps the rows of one mode (what a draft "released" on
+  one mode only was trained on).
 
 The tools' answers are computed, never drawn: `add` adds, `get_weather` hashes the city, and
 `capital_of` looks the country up, so a conversation's final answer follows from its tool turns.
@@ -137,9 +139,11 @@ def thinking_row(i: int, *, seed: int = 0, on: bool) -> dict[str, Any]:
     rng = random.Random(f"thinking:{seed}:{i}")
     a, b, c = rng.randint(2, 12), rng.randint(2, 12), rng.randint(1, 30)
     value = a * b + c
-    answer: dict[str, Any] = {"role": "assistant", "content": f"The answer is {value}."}
-    if on:
-        answer["reasoning_content"] = f"First {a} times {b} is {a * b}. Then {a * b} plus {c} is {value}."
+    if on:  # the working goes into the reasoning, the answer is short
+        answer: dict[str, Any] = {"role": "assistant", "content": f"The answer is {value}.",
+                                  "reasoning_content": f"First {a} times {b} is {a * b}. Then {a * b} plus {c} is {value}."}
+    else:  # no reasoning: the answer shows its working, in another style (as served models answer unthinking)
+        answer = {"role": "assistant", "content": f"{a} x {b} + {c} = {a * b} + {c} = {value}."}
     return {"thinking": on, "source": "thinking-world",
             "messages": [{"role": "user", "content": f"q{i}: what is {a} times {b} plus {c}?"}, answer]}
 
