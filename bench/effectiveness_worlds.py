@@ -21,10 +21,10 @@ weights): plain next-token CE on rows of the world's own generator drawn with a 
 evaluation draws (`PRETRAIN_SEED`), rendered as the draft's training renders them (each row in its mode,
 tools and all). So the teacher answers as the world's rows do: reasoning in words then a short answer with
 thinking on, the working in symbols with it off. The long world's target keeps its random weights:
-pretrained on its documents at 256-1,024 tokens (400 steps of 8, 5.1 min here) it did not carry over to
-the evaluation's lengths, where its greedy answer to every 4.9k-7.8k-token prompt degenerated into a
-repeated syllable instead of recalling the opening, and pretraining at 4k-16k tokens costs more than
-this bench's budget. Its long-context behaviour is then the random target's own: the long world measures
+pretrained on its documents at 256-1,024 tokens (400 steps of 8, 5.1 min here) it learned the answer's
+form but not the recall (at 600-800 tokens it named the wrong ledger and invented the keeper), and its
+greedy answer to every 4.9k-7.8k-token prompt degenerated into a repeated syllable; a teacher that
+recalls would need far longer pretraining, at the evaluation's lengths, than this bench's budget. Its long-context behaviour is then the random target's own: the long world measures
 whether a draft trained at long context predicts the target there better than one trained on the same
 text cut short, not whether the target recalls.
 """
