@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -61,7 +62,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 1
+    _log_to_stderr()
     return run_guarded(lambda: _one_rank_unless_ranked(args.command) or _module(args.command).run(args))
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever `sys.stderr` is when the record comes (tests swap it per call)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _log_to_stderr() -> None:
+    """Library logs of the `dflash_worker` loggers at INFO and above (the kernel selection of a hybrid
+    target, `weights.linear_kernels`) go to stderr as ``dflash-worker: <message>``, unless the process
+    already set up its own handler (the job runner's JSON lines, `dflash_worker.job`)."""
+    root = logging.getLogger("dflash_worker")
+    if root.handlers:
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("dflash-worker: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
 
 
 # Commands that run as several `torch.distributed` ranks (`dflash_worker.dist`); the others would

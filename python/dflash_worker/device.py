@@ -10,7 +10,8 @@ in `provenance()`).
 Also here: the MPS BF16 probe (`DFLASH_MPS_BF16=1|0` overrides it; float16 is
 the fallback), RNG capture/restore for every generator a resumed run must replay, a
 synchronised timer, memory figures labelled `snapshot` or `peak`, and the
-provenance dict written into manifests.
+provenance dict written into manifests (with, once a hybrid target was built in
+the process, which Gated DeltaNet kernels it runs: `weights.linear_kernels`).
 """
 
 from __future__ import annotations
@@ -374,6 +375,11 @@ def provenance(choice: DeviceChoice | None = None) -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "transformers": tf_version,
     }
+    from .weights.linear_kernels import loaded_kernels
+
+    kernels = loaded_kernels()  # hybrid targets built in this process: which Gated DeltaNet kernels run
+    if kernels:
+        out["linear_attention_kernels"] = kernels
     resolved = choice or DeviceChoice(requested="cpu", device="cpu")
     if resolved.type == "cuda" and cuda_available():
         out["device_name"] = torch.cuda.get_device_name(resolved.torch_device)

@@ -116,7 +116,18 @@ def pipe(request, tmp_path_factory) -> Pipeline:
     res = _ok("capture", "--recipe", p.recipe("capture-recipe"), "--json")
     manifest = json.loads(res.stdout)
     assert manifest["generation"]["sampling"] == "greedy" and manifest["shards_total"] >= 2
+    _assert_reference_kernels(family, res.stderr, manifest["device"])
     return p
+
+
+def _assert_reference_kernels(family: str, stderr: str, device: dict) -> None:
+    """The command logged its Gated DeltaNet kernels once (none installed here: the torch references),
+    and its manifest's device provenance records the same (`weights.linear_kernels`)."""
+    line = f"dflash-worker: linear-attention kernels ({family}): chunk_gated_delta_rule=torch reference, "
+    assert stderr.count("linear-attention kernels") == 1 and line in stderr, stderr
+    assert device["linear_attention_kernels"] == {family: {
+        k: "torch reference" for k in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                                       "causal_conv1d_update")}}
 
 
 def _capture_recipe_file(p: Pipeline, output: Path) -> Path:
@@ -338,6 +349,7 @@ def test_evaluate_reports_on_held_out_prompts(pipe, scope_runs):
     assert res.stdout.startswith("evaluate: 4 prompts, acceptance length (pooled)"), res.stdout
     report = json.loads((run / "evaluate-test" / "report.json").read_text())
     assert report["prompts"] == 4 and len(report["per_prompt"]) == 4
+    _assert_reference_kernels(pipe.recipe_base["model"]["family"], res.stderr, report["device"])
     assert report["stop_token_ids"] and report["split"] == "test"
     assert report["lossless"] is True, report["lossless_mismatches"]
     # the speculative loop really ran: some prompt got past the teacher's first token

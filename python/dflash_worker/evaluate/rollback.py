@@ -24,6 +24,15 @@ left to `crop`. Everything patched is restored in a `finally`; a layer whose for
 through the wrapped functions (a hub kernel replaced it, transformers moved the call) is an
 error, never a silent drift.
 
+Whichever implementation runs: transformers dispatches from inside those module globals (its
+`use_kernel_func_from_hub_with_fallback` resolves the torch reference, `flash-linear-attention`,
+or, with the `kernels` package, an `nn.Module` singleton whose `forward` a hub kernel may replace:
+see `weights.linear_kernels`), so wrapping the globals intercepts every one of them, and the replay
+calls the same dispatcher the layer called. Only a kernel for the whole layer
+(`Qwen3_5GatedDeltaNet` is also a hub layer name) runs its recurrence elsewhere; the forward hook
+sees the missing call and refuses. tests/model/test_hybrid_kernels.py runs this with stand-in
+kernels registered through transformers' own decorator.
+
 What it costs, per linear-attention layer and verify step: one clone of the recurrent state
 ([1, value heads, key dim, value dim] float32: 2 MiB for a 32 x 128 x 128 layer), references to
 the block's recurrence inputs (no copies), and, only when some proposal was rejected, one
@@ -56,7 +65,7 @@ _SEQUENCE_INPUTS = ("query", "key", "value", "g", "beta")
 _NOT_PASSED_ON = (*_SEQUENCE_INPUTS, "initial_state", "output_final_state", "chunk_size")
 _HINT = (
     "hint: exact rollback is implemented for transformers 5.24's Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE); "
-    "load the target with transformers' own modeling code, without hub kernels"
+    "load the target with transformers' own modeling code, without a hub kernel for the whole Gated DeltaNet layer"
 )
 
 
@@ -165,8 +174,9 @@ class RecurrentRollback:
         self.recorded.clear()
 
     def _wrap(self, fn: Callable, replay_fn: Callable) -> Callable:
-        signature = inspect.signature(fn)
+        signature = call_signature(fn)
         var = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        name = getattr(fn, "__name__", None) or getattr(type(fn), "kernel_layer_name", type(fn).__name__)
 
         def recording_recurrence(*args, **kwargs):
             idx = self._running
@@ -175,7 +185,7 @@ class RecurrentRollback:
                 reason = _unreplayable(bound, idx in self.recorded)
                 if reason:
                     raise FamilyError(
-                        f"linear-attention layer `{idx}` called `{fn.__name__}` in a way the rollback cannot replay: {reason}\n{_HINT}"
+                        f"linear-attention layer `{idx}` called `{name}` in a way the rollback cannot replay: {reason}\n{_HINT}"
                     )
                 arguments = bound.arguments
                 options = {k: v for k, v in arguments.items() if k not in _NOT_PASSED_ON and k != var}
@@ -202,6 +212,18 @@ class RecurrentRollback:
                 )
 
         return hook
+
+
+def call_signature(fn: Callable) -> inspect.Signature:
+    """The signature a call to recurrence function `fn` is bound against: its own (transformers'
+    decorator wraps the torch reference with `functools.wraps`, so the reference's names), or, for a
+    function the `kernels` package made an `nn.Module` singleton (`use_kernel_forward_from_hub` on a
+    function), that of its class's `forward` without `self`: the decorated function's, whatever hub
+    layer `kernelize` later bound on the instance (the caller still passes the reference's names)."""
+    if isinstance(fn, torch.nn.Module):
+        signature = inspect.signature(type(fn).forward)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+    return inspect.signature(fn)
 
 
 def _unreplayable(bound: inspect.BoundArguments, seen: bool) -> str | None:

@@ -41,6 +41,7 @@ from .checkpoint import (
     skips_outside_text_tower,
 )
 from .dtypes import TORCH_DTYPES
+from .linear_kernels import log_target_kernels
 from .stream import LoadReport, ProgressFn, Source, stream_into
 
 # model_type values this loader knows how to fill: every registered family's
@@ -67,7 +68,9 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def build_meta_model(path: str | os.PathLike[str], dtype: torch.dtype | None):
-    """The transformers model for `path`'s config.json, on the meta device, in `dtype` (or the config's)."""
+    """The transformers model for `path`'s config.json, on the meta device, in `dtype` (or the config's).
+
+    A hybrid target logs which implementation each Gated DeltaNet function runs (`linear_kernels`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = read_config_json(path)
@@ -91,6 +94,7 @@ def build_meta_model(path: str | os.PathLike[str], dtype: torch.dtype | None):
         config = config.text_config  # the text tower alone, as `Qwen3_5ForCausalLM.from_pretrained` builds it
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    log_target_kernels(model)  # hybrid targets: which Gated DeltaNet kernels run, once per process
     return model
 
 
