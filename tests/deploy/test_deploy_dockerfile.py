@@ -1,4 +1,5 @@
-"""docker/Dockerfile installs exactly the pins of requirements/lock.txt (which agree with pyproject.toml).
+"""docker/Dockerfile installs exactly the pins of requirements/lock.txt (which agree with pyproject.toml),
+and in the CUDA flavor alone the GPU kernels pinned in requirements/cuda.txt.
 
 These tests read the Dockerfile as text and check what each flavor would do. The CPU flavor is
 built and run for real by tests/e2e/test_e2e_docker.py; the CUDA flavor needs PyPI, a CUDA base
@@ -15,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 LOCK = ROOT / "requirements" / "lock.txt"
+CUDA = ROOT / "requirements" / "cuda.txt"
 
 
 def norm(name: str) -> str:
@@ -110,6 +112,8 @@ def test_dockerfile_installs_exactly_the_lock():
             assert not extra, args
             assert not {"-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-U", "--upgrade"} & set(args), args
             continue
+        if "-r" in args and args[args.index("-r") + 1] in cuda_dests(text):
+            continue  # the CUDA flavor's kernels: test_cuda_kernels_are_pinned_apart_and_cuda_only
         pkgs = [a for a in args if not a.startswith("-")]
         if "--no-deps" in args:
             # This package's own wheel, built in the image: brings nothing else.
@@ -125,6 +129,36 @@ def test_dockerfile_installs_exactly_the_lock():
                 if m.lastindex == 2:
                     assert lock[name] == m.group(2), (name, m.group(2), lock[name])
     assert "pip check" in text
+
+
+def cuda_dests(text: str) -> list[str]:
+    """Where the Dockerfile copies requirements/cuda.txt."""
+    return [c[-1] for c in (rest.split() for word, rest in instructions(text) if word == "COPY") if c[:-1] == ["requirements/cuda.txt"]]
+
+
+def test_cuda_kernels_are_pinned_apart_and_cuda_only():
+    """requirements/cuda.txt (flash-linear-attention, GPU-only) pins every package it adds, overrides no
+    pin of the lock, and is installed `--no-deps` in the CUDA flavor's dependency stage alone."""
+    pins = {}
+    for n, line in enumerate(CUDA.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if line:
+            m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==(\S+)", line)
+            assert m, f"{CUDA}:{n}: `{line}` is not `name==version`"
+            pins[norm(m.group(1))] = m.group(2)
+    assert {"flash-linear-attention", "fla-core"} <= set(pins), pins
+    assert not set(pins) & set(lock_pins()), "requirements/cuda.txt repeats a pin of the lock"
+    text = DOCKERFILE.read_text()
+    stage, holders = None, []
+    for word, rest in instructions(text):  # the stages whose instructions name the file
+        stage = rest if word == "FROM" else stage
+        if word != "FROM" and "cuda.txt" in rest and stage not in holders:
+            holders.append(stage)
+    assert holders == ["python AS deps-cuda"], holders
+    dests = cuda_dests(text)
+    installs = [a for a in pip_installs(text) if "-r" in a and a[a.index("-r") + 1] in dests]
+    assert len(installs) == 1 and "--no-deps" in installs[0], installs
+    assert not {"-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-U", "--upgrade"} & set(installs[0])
 
 
 def test_dockerfile_shape():

@@ -69,16 +69,21 @@ def _standin_packages(reference: types.ModuleType, calls: Counter) -> dict[str, 
     chunk, recurrent = (getattr(reference, n).__wrapped__ for n in RECURRENCE_FUNCTIONS)
     conv_fn, conv_update = reference.causal_conv1d_fn.__wrapped__, reference.causal_conv1d_update.__wrapped__
 
+    # flash-linear-attention 0.6.0's argument names and order (`gk`, `gv` before `beta` in the recurrent one)
     def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-        assert scale is None and cu_seqlens is None
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None,
+                               **kwargs):
+        assert scale is None and cu_seqlens is None and not kwargs
         calls["chunk_gated_delta_rule"] += 1
         return chunk(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
-    def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                         use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-        assert scale is None and cu_seqlens is None
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                         A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                                         state_v_first=False, cu_seqlens=None, **kwargs):
+        assert scale is None and cu_seqlens is None and gk is None and gv is None and not kwargs
         calls["fused_recurrent_gated_delta_rule"] += 1
         return recurrent(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
