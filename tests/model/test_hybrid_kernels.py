@@ -170,7 +170,8 @@ def test_reference_kernels_are_logged_once_and_recorded_in_provenance(tmp_path, 
     tiny_qwen3_5_config().save_pretrained(tmp_path)
     with caplog.at_level(logging.INFO, logger="dflash_worker.kernels"):
         build_meta_model(tmp_path, None)
-        build_meta_model(tmp_path, None)
+        model = build_meta_model(tmp_path, None)
+    linear_kernels.check_device(model, "cpu")  # the references run anywhere
     lines = [r.getMessage() for r in caplog.records if r.name == "dflash_worker.kernels"]
     expected = dict.fromkeys(KERNELS, linear_kernels.REFERENCE)
     assert lines == [linear_kernels.format_line("qwen3_5", expected)], lines
@@ -335,3 +336,15 @@ def test_rollback_with_hub_kernel_singletons_keeps_the_greedy_output(reference_t
         res = speculative_generate(_oracle(reference_target, ref), reference_target, prompt, max_new_tokens=NEW, block_size=8)
         assert torch.equal(res.output_ids, ref), res.acceptance_lengths
         assert _inside_rejections(res.acceptance_lengths, 8) and set(calls) == set(RECURRENCE_FUNCTIONS), calls
+
+
+def test_packaged_kernels_are_refused_off_cuda_before_loading(standin):
+    """transformers would hand CPU / MPS tensors to an importable `fla` (Triton: GPU tensors only);
+    `load_model` refuses first, naming the packages (the references pass on any device: the test above)."""
+    from dflash_worker.errors import DeviceError
+
+    _, target, _ = standin
+    for device in ("cpu", "mps"):
+        with pytest.raises(DeviceError, match=rf"on `{device}`.*to `causal-conv1d 0\.0\+stand-in`, `flash-linear-attention 0\.0\+stand-in`, .*CUDA only\n.*hint:"):
+            linear_kernels.check_device(target, device)
+    linear_kernels.check_device(target, "cuda:0")

@@ -29,6 +29,10 @@ and with `flash-linear-attention` installed, ``chunk_gated_delta_rule=flash-line
 function that runs. The description is read off the objects transformers dispatches through (the
 decorator's closure, the `kernels` singleton's bound `forward`), not re-derived from what is
 installed, so it names what actually runs.
+
+transformers hands every device's tensors to an importable package, and `fla`'s Triton kernels
+take GPU tensors only (on the CPU a forward dies in Triton: "0 active drivers"): `check_device`,
+called by `weights.load_model` before a byte is read, refuses such a target off CUDA by name.
 """
 
 from __future__ import annotations
@@ -117,6 +121,28 @@ def log_target_kernels(model: Any) -> dict[str, dict[str, str]] | None:
             _logged.add(line)
             log.info(line)
     return found
+
+
+def check_device(model: Any, device: Any) -> None:
+    """Refuse a hybrid target on a device its dispatched packages cannot run on.
+
+    transformers hands every device's tensors to an importable `fla` / `causal_conv1d`, whose
+    Triton and CUDA kernels take GPU tensors only: on the CPU the first forward dies inside Triton
+    ("0 active drivers"), on MPS likewise. Raised here instead, naming the package and the way out."""
+    from ..errors import DeviceError
+
+    kind = str(device).split(":")[0]
+    if kind == "cuda":
+        return
+    for family, chosen in (target_kernels(model) or {}).items():
+        packaged = sorted({v.split(" (")[0] for v in chosen.values() if v.split(" ")[0] in _DISTRIBUTIONS.values()})
+        if packaged:
+            raise DeviceError(
+                f"the `{family}` target is on `{device}`, but transformers dispatches its Gated DeltaNet layers to "
+                f"{', '.join(f'`{p}`' for p in packaged)}, whose kernels run on CUDA only\n"
+                "hint: run on a CUDA device, or use an environment without those packages (requirements/cuda.txt "
+                "is for the CUDA image alone)"
+            )
 
 
 def loaded_kernels() -> dict[str, dict[str, str]]:

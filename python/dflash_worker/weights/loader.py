@@ -41,7 +41,7 @@ from .checkpoint import (
     skips_outside_text_tower,
 )
 from .dtypes import TORCH_DTYPES
-from .linear_kernels import log_target_kernels
+from .linear_kernels import check_device, log_target_kernels
 from .stream import LoadReport, ProgressFn, Source, stream_into
 
 # model_type values this loader knows how to fill: every registered family's
@@ -165,6 +165,7 @@ def load_model(
         ckpt = path if source is None else (None if isinstance(source, Mapping) else Path(source))
         want = _auto_dtype(raw, ckpt)
     model = build_meta_model(path, want)
+    check_device(model, device)  # before reading a byte: fast kernels installed for another device
     if mmap is None:
         mmap = str(device).split(":")[0] == "cpu"
     key_mapping, skip = checkpoint_key_mapping(raw)
