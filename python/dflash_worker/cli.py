@@ -8,11 +8,12 @@ when their subcommand runs, so ``--help`` stays fast and torch loads lazily.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from . import __version__
 from .errors import DflashError
@@ -62,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 1
-    _log_to_stderr()
-    return run_guarded(lambda: _one_rank_unless_ranked(args.command) or _module(args.command).run(args))
+    with _log_to_stderr():
+        return run_guarded(lambda: _one_rank_unless_ranked(args.command) or _module(args.command).run(args))
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -78,17 +79,25 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def _log_to_stderr() -> None:
-    """Library logs of the `dflash_worker` loggers at INFO and above (the kernel selection of a hybrid
-    target, `weights.linear_kernels`) go to stderr as ``dflash-worker: <message>``, unless the process
-    already set up its own handler (the job runner's JSON lines, `dflash_worker.job`)."""
+@contextlib.contextmanager
+def _log_to_stderr() -> Iterator[None]:
+    """While a command runs, library logs of the `dflash_worker` loggers at INFO and above (the kernel
+    selection of a hybrid target, `weights.linear_kernels`) go to stderr as ``dflash-worker: <message>``,
+    unless the process already set up its own handler (the job runner's JSON lines, `dflash_worker.job`).
+    Removed afterwards, so a process that calls `main` (tests) keeps its logging as it was."""
     root = logging.getLogger("dflash_worker")
     if root.handlers:
+        yield
         return
-    handler = _StderrHandler()
+    handler, level = _StderrHandler(), root.level
     handler.setFormatter(logging.Formatter("dflash-worker: %(message)s"))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
 
 
 # Commands that run as several `torch.distributed` ranks (`dflash_worker.dist`); the others would

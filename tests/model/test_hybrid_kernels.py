@@ -348,3 +348,17 @@ def test_packaged_kernels_are_refused_off_cuda_before_loading(standin):
         with pytest.raises(DeviceError, match=rf"on `{device}`.*to `causal-conv1d 0\.0\+stand-in`, `flash-linear-attention 0\.0\+stand-in`, .*CUDA only\n.*hint:"):
             linear_kernels.check_device(target, device)
     linear_kernels.check_device(target, "cuda:0")
+
+
+def test_the_cli_prints_the_line_once_on_stderr_and_leaves_logging_as_it_was(tmp_path, capsys, fresh_record):
+    from dflash_worker.cli import main
+    from dflash_worker.testing.tiny import save_tiny_target
+
+    save_tiny_target(tmp_path / "target", family="qwen3_5_moe")
+    root = logging.getLogger("dflash_worker")
+    before = (list(root.handlers), root.level)
+    assert main(["inspect-checkpoint", str(tmp_path / "target")]) == 0
+    err = capsys.readouterr().err
+    expected = linear_kernels.format_line("qwen3_5_moe", dict.fromkeys(KERNELS, linear_kernels.REFERENCE))
+    assert [line for line in err.splitlines() if "linear-attention kernels" in line] == [f"dflash-worker: {expected}"], err
+    assert (list(root.handlers), root.level) == before
