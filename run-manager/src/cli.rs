@@ -255,4 +255,23 @@ pub struct Cli {
     /// Print more (repeat for more; overrides `--log-level` upwards).
     #[arg(short, long, action = ArgAction::Count)]
     pub verbose: u8,
+
+    /// Hidden (`bench/artifacts.py`): upload this one file as an `export` artifact of
+    /// `--upload-lease` through the run-manager's uploader, print a JSON line and exit.
+    #[arg(
+        long,
+        hide = true,
+        value_name = "PATH",
+        requires = "upload_lease",
+        conflicts_with = "local"
+    )]
+    pub upload_file: Option<PathBuf>,
+
+    /// Hidden: the lease (held by this provider's token) that `--upload-file` uploads under.
+    #[arg(long, hide = true, value_name = "LEASE_ID", requires = "upload_file")]
+    pub upload_lease: Option<String>,
+
+    /// Hidden: the artifact name of `--upload-file` (default: its file name).
+    #[arg(long, hide = true, value_name = "NAME", requires = "upload_file")]
+    pub upload_name: Option<String>,
 }

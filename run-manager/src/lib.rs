@@ -18,7 +18,8 @@
 //! - `attempt/`: one lease from admission to FinishAttempt (the supervisor and
 //!   its heartbeats);
 //! - `provider`, `setup` and `commands/`: the provider loop, the configuration
-//!   from the command line, and the two modes (`--local`, join).
+//!   from the command line, and the two modes (`--local`, join), beside the
+//!   hidden single upload `bench/artifacts.py` drives (`--upload-file`).
 //!
 //! At the root, besides those: the vocabulary every part speaks (`error`,
 //! `env_vars`, `paths`, `version`, `backoff`, `proto`, `policy`, `device`,
@@ -55,6 +56,9 @@ pub use shutdown::shutdown_signals;
 /// Run the mode the command line asks for.
 pub async fn run(cli: cli::Cli) -> Result<()> {
     let mut shutdown = shutdown_signals()?;
+    if let (Some(path), Some(lease)) = (&cli.upload_file, &cli.upload_lease) {
+        return commands::upload::run(&cli, path, lease, cli.upload_name.as_deref()).await;
+    }
     if cli.local {
         commands::local::run(&cli, &mut shutdown).await
     } else {

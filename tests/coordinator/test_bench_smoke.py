@@ -53,13 +53,19 @@ def test_artifacts_bench_moves_bytes_both_ways_and_prints_every_figure():
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "== 3 MiB, 2 rounds" in text and "median of 2 rounds (sha256 verified):" in text, text
-    rounds = re.findall(r"^round (\d): cp +\d+\.\d\d s +user-space copy +\d+\.\d\d s +grpc sink +\d+\.\d\d s +upload +\d+\.\d\d s +download +\d+\.\d\d s +\(sha256 verified\)$", text, re.M)
+    rounds = re.findall(r"^round (\d): cp +\d+\.\d\d s +user-space copy +\d+\.\d\d s +grpc sink +\d+\.\d\d s +upload +\d+\.\d\d s +download +\d+\.\d\d s +run-manager upload +\d+\.\d\d s +\(sha256 verified\)$", text, re.M)
     assert rounds == ["1", "2"], text
     assert re.search(r"^cp \+ fsync \(baseline\) +\d+\.\d\d s .* \(rounds \d+\.\d\d-\d+\.\d\d s\)$", text, re.M), text
     assert re.search(r"^grpc sink \(no disk, hash\) +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M), text
     assert re.search(r"^user-space copy \+ fsync +\d+\.\d\d s .* x\d+\.\d\d of cp$", text, re.M), text
     for way in ("upload", "download"):
         assert re.search(rf"^{way} +\d+\.\d\d s .* x\d+\.\d\d of cp +x\d+\.\d\d of the user-space copy$", text, re.M), text
+    # The run-manager's own uploader (`run-manager --upload-file`) moved the same file, in the same run.
+    assert re.search(r"^run-manager upload +\d+\.\d\d s .* x\d+\.\d\d of cp +x\d+\.\d\d of the Python client's upload$", text, re.M), text
+    assert re.search(r"^  its hash pass before +\d+\.\d\d s +\d+\.\d MiB/s", text, re.M), text
+    assert re.search(r"^peak RSS, run-manager +\d+\.\d MiB +\(the whole process, highest of the rounds\)$", text, re.M), text
+    assert "goal, run-manager upload >= 0.8 of the Python client's for files of 1 GiB and more: not measured (no size >= 1G)" in text, text
+    assert re.search(r"^goal, run-manager peak RSS < 64 MiB at every size: (met|NOT met)$", text, re.M), text
     assert re.search(r"^peak RSS over baseline +coordinator +\d+\.\d MiB +client +\d+\.\d MiB +\(highest of the rounds\)$", text, re.M), text
     assert "goal, throughput >= 0.5 of cp each way for files of 1 GiB and more: not measured (no size >= 1G)" in text, text
     assert re.search(r"^goal, peak RSS < 64 MiB over baseline at every size, sha256 verified: (met|NOT met)$", text, re.M), text

@@ -229,6 +229,11 @@ impl<T: Transfer> Uploader<T> {
 /// Read `path` from the start, hashing all of it and sending bytes from
 /// `offset` on in chunks of at most [`CHUNK_BYTES`]; the last chunk is sent
 /// only once the whole file hashed to `sha256` in exactly `size` bytes.
+///
+/// Each chunk that travels is read straight into the buffer its message owns
+/// (no copy, no zeroing); bytes before `offset` are only hashed, through one
+/// reused buffer. The caller runs this on a blocking thread, so reading and
+/// hashing the next chunk overlap the sending of the queued ones.
 fn read_chunks(
     path: &std::path::Path,
     offset: u64,
@@ -241,18 +246,34 @@ fn read_chunks(
     let mut file = std::fs::File::open(path)
         .map_err(|e| local(format!("cannot read `{}`: {e}", path.display())))?;
     let mut hasher = sha2::Sha256::new();
-    let mut buf = vec![0u8; CHUNK_BYTES];
+    let mut skipped = Vec::new();
     let mut pos = 0u64;
     loop {
         let want = (size - pos).min(CHUNK_BYTES as u64) as usize;
-        file.read_exact(&mut buf[..want]).map_err(|e| {
-            local(format!(
-                "cannot read `{}` at byte {pos} of {size}: {e}",
-                path.display()
-            ))
-        })?;
-        hasher.update(&buf[..want]);
         let end = pos + want as u64;
+        let mut buf = if end > offset {
+            Vec::with_capacity(want)
+        } else {
+            skipped.clear();
+            std::mem::take(&mut skipped)
+        };
+        let got = (&mut file)
+            .take(want as u64)
+            .read_to_end(&mut buf)
+            .map_err(|e| {
+                local(format!(
+                    "cannot read `{}` at byte {pos} of {size}: {e}",
+                    path.display()
+                ))
+            })?;
+        if got < want {
+            return Err(local(format!(
+                "cannot read `{}` at byte {} of {size}: the file ends there",
+                path.display(),
+                pos + got as u64
+            )));
+        }
+        hasher.update(&buf);
         if end == size {
             // One more byte would mean the file grew: its first `size` bytes may still hash right.
             let got = hex(&hasher.clone().finalize());
@@ -264,13 +285,16 @@ fn read_chunks(
             }
         }
         if end > offset {
+            // Only the first chunk of a resumed upload starts inside the buffer.
             let from = offset.saturating_sub(pos) as usize;
-            let chunk = UploadArtifactRequest {
-                msg: Some(upload_artifact_request::Msg::Chunk(
-                    buf[from..want].to_vec(),
-                )),
-            };
-            sink(chunk)?;
+            if from > 0 {
+                buf.drain(..from);
+            }
+            sink(UploadArtifactRequest {
+                msg: Some(upload_artifact_request::Msg::Chunk(buf)),
+            })?;
+        } else {
+            skipped = buf;
         }
         pos = end;
         if pos == size {
@@ -479,6 +503,62 @@ mod tests {
         );
         assert_eq!(st.committed[&f.artifact.name].1, data);
         drop(st);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn streams_cut_mid_file_resume_from_unaligned_offsets_and_send_each_byte_once() {
+        let dir = tmp("cut-unaligned");
+        let store = FakeStore::default();
+        let data = bytes(4 * CHUNK_BYTES + 123);
+        let f = upload_of(&dir, "captures/shard-0.bin", "capture", &data);
+        // An earlier stream staged 7 bytes: this one starts inside the first chunk.
+        store.state().staged.insert(
+            (f.artifact.name.clone(), f.artifact.sha256.clone()),
+            data[..7].to_vec(),
+        );
+        // The server cuts the next two streams after their first chunk (a reset connection,
+        // a restarted server): each resumes where the staged bytes end.
+        store.fault(
+            Call::Upload,
+            Fault::CutAfter(1, tonic::Status::internal("RST_STREAM")),
+        );
+        store.fault(
+            Call::Upload,
+            Fault::CutAfter(1, tonic::Status::unknown("connection reset")),
+        );
+        uploader(&store).file(&f).await.expect("uploaded");
+        let st = store.state();
+        let mib = CHUNK_BYTES as u64;
+        assert_eq!(st.header_offsets, vec![7, mib, 2 * mib]);
+        assert_eq!(
+            st.chunk_sizes,
+            vec![CHUNK_BYTES - 7, CHUNK_BYTES, CHUNK_BYTES, CHUNK_BYTES, 123]
+        );
+        assert_eq!(st.chunk_sizes.iter().sum::<usize>(), data.len() - 7);
+        assert_eq!(st.committed[&f.artifact.name].1, data);
+        drop(st);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_file_that_ends_early_names_the_byte_and_commits_nothing() {
+        let dir = tmp("short");
+        let store = FakeStore::default();
+        let data = bytes(2 * CHUNK_BYTES);
+        let f = upload_of(&dir, "exports/m.bin", "export", &data);
+        std::fs::write(&f.path, &data[..CHUNK_BYTES + 10]).expect("truncate");
+        let err = uploader(&store).file(&f).await.expect_err("short");
+        let want = format!(
+            "at byte {} of {}: the file ends there",
+            CHUNK_BYTES + 10,
+            data.len()
+        );
+        assert!(
+            matches!(&err, UploadFailure::Local { message, .. } if message.contains(&want)),
+            "{err}"
+        );
+        assert!(store.state().committed.is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
