@@ -290,26 +290,27 @@ def test_a_layer_kernel_bypassing_the_interception_is_refused_and_would_drift(st
 
 def _kernels_singleton(func, hub_forward):
     """`func` as the `kernels` package exposes a decorated function (an `nn.Module` singleton named
-    after it), with `hub_forward` bound as `kernelize` binds a hub layer's forward."""
+    after it), with `hub_forward` (unless None) bound as `kernelize` binds a hub layer's forward."""
     try:
         from kernels import use_kernel_forward_from_hub
     except ImportError:  # the same object, built as kernels' `_create_func_module` builds it
         def use_kernel_forward_from_hub(name):
-            def decorate(f):
+            def decorate(func):
                 class Func(torch.nn.Module):
                     kernel_layer_name = name
 
                     def forward(self, *args, **kwargs):
-                        return f(*args, **kwargs)
+                        return func(*args, **kwargs)
 
-                params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *inspect.signature(f).parameters.values()]
+                params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *inspect.signature(func).parameters.values()]
                 Func.forward.__signature__ = inspect.Signature(params)
                 return Func()
 
             return decorate
 
     singleton = use_kernel_forward_from_hub(func.__name__)(func)
-    singleton.forward = MethodType(hub_forward, singleton)
+    if hub_forward is not None:
+        singleton.forward = MethodType(hub_forward, singleton)
     return singleton
 
 
@@ -327,9 +328,14 @@ def test_rollback_with_hub_kernel_singletons_keeps_the_greedy_output(reference_t
             return _ref(query, key, value, g, beta, *args, **kwargs)
 
         monkeypatch.setattr(home, name, _kernels_singleton(decorated, hub_forward))
+    from dflash_worker.device import provenance
+
     described = linear_kernels.log_target_kernels(reference_target)["qwen3_5"]
     assert described["chunk_gated_delta_rule"].startswith("hub kernel ") and "hub_forward" in described["chunk_gated_delta_rule"]
     assert described["causal_conv1d_fn"] == linear_kernels.REFERENCE
+    assert provenance()["linear_attention_kernels"] == {"qwen3_5": described}
+    # not kernelized: the singleton runs the function it wraps, here transformers' reference
+    assert linear_kernels.describe(_kernels_singleton(home.causal_conv1d_fn, None)) == linear_kernels.REFERENCE
     for prompt in _prompts(2):
         ref = greedy_generate(reference_target, prompt, max_new_tokens=NEW)
         calls.clear()

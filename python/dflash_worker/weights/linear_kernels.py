@@ -7,7 +7,8 @@ blocks and token by token), `causal_conv1d_fn` and `causal_conv1d_update` (the s
 before it). transformers 5.24 decorates each with `use_kernel_func_from_hub_with_fallback`, which
 picks, when the modeling module is imported, in this order:
 
-1. a hub kernel: only with the `kernels` package installed, whose decorator makes each function an
+1. a hub kernel: only with the `kernels` package installed (transformers 5.24 accepts 0.18.2 to
+   0.19; PyPI's newest was 0.17.2 when this was written), whose decorator makes each function an
    `nn.Module` singleton, and only once the model is `kernelize`d (`from_pretrained(use_kernels=True)`;
    dflash-worker never asks for it), which binds the hub layer's `forward` on that singleton;
 2. the original package: `flash-linear-attention` (imported as `fla`: `chunk_gated_delta_rule`,
