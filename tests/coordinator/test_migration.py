@@ -223,6 +223,7 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
     db.execute("ALTER TABLE runs DROP COLUMN trust_inputs")
     for col in ("quarantined_unix", "quarantine_reason"):  # nor what schema 8 added (verification by replay)
         db.execute(f"ALTER TABLE providers DROP COLUMN {col}")
+    db.execute("DROP TABLE audit_log")  # nor what schema 9 added
     db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
     db.close()
 
@@ -236,5 +237,33 @@ def test_a_version_3_database_keeps_its_exports_published(tmp_path):
         store.publications.check_published(run.run_id, jobs[0])
         cols = [r[1] for r in store.db.execute("PRAGMA table_info(attempts)")]
         assert "phase_started_unix" in cols and "phase_started_step" in cols
+    finally:
+        store.close()
+
+
+def test_a_version_8_database_gets_an_empty_audit_log_and_its_quarantines_can_be_lifted(tmp_path):
+    """Schema 8 quarantined providers but kept no audit log: after the migration the log starts empty, the
+    quarantine (its reason on the provider's row) is lifted as any other, and the lifting is recorded."""
+    path = tmp_path / "coordinator.db"
+    store = Store(path)
+    pid = register_provider(store)
+    store.close()
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("UPDATE providers SET quarantined_unix=1000, quarantine_reason='verify job `job-x` recomputed other bytes' WHERE provider_id=?", (pid,))
+    db.execute("DROP TABLE audit_log")
+    db.execute("UPDATE meta SET value='8' WHERE key='schema_version'")
+    db.close()
+
+    store = Store(path)
+    try:
+        assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+        assert store.db.execute("SELECT COUNT(*) FROM audit_log").fetchone() == (0,)
+        entry = store.providers.unquarantine(pid, reason="lifted after the upgrade", peer="ipv4:127.0.0.1:1")
+        assert entry.detail == "quarantined at unix 1000: verify job `job-x` recomputed other bytes"
+        (p,) = store.providers.list_providers()
+        assert p.quarantined_unix is None and p.last_unquarantine == entry
+        assert store.db.execute("SELECT action, provider_id, reason, peer FROM audit_log").fetchall() == [
+            ("unquarantine", pid, "lifted after the upgrade", "ipv4:127.0.0.1:1")
+        ]
     finally:
         store.close()

@@ -185,6 +185,7 @@ def test_a_version_6_database_gets_the_safe_default(tmp_path):
     db.execute("ALTER TABLE runs DROP COLUMN trust_inputs")
     for col in ("quarantined_unix", "quarantine_reason"):  # nor what schema 8 added (verification by replay)
         db.execute(f"ALTER TABLE providers DROP COLUMN {col}")
+    db.execute("DROP TABLE audit_log")  # nor what schema 9 added
     db.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
     db.close()
 

@@ -29,6 +29,7 @@ from .cli_output import (
     print_run_details,
     print_token,
     publication_line,
+    unquarantine_line,
     when,
 )
 from .grpc import DEFAULT_UPLOAD_IDLE_SECONDS
@@ -223,8 +224,8 @@ def _add_versions(sub) -> None:
 
 
 def _add_providers(sub) -> None:
-    """The `providers` subcommands: create, list, revoke, rotate."""
-    providers = sub.add_parser("providers", help="create, list, revoke providers and rotate their tokens").add_subparsers(dest="action", metavar="ACTION")
+    """The `providers` subcommands: create, list, revoke, rotate, unquarantine."""
+    providers = sub.add_parser("providers", help="create, list, revoke, unquarantine providers and rotate their tokens").add_subparsers(dest="action", metavar="ACTION")
     pc = providers.add_parser("create", help="create a provider and print its bearer token (shown once)")
     pc.add_argument("name", help="provider name: its identity (under mutual TLS its certificate's CN must be this name)")
     _client_args(pc)
@@ -251,6 +252,15 @@ def _add_providers(sub) -> None:
         help=f"seconds the old token keeps working (default {DEFAULT_ROTATE_GRACE_SECONDS}; 0 refuses it at once; at most 30 days)",
     )
     _client_args(pr)
+    pu = providers.add_parser(
+        "unquarantine",
+        help="lift a provider's quarantine (recorded in the audit log with --reason)",
+        description="Lift a provider's quarantine, so it is leased work again. The reason, your address and the quarantine lifted are recorded "
+        "in the coordinator's audit log (shown by `providers list` and the status page).",
+    )
+    pu.add_argument("provider_id", help="provider id (from `providers list`, which marks the quarantined ones QUARANTINED)")
+    pu.add_argument("--reason", required=True, metavar="TEXT", help="why (required; one line, at most 1,000 characters)")
+    _client_args(pu)
 
 
 def _add_artifacts(sub) -> None:
@@ -407,6 +417,9 @@ def _cmd_providers(c, args) -> None:
             emit_json(msg_dict(resp))
         else:
             print(f"{resp.provider.provider_id}  revoked  ({resp.aborted_leases} live lease(s) aborted)")
+    elif args.action == "unquarantine":
+        resp = c.unquarantine_provider(args.provider_id, args.reason)
+        emit_json(msg_dict(resp)) if args.json else print(f"{args.provider_id}  {unquarantine_line(resp.audit)}")
     elif args.action == "rotate":
         resp = c.rotate_token(args.provider_id, args.grace)
         if args.json:

@@ -92,6 +92,13 @@ def print_provider(p: admin_pb2.ProviderInfo) -> None:
     print(f"{p.provider_id}  {p.identity or p.name}  {p.name}  {p.client_version or '-'}  {mode}  {p.capabilities.backend or '-'}  last seen {seen}{revoked}{quarantined}")
     if p.quarantined_unix:
         print(f"    quarantined: {p.quarantine_reason}")
+    if p.HasField("last_unquarantine"):
+        print(f"    last {unquarantine_line(p.last_unquarantine)}")
+
+
+def unquarantine_line(a: admin_pb2.AuditRecord) -> str:
+    """An unquarantine audit entry: when, from where, why, and (on a second line) the quarantine it lifted."""
+    return f"unquarantined {when(a.created_unix)} from {a.peer or '?'}: {a.reason}\n    lifted: {a.detail}"
 
 
 def print_token(token: str) -> None:

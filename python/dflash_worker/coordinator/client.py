@@ -142,6 +142,9 @@ class AdminClient:
     def revoke_provider(self, provider_id: str) -> admin_pb2.RevokeProviderResponse:
         return self._call("RevokeProvider", admin_pb2.RevokeProviderRequest(provider_id=provider_id))
 
+    def unquarantine_provider(self, provider_id: str, reason: str) -> admin_pb2.UnquarantineProviderResponse:
+        return self._call("UnquarantineProvider", admin_pb2.UnquarantineProviderRequest(provider_id=provider_id, reason=reason))
+
     def rotate_token(self, provider_id: str, grace_seconds: int) -> admin_pb2.RotateProviderTokenResponse:
         return self._call("RotateProviderToken", admin_pb2.RotateProviderTokenRequest(provider_id=provider_id, grace_seconds=grace_seconds))
 

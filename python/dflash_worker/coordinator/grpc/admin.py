@@ -16,7 +16,7 @@ from ...proto.dflash.v1 import admin_pb2, admin_pb2_grpc
 from ..artifacts.names import check_name, check_sha256
 from ..artifacts.publish import PublishGate
 from ..store import Store
-from .convert import job_pb, provider_pb, publication_pb, run_pb, run_spec_data, stored_artifact_pb
+from .convert import audit_pb, job_pb, provider_pb, publication_pb, run_pb, run_spec_data, stored_artifact_pb
 from .uploads import Artifacts
 
 log = logging.getLogger("dflash_worker.coordinator")
@@ -88,6 +88,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def RotateProviderToken(self, request, context):
         token, expires = self.store.credentials.rotate_token(request.provider_id, request.grace_seconds)
         return admin_pb2.RotateProviderTokenResponse(token=token, old_token_expires_unix=math.ceil(expires))
+
+    async def UnquarantineProvider(self, request, context):
+        entry = self.store.providers.unquarantine(request.provider_id, reason=request.reason, peer=context.peer() or "")
+        log.warning("provider `%s` unquarantined by an admin from %s: %s", request.provider_id, entry.peer, entry.reason)
+        return admin_pb2.UnquarantineProviderResponse(provider=provider_pb(self.store.providers.get_provider(request.provider_id)), audit=audit_pb(entry))
 
     async def CancelJob(self, request, context):
         return admin_pb2.CancelJobResponse(job_state=self.store.jobs.cancel_job(request.job_id))

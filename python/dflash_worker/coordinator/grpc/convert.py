@@ -11,7 +11,7 @@ import math
 
 from ...proto.dflash.v1 import admin_pb2, provider_pb2
 from ..artifacts.names import ArtifactRecord
-from ..store import Grant, JobRow, ProviderRow, PublicationRow, RunRow, RunSpecData, StoredArtifact
+from ..store import AuditRow, Grant, JobRow, ProviderRow, PublicationRow, RunRow, RunSpecData, StoredArtifact
 
 
 def artifact_pb(a: ArtifactRecord | None) -> provider_pb2.Artifact | None:
@@ -33,6 +33,15 @@ def provider_pb(p: ProviderRow) -> admin_pb2.ProviderInfo:
         revoked_unix=int(p.revoked_unix or 0),
         quarantined_unix=int(p.quarantined_unix or 0),
         quarantine_reason=p.quarantine_reason,
+        last_unquarantine=audit_pb(p.last_unquarantine),
+    )
+
+
+def audit_pb(a: AuditRow | None) -> admin_pb2.AuditRecord | None:
+    if a is None:
+        return None
+    return admin_pb2.AuditRecord(
+        created_unix=int(a.created_unix), action=a.action, provider_id=a.provider_id, reason=a.reason, peer=a.peer, detail=a.detail
     )
 
 

@@ -6,7 +6,8 @@ through its one transaction helper (`db`). `Store` owns the connection and the p
 - `schema`: the tables and the migrations of an older database; `db`: the connection, the
   transaction helper and the helpers every part shares (pages, ids, printable text);
 - `credentials`: bearer tokens and whose they are (admin, viewer, providers; rotation, revocation);
-- `providers`: what each provider registered, and which are live;
+- `providers`: what each provider registered, and which are live; `audit`: what changed a
+  provider's standing (quarantines, and an admin lifting one);
 - `spec` and `runs`: a run's validated specification and job graph; runs and their jobs;
 - `jobs`: how jobs and attempts change state (attempts ending, expiry, graph failure, directives);
 - `leases`: granting, renewing and ending leases;
@@ -14,6 +15,7 @@ through its one transaction helper (`db`). `Store` owns the connection and the p
 - `publications`: the regression gate's decisions; `reader`: what the status page reads.
 """
 
+from .audit import AuditRow
 from .credentials import DEFAULT_ROTATE_GRACE_SECONDS, MAX_ROTATE_GRACE_SECONDS, Principal, hash_token, new_token
 from .db import Database, ServeLock, next_token, page, printable
 from .facade import Store
@@ -28,6 +30,7 @@ from .schema import PRE_GATE_REASON, SCHEMA_VERSION
 from .spec import JOB_KINDS, MAX_JOBS_PER_RUN, MAX_SHARDS, RunSpecData, parse_spec_json
 
 __all__ = [
+    "AuditRow",
     "DEFAULT_ROTATE_GRACE_SECONDS",
     "FINAL_JOB_STATES",
     "JOB_KINDS",

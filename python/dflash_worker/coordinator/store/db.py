@@ -49,6 +49,7 @@ MAX_PAGE_SIZE = 1_000
 TABLES_SINCE = {
     "meta": 1, "runs": 1, "approved_versions": 1, "providers": 1, "jobs": 1, "attempts": 1,
     "retired_tokens": 2, "records": 3, "publications": 4, "job_deps": 5, "placements": 6, "attempt_inputs": 7,
+    "audit_log": 9,
 }  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Providers as they registered: what each declared (`Registration`), and which are live now.
 
 A provider's ``identity`` is the name it was created with (an mTLS client certificate's CN
-must equal it); ``name`` is what it last registered as. Its tokens are `credentials`'.
+must equal it); ``name`` is what it last registered as. Its tokens are `credentials`'. A
+quarantine (`verify`) is lifted here, by an admin (`unquarantine`), and recorded in `audit`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 
 from ...errors import NotFoundError, PolicyError
 from ..policy import MAX_MEMORY_BYTES, ProviderProfile, format_bytes
+from . import audit
+from .audit import AuditRow, check_reason
 from .db import Database, Part, printable
 
 # Providers `runs show` weighs when it says why a ready job waits (the most recently seen first).
@@ -45,6 +48,8 @@ class ProviderRow:
     # Set when a verify job recomputed other bytes than this provider uploaded (`verify`): it is leased nothing.
     quarantined_unix: float | None = None
     quarantine_reason: str = ""
+    # The last time an admin lifted a quarantine of this provider (`Providers.unquarantine`), if ever.
+    last_unquarantine: AuditRow | None = None
 
 
 class Providers(Part):
@@ -92,15 +97,14 @@ class Providers(Part):
         "provider_id, name, client_version, launch_mode, capabilities, last_seen_unix, identity, revoked_unix, quarantined_unix, quarantine_reason"
     )
 
-    @staticmethod
-    def _provider_row(r) -> ProviderRow:
+    def _provider_row(self, r) -> ProviderRow:
         return ProviderRow(
             provider_id=r[0], name=r[1], client_version=r[2], launch_mode=r[3], capabilities=r[4], last_seen_unix=r[5], identity=r[6], revoked_unix=r[7],
-            quarantined_unix=r[8], quarantine_reason=r[9],
+            quarantined_unix=r[8], quarantine_reason=r[9], last_unquarantine=audit.last(self.db, r[0], "unquarantine"),
         )  # fmt: skip
 
     def list_providers(self) -> list[ProviderRow]:
-        return [self._provider_row(r) for r in self.db.execute(f"SELECT {self._PROVIDER_COLS} FROM providers ORDER BY seq")]
+        return [self._provider_row(r) for r in self.db.execute(f"SELECT {self._PROVIDER_COLS} FROM providers ORDER BY seq").fetchall()]
 
     def get_provider(self, provider_id: str) -> ProviderRow:
         self.provider_state(provider_id)
@@ -109,6 +113,26 @@ class Providers(Part):
     def quarantined(self, provider_id: str) -> bool:
         r = self.db.execute("SELECT quarantined_unix FROM providers WHERE provider_id=?", (provider_id,)).fetchone()
         return r is not None and r[0] is not None
+
+    def unquarantine(self, provider_id: str, *, reason: str, peer: str) -> AuditRow:
+        """Lift `provider_id`'s quarantine: it is leased work again. Recorded in the audit log with the admin's
+        `reason` (`audit.check_reason`), address `peer` and the quarantine lifted. NOT_FOUND for an unknown
+        provider, FAILED_PRECONDITION for one that is not quarantined (nothing is recorded then)."""
+        reason = check_reason(reason)
+        self.provider_state(provider_id)
+        now = self.clock()
+        with self._tx() as db:
+            since, why = db.execute("SELECT quarantined_unix, quarantine_reason FROM providers WHERE provider_id=?", (provider_id,)).fetchone()
+            if since is None:
+                raise PolicyError(
+                    f"provider `{provider_id}` is not quarantined; nothing to lift\nhint: `dflash-coordinator providers list` marks the quarantined ones QUARANTINED"
+                )
+            db.execute("UPDATE providers SET quarantined_unix=NULL, quarantine_reason='' WHERE provider_id=?", (provider_id,))
+            entry = audit.record(
+                db, action="unquarantine", provider_id=provider_id, reason=reason, peer=peer, now=now, detail=f"quarantined at unix {since:.0f}: {why}"
+            )
+        self.on_work()  # it may take queued work again
+        return entry
 
     def profile(self, provider_id: str) -> ProviderProfile:
         r = self.db.execute(

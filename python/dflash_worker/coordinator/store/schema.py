@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..policy import MAX_MEMORY_BYTES
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -165,6 +165,19 @@ CREATE TABLE IF NOT EXISTS attempt_inputs (
   producer_attempt_id TEXT NOT NULL REFERENCES attempts(attempt_id),
   PRIMARY KEY (attempt_id, role, name)
 );
+-- What changed a provider's standing, and why: a quarantine (the coordinator, on a verify job's
+-- settled disagreement) and its lifting by an admin (`providers unquarantine`, with the admin's
+-- reason and address). Rows are only ever added.
+CREATE TABLE IF NOT EXISTS audit_log (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  created_unix REAL NOT NULL,
+  action TEXT NOT NULL,
+  provider_id TEXT NOT NULL REFERENCES providers(provider_id),
+  reason TEXT NOT NULL,
+  peer TEXT NOT NULL DEFAULT '',
+  detail TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS audit_by_provider ON audit_log(provider_id, seq);
 """
 
 # Indexes on columns a migration adds: created once the database has them.
@@ -256,8 +269,16 @@ def _migrate_7_to_8(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE providers ADD COLUMN quarantine_reason TEXT NOT NULL DEFAULT ''")
 
 
+def _migrate_8_to_9(db: sqlite3.Connection) -> None:
+    # Version 8 kept no audit log (`audit_log`, created by SCHEMA, starts empty: a provider quarantined
+    # before the upgrade has its reason in `providers.quarantine_reason` only), no quarantine could be
+    # lifted, and a verify job's mismatch quarantined the producer on the verifier's word alone (no
+    # attempt is `disputed` or `overruled`).
+    del db
+
+
 # version -> the step that upgrades a database of that version to the next one.
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _migrate_1_to_2, 2: _migrate_2_to_3, 3: _migrate_3_to_4, 4: _migrate_4_to_5, 5: _migrate_5_to_6, 6: _migrate_6_to_7,
-    7: _migrate_7_to_8,
+    7: _migrate_7_to_8, 8: _migrate_8_to_9,
 }  # fmt: skip

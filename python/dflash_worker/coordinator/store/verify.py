@@ -48,6 +48,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..policy import TRAIN_CHECKPOINTS, TRAIN_SELECTION, VERIFY_PREFIX
+from . import audit
 from .db import printable
 
 # Names a mismatch's reason lists at most.
@@ -189,9 +190,11 @@ def quarantine(db: sqlite3.Connection, provider_id: str, reason: str, now: float
     """Quarantine `provider_id` (the first reason is kept). Returns its live attempts `(attempt_id, job_id)`, to end,
     and its other succeeded capture and train attempts that no job has used yet (every job needing them, verify jobs aside,
     is still queued, and their runs have not failed), to discard."""
-    db.execute(
+    cur = db.execute(
         "UPDATE providers SET quarantined_unix=?, quarantine_reason=? WHERE provider_id=? AND quarantined_unix IS NULL", (now, reason[:4000], provider_id)
     )
+    if cur.rowcount == 1:
+        audit.record(db, action="quarantine", provider_id=provider_id, reason=reason, now=now)
     live = db.execute("SELECT attempt_id, job_id FROM attempts WHERE provider_id=? AND state='live'", (provider_id,)).fetchall()
     others = db.execute(
         "SELECT a.attempt_id, a.job_id FROM attempts a JOIN jobs j ON j.job_id=a.job_id JOIN runs r ON r.run_id=j.run_id"

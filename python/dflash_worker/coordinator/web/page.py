@@ -1,7 +1,7 @@
 """The status page's HTML, rendered on the server from a `snapshot`; a few lines of vanilla JS refresh it.
 
 No build step and no JavaScript framework: `render_page` writes the whole document once,
-`render_status` the part that changes (runs, providers), which the page's script fetches
+`render_status` the part that changes (runs, providers, the audit log), which the page's script fetches
 from ``/status.html`` every few seconds and swaps in. The per-position acceptance plot is
 an inline SVG drawn here from the gate's evaluation figures. Every value from the database
 or a provider passes through `html.escape` (a provider chooses its name and metric keys).
@@ -169,6 +169,19 @@ def _provider(p: dict[str, Any]) -> str:
     )
 
 
+def _audit(entries: list[dict[str, Any]]) -> str:
+    """The audit log's newest entries: quarantines (by the coordinator) and admins lifting them (who, from where, why)."""
+    if not entries:
+        return '<h2>Audit log</h2><p class="muted" id="audit">no quarantine recorded</p>'
+    rows = "".join(
+        f'<tr class="audit" data-action="{_e(a["action"])}" data-provider-id="{_e(a["provider_id"])}"><td>{_when(a["created_unix"])}</td>'
+        f'<td>{_e(a["action"])}</td><td>{_e(a["provider"])} <code>{_e(a["provider_id"])}</code></td><td>{_e(a["peer"] or "coordinator")}</td>'
+        f'<td class="reason">{_e(a["reason"])}' + (f'<br><span class="muted">lifted: {_e(a["detail"])}</span>' if a["detail"] else "") + "</td></tr>"
+        for a in entries
+    )
+    return f'<h2>Audit log</h2><table id="audit"><tr><th>when</th><th>action</th><th>provider</th><th>by</th><th>reason</th></tr>{rows}</table>'
+
+
 def status_parts(snap: dict[str, Any]) -> Iterator[str]:
     """`render_status` in pieces (a run, or 25 providers each), so a caller can pause between them."""
     yield '<h2>Runs</h2><div id="runs">'
@@ -185,11 +198,12 @@ def status_parts(snap: dict[str, Any]) -> Iterator[str]:
     provs = snap["providers"]
     for i in range(0, len(provs), 25):
         yield "".join(_provider(p) for p in provs[i : i + 25])
-    yield f'</table><p class="muted" id="updated" data-now="{snap["now_unix"]:.3f}">as of {_when(snap["now_unix"])}</p>'
+    yield "</table>" + _audit(snap.get("audit") or [])
+    yield f'<p class="muted" id="updated" data-now="{snap["now_unix"]:.3f}">as of {_when(snap["now_unix"])}</p>'
 
 
 def render_status(snap: dict[str, Any]) -> str:
-    """The refreshed part of the page: runs, then providers."""
+    """The refreshed part of the page: runs, then providers, then the audit log."""
     return "".join(status_parts(snap))
 
 

@@ -3,7 +3,8 @@
 `snapshot(store)` returns plain JSON-able data: the newest `MAX_RUNS` runs (each with up to
 `MAX_JOBS` jobs: state, attempts, the live attempt's progress and ETA, the export's
 publication and evaluation, and the final attempt's artifacts, up to `MAX_ARTIFACTS`), and
-up to `MAX_PROVIDERS` providers, newest first (device, versions, last heartbeat, current lease).
+up to `MAX_PROVIDERS` providers, newest first (device, versions, last heartbeat, current lease), and
+the audit log's newest `audit.MAX_SHOWN` entries (quarantines, and admins lifting them).
 The bounds keep one page refresh a fixed amount of work however large the history; the
 coordinator builds it in a process of its own (`snapshot_proc`), off its event loop. A job
 graph's train job (its export) and evaluate shard 0 (its report) are always among the jobs
@@ -24,6 +25,7 @@ from typing import Any
 from ...proto.dflash.v1 import provider_pb2
 from ..artifacts.publish import PLOT_NAME, REPORT_NAME
 from ..store import StoreReader
+from ..store.audit import recent
 
 MAX_RUNS = 50
 MAX_JOBS = 50
@@ -187,7 +189,11 @@ def _steps(store: StoreReader, now: float) -> Iterator[None | dict[str, Any]]:
         else:
             providers = step
     total_runs = db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
-    yield {"now_unix": now, "runs": runs, "runs_total": total_runs, "providers": providers}
+    entries = [
+        {"created_unix": a.created_unix, "action": a.action, "provider_id": a.provider_id, "provider": who, "reason": a.reason, "peer": a.peer, "detail": a.detail}
+        for a, who in recent(db)
+    ]
+    yield {"now_unix": now, "runs": runs, "runs_total": total_runs, "providers": providers, "audit": entries}
 
 
 def snapshot(store: StoreReader, *, now: float | None = None) -> dict[str, Any]:

@@ -281,7 +281,7 @@ class CreateProviderResponse(_message.Message):
     def __init__(self, token: _Optional[str] = ..., provider_id: _Optional[str] = ...) -> None: ...
 
 class ProviderInfo(_message.Message):
-    __slots__ = ("provider_id", "name", "client_version", "launch_mode", "capabilities", "last_seen_unix", "identity", "revoked_unix", "quarantined_unix", "quarantine_reason")
+    __slots__ = ("provider_id", "name", "client_version", "launch_mode", "capabilities", "last_seen_unix", "identity", "revoked_unix", "quarantined_unix", "quarantine_reason", "last_unquarantine")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,7 @@ class ProviderInfo(_message.Message):
     REVOKED_UNIX_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_UNIX_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNQUARANTINE_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     name: str
     client_version: str
@@ -302,7 +303,40 @@ class ProviderInfo(_message.Message):
     revoked_unix: int
     quarantined_unix: int
     quarantine_reason: str
-    def __init__(self, provider_id: _Optional[str] = ..., name: _Optional[str] = ..., client_version: _Optional[str] = ..., launch_mode: _Optional[_Union[_provider_pb2.LaunchMode, str]] = ..., capabilities: _Optional[_Union[_provider_pb2.DeviceCapabilities, _Mapping]] = ..., last_seen_unix: _Optional[int] = ..., identity: _Optional[str] = ..., revoked_unix: _Optional[int] = ..., quarantined_unix: _Optional[int] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
+    last_unquarantine: AuditRecord
+    def __init__(self, provider_id: _Optional[str] = ..., name: _Optional[str] = ..., client_version: _Optional[str] = ..., launch_mode: _Optional[_Union[_provider_pb2.LaunchMode, str]] = ..., capabilities: _Optional[_Union[_provider_pb2.DeviceCapabilities, _Mapping]] = ..., last_seen_unix: _Optional[int] = ..., identity: _Optional[str] = ..., revoked_unix: _Optional[int] = ..., quarantined_unix: _Optional[int] = ..., quarantine_reason: _Optional[str] = ..., last_unquarantine: _Optional[_Union[AuditRecord, _Mapping]] = ...) -> None: ...
+
+class AuditRecord(_message.Message):
+    __slots__ = ("created_unix", "action", "provider_id", "reason", "peer", "detail")
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    created_unix: int
+    action: str
+    provider_id: str
+    reason: str
+    peer: str
+    detail: str
+    def __init__(self, created_unix: _Optional[int] = ..., action: _Optional[str] = ..., provider_id: _Optional[str] = ..., reason: _Optional[str] = ..., peer: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class UnquarantineProviderRequest(_message.Message):
+    __slots__ = ("provider_id", "reason")
+    PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    provider_id: str
+    reason: str
+    def __init__(self, provider_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class UnquarantineProviderResponse(_message.Message):
+    __slots__ = ("provider", "audit")
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    provider: ProviderInfo
+    audit: AuditRecord
+    def __init__(self, provider: _Optional[_Union[ProviderInfo, _Mapping]] = ..., audit: _Optional[_Union[AuditRecord, _Mapping]] = ...) -> None: ...
 
 class ListProvidersRequest(_message.Message):
     __slots__ = ()

@@ -100,6 +100,11 @@ class AdminServiceStub:
                 request_serializer=dflash_dot_v1_dot_admin__pb2.RotateProviderTokenRequest.SerializeToString,
                 response_deserializer=dflash_dot_v1_dot_admin__pb2.RotateProviderTokenResponse.FromString,
                 _registered_method=True)
+        self.UnquarantineProvider = channel.unary_unary(
+                '/dflash.v1.AdminService/UnquarantineProvider',
+                request_serializer=dflash_dot_v1_dot_admin__pb2.UnquarantineProviderRequest.SerializeToString,
+                response_deserializer=dflash_dot_v1_dot_admin__pb2.UnquarantineProviderResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -190,6 +195,13 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnquarantineProvider(self, request, context):
+        """Lift a provider's quarantine, audited (see UnquarantineProviderRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +269,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.RotateProviderToken,
                     request_deserializer=dflash_dot_v1_dot_admin__pb2.RotateProviderTokenRequest.FromString,
                     response_serializer=dflash_dot_v1_dot_admin__pb2.RotateProviderTokenResponse.SerializeToString,
+            ),
+            'UnquarantineProvider': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnquarantineProvider,
+                    request_deserializer=dflash_dot_v1_dot_admin__pb2.UnquarantineProviderRequest.FromString,
+                    response_serializer=dflash_dot_v1_dot_admin__pb2.UnquarantineProviderResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -610,6 +627,33 @@ class AdminService:
             '/dflash.v1.AdminService/RotateProviderToken',
             dflash_dot_v1_dot_admin__pb2.RotateProviderTokenRequest.SerializeToString,
             dflash_dot_v1_dot_admin__pb2.RotateProviderTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnquarantineProvider(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dflash.v1.AdminService/UnquarantineProvider',
+            dflash_dot_v1_dot_admin__pb2.UnquarantineProviderRequest.SerializeToString,
+            dflash_dot_v1_dot_admin__pb2.UnquarantineProviderResponse.FromString,
             options,
             channel_credentials,
             insecure,
