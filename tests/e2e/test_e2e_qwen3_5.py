@@ -32,6 +32,12 @@ def test_a_qwen3_5_moe_job_exports_a_draft_that_loads_and_pairs_with_its_target(
     # The worker loaded the text tower alone (its log line, re-emitted by the run-manager).
     loaded = [v["message"] for v in rm.messages(lambda v: str(v.get("message", "")).startswith("teacher loaded"))]
     assert loaded and all("outside the text tower" in m for m in loaded), loaded
+    # Its Gated DeltaNet kernels, logged by the worker (JSON) and re-emitted: the references here.
+    reference = dict.fromkeys(("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                               "causal_conv1d_update"), "torch reference")
+    line = "linear-attention kernels (qwen3_5_moe): " + ", ".join(f"{k}={v}" for k, v in reference.items())
+    kernels = list(rm.messages(lambda v: "linear-attention kernels" in str(v.get("message", ""))))
+    assert kernels and {v["message"] for v in kernels} == {line} and {v.get("logger") for v in kernels} == {"dflash_worker.kernels"}, kernels
 
     pub = job["publication"]
     print(f"qwen3_5_moe: {pub['verdict']} {pub['reason']}")
@@ -66,6 +72,7 @@ def test_a_qwen3_5_moe_job_exports_a_draft_that_loads_and_pairs_with_its_target(
     assert read_config_json(world.target)["model_type"] == "qwen3_5_moe" and tc["model_type"] == "qwen3_5_moe_text"
     assert teacher["files"]["config.json"] == sha256_file(world.target / "config.json"), teacher["files"]
     assert manifest["hidden_size"] == tc["hidden_size"] and all(0 <= i < tc["num_hidden_layers"] for i in manifest["target_layer_ids"])
+    assert manifest["device"]["linear_attention_kernels"] == {"qwen3_5_moe": reference}
 
     # The job's evaluation, as uploaded: real speculative decoding, every prompt past the teacher's first token.
     report = json.loads(coord.fetch(run_id, "eval/report.json", tmp_path / "admin" / "report.json").read_text())
@@ -73,6 +80,7 @@ def test_a_qwen3_5_moe_job_exports_a_draft_that_loads_and_pairs_with_its_target(
     assert all(row["teacher_output_tokens"] > 1 for row in report["per_prompt"]), report["per_prompt"]
     assert report["baseline"]["verify_steps"] > 0 and report["trained"]["verify_steps"] > 0, report
     assert report["lossless"] is True, report["lossless_mismatches"]
+    assert report["device"]["linear_attention_kernels"] == {"qwen3_5_moe": reference}
 
 
 def test_the_demo_world_stays_a_qwen3_target(world):
