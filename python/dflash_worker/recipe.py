@@ -192,13 +192,15 @@ SCOPES = ("selector", "context", "final_backbone", "recall", "full")
 PRESETS = ("from_scratch", "keep_general")
 # `keep_general`: the adaptation `bench/effectiveness.py` adopted because it held on every world it was
 # measured on (docs/effectiveness.md, issue 35's fourth run); `TrainConfig.apply_preset` lists it
-KEEP_GENERAL = {"scope": "full", "lr": 5e-4, "replay_kd": 10.0, "general_tolerance": 0.02, "guard_patience": 4}
+KEEP_GENERAL = {"scope": "full", "lr": 5e-4, "replay_kd": 10.0, "general_tolerance": 0.02, "guard_patience": 4,
+                "interpolate": "auto"}
 KEEP_GENERAL_VAL_EVERY = 25  # validate (and checkpoint) at least this often: forgetting sets in early
 OBJECTIVES = ("weighted_ce", "prefix_survival")
 SCHEDULES = ("cosine", "linear", "constant")
 AUTOCAST = ("auto", "bf16", "off")
 QAT_SCOPES = ("selector_context", "full_projection")
 EXPORT_FORMATS = ("bf16", "af4g64")
+INTERPOLATE = ("off", "auto")
 
 
 def _check_device(section: str, value: Any) -> None:
@@ -251,6 +253,9 @@ class TrainConfig:
     general_tolerance: float = 0.03
     # with the guard: stop after this many validations in a row that it rejected (0: run every step)
     guard_patience: int = 0
+    # with the guard: "auto" also tries the weights between the released draft and the best own-domain
+    # checkpoint when the guard rejected it (`train.interpolate`); "off" selects among checkpoints only
+    interpolate: str = "off"
     device: str = "auto"
     qat: str | None = None
     qat_scope: str = "selector_context"
@@ -271,8 +276,9 @@ class TrainConfig:
         ``keep_general`` (adapt a released draft without forgetting the general domain; the data
         prepared with `prepare-data --replay FILE --replay-val-fraction F`): scope ``full``, lr 5e-4,
         warmup over 5% of the steps (at least 1), replay distillation ``replay_kd`` 10, the
-        general-domain guard at ``general_tolerance`` 0.02 with ``guard_patience`` 4, validating
-        and checkpointing every ``min(steps // 8, 25)`` steps (at least 1).
+        general-domain guard at ``general_tolerance`` 0.02 with ``guard_patience`` 4, interpolated
+        exports (``interpolate = "auto"``), validating and checkpointing every ``min(steps // 8, 25)``
+        steps (at least 1).
 
         Every value the table sets wins over the preset's."""
         preset = table.get("preset")
@@ -343,6 +349,7 @@ class TrainConfig:
             _check_choice(s, "qat", self.qat, ("af4g64",))
         _check_choice(s, "qat_scope", self.qat_scope, QAT_SCOPES)
         _check_choice(s, "features", self.features, FEATURES)
+        _check_choice(s, "interpolate", self.interpolate, INTERPOLATE)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -376,7 +376,10 @@ def test_the_keep_general_preset_is_the_recipe_the_benchmark_adopted(tmp_path):
     for steps in s.recipe_steps + (200, 2000):
         bench = eff._train_table(s, steps=steps, lr=s.recipe_lr, seed=0, out=tmp_path, **sp.train)
         preset = TrainConfig.apply_preset({"preset": "keep_general", "steps": steps})
-        assert {k: bench.get(k, getattr(TrainConfig(scope="full"), k)) for k in preset if k != "preset"} == {
-            k: v for k, v in preset.items() if k != "preset"}, steps
+        # `interpolate` trains nothing: it chooses the export after training (issue 58 added it to the preset,
+        # after this benchmark's measurements)
+        same = [k for k in preset if k not in ("preset", "interpolate")]
+        assert {k: bench.get(k, getattr(TrainConfig(scope="full"), k)) for k in same} == {k: preset[k] for k in same}, steps
+        assert preset["interpolate"] == "auto"
         assert bench["objective"] == TrainConfig(scope="full").objective
 

@@ -112,6 +112,19 @@ def _synthetic_report(lengths: dict[str, list[list[int]]]) -> dict:
             "lossless_reference": "teacher", "lossless_mismatches": [], "per_prompt": rows, "no_verify": no_verify(rows)}
 
 
+def test_the_report_says_when_the_export_is_an_interpolated_point_or_the_released_draft():
+    from dflash_worker.evaluate.breakdown import summary_lines
+
+    line = "interpolated export: alpha 0.25 from the released draft toward step 8; ..."
+    r = _synthetic_report({"baseline": [[2, 1]], "trained": [[3, 1]]}) | {"selection_step": 8, "interpolation_alpha": 0.25,
+                                                                          "selection_note": line}
+    md = render_markdown(r)
+    assert f"Selection: {line}." in md and "| trained (step 8, alpha 0.25) |" in md
+    assert summary_lines(r)[0] == f"evaluate: {line}"  # what `evaluate` prints after its headline
+    plain = _synthetic_report({"baseline": [[2, 1]], "trained": [[3, 1]]})
+    assert "Selection:" not in render_markdown(plain) and not summary_lines(plain)[0].startswith("evaluate: interpolated")
+
+
 def test_pooled_differs_from_per_prompt_mean_and_leads():
     # a long answer at tau 1 and a short one at tau 4: pooled 8/5 = 1.6, per-prompt mean 2.5
     r = _synthetic_report({"baseline": [[1, 1, 1, 1], [4]], "trained": [[1, 1, 1, 1], [4]]})

@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 import random
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from guard_world import TOLERANCE, GuardWorld
 
 from dflash_worker.errors import ConfigError
 from dflash_worker.manifest import sha256_file
 from dflash_worker.recipe import load_recipe, recipe_from_dict
-from dflash_worker.testing.world import WORDS
 from dflash_worker.train import StopFlags, train
 from dflash_worker.train import checkpoint as ckpt
 
@@ -31,73 +30,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pipeline import _toml  # noqa: E402
 from prewarmed import worker_cli
 
-# the tiny world measures acceptance on 16 general rows x 4 blocks: one block moves it by ~1.5%,
-# so the guard run tolerates 10% (the recipe default, 3%, is for real validation sets)
-TOLERANCE = 0.1
-
-
-def _rows(path: Path, words: list[str], n: int, seed: int, tag: str) -> Path:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
-        start = rng.randrange(len(words))
-        response = " ".join(words[(start + j) % len(words)] for j in range(rng.randint(10, 16)))
-        rows.append({"prompt": f"{tag}{i} {prompt}", "response": response})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@dataclass
-class GuardWorld:
-    root: Path
-    base: dict  # model/data/capture sections of the adapting runs
-    general: Path  # the general rows (the replay file)
-    own: Path
-
-    def recipe(self, run: str, **train_kw) -> Path:
-        raw = dict(self.base)
-        raw["train"] = {"scope": "full", "steps": 24, "lr": 3e-3, "warmup_steps": 16, "blocks_per_sequence": 4,
-                        "val_every": 2, "checkpoint_every": 2, "val_examples": 16, "device": "cpu",
-                        "output": str(self.root / run), **train_kw}
-        path = self.root / f"{run}.toml"
-        path.write_text(_toml(raw))
-        return path
-
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> GuardWorld:
-    from dflash_worker.capture import run_capture
-    from dflash_worker.data import prepare_data
-    from dflash_worker.testing.world import build_world
-
-    root = tmp_path_factory.mktemp("guard")
-    w = build_world(root / "world", examples=4)
-    general = _rows(root / "general.jsonl", list(WORDS), 60, 1, "g")
-    own = _rows(root / "own.jsonl", [x[::-1] for x in WORDS], 60, 2, "o")
-
-    def sections(draft: Path, data: Path, capture: Path) -> dict:
-        return {"model": {"target": str(w.target), "draft": str(draft), "family": "qwen3"},
-                "data": {"dir": str(data), "thinking": "off", "max_length": 256},
-                "capture": {"output": str(capture), "dtype": "float32", "splits": ["train", "val"], "device": "cpu"}}
-
-    # the released draft: trained on the general rows only, exported in the released layout (BF16)
-    prepare_data([general], root / "general-data", seed=0, val_fraction=0.2, test_fraction=0.0)
-    rel = sections(w.draft, root / "general-data", root / "general-capture")
-    run_capture(recipe_from_dict(rel, base=root))
-    rel["train"] = {"scope": "full", "steps": 200, "lr": 3e-3, "warmup_steps": 1, "blocks_per_sequence": 4,
-                    "val_every": 200, "checkpoint_every": 200, "val_examples": 8, "device": "cpu",
-                    "output": str(root / "release")}
-    (root / "release.toml").write_text(_toml(rel))
-    assert train(load_recipe(root / "release.toml")).status == "completed"
-
-    # the own data, with general rows held out into val (and, at this fraction, none mixed into train)
-    m = prepare_data([own], root / "own-data", seed=0, val_fraction=0.25, test_fraction=0.0, replay=[general],
-                     replay_fraction=0.01, replay_val_fraction=0.25)
-    assert m["replay"]["rows"] == 0 and m["replay"]["val_rows"] == 15
-    base = sections(root / "release" / "export", root / "own-data", root / "own-capture")
-    run_capture(recipe_from_dict(base, base=root))
-    return GuardWorld(root, base, general, own)
+def world(guard_world) -> GuardWorld:
+    """The guard world (`guard_world.build`), one per session: tests/train/test_interpolate.py uses it too."""
+    return guard_world
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +143,8 @@ def test_no_checkpoint_passing_selects_the_released_draft_itself_and_says_so(wor
     assert ours.keys() == theirs.keys()
     for name, t in theirs.items():
         assert ours[name].dtype == t.dtype and torch.equal(ours[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
-    assert any(getattr(e, "level", "") == "warning" and "selected the released draft itself" in e.message for e in events)
+    assert any(getattr(e, "level", "") == "warning" and e.message.startswith("the export is the released draft (it adapts nothing)")
+               for e in events)
     assert "no checkpoint passed the general-domain guard" in res.message
 
 

@@ -119,16 +119,26 @@ def test_the_record_names_the_rule_and_the_history():
     assert [h["general_matching_proposals"] for h in guarded["history"]] == [1.9, 1.0]
 
 
+def _note(history, guard, released=RELEASED, released_committed=True):
+    """`guard_note` of the selection.json record the run writes for `history` under `guard`."""
+    chosen = selection.best(history, guard, released, released_committed=released_committed)
+    rec = selection.record(chosen, guard, history, step=chosen["step"], checkpoint="c", checkpoint_manifest_sha256="m",
+                           total_steps=history[-1]["step"])
+    return selection.guard_note(rec, released_committed=released_committed)
+
+
 def test_the_guard_note_warns_only_when_nothing_passed():
-    passed = _guard([_v(2, 1.0, general=1.9), _v(4, 2.0, general=1.0)])
-    note, warning = selection.guard_note(passed, released_committed=True)
+    history = [_v(2, 1.0, general=1.9), _v(4, 2.0, general=1.0)]
+    note, warning = _note(history, _guard(history))
     assert note == "; the general-domain guard rejected steps: 4" and warning is None
-    failed = _guard([_v(2, 1.0, general=1.0)])
-    note, warning = selection.guard_note(failed, released_committed=True)
+    failed = [_v(2, 1.0, general=1.0)]
+    note, warning = _note(failed, _guard(failed))
     assert "guard.passed` false" in note
-    assert warning.startswith("no checkpoint kept general-domain matching proposals within 10% of the released draft's (2.0000)")
-    assert "selected the released draft itself (step 0)" in warning and "\nhint: " in warning
-    _, warning = selection.guard_note(failed, released_committed=False)
+    assert warning.startswith("the export is the released draft (it adapts nothing): no checkpoint kept general-domain validation "
+                              "matching proposals within 10% of the released draft's (2.0000)\nhint: ")
+    assert warning.endswith("or `[train].interpolate = \"auto\"`")
+    _, warning = _note(failed, _guard(failed), released_committed=False)
+    assert warning.startswith("no checkpoint kept general-domain matching proposals within 10%")
     assert "selected the one with the highest general acceptance instead" in warning
 
 
@@ -155,7 +165,7 @@ def test_a_checkpoint_is_rejected_when_one_mode_falls_while_the_pooled_figure_ri
     assert selection.best(history, guard, RELEASED_MODES, released_committed=True)["step"] == 6
     # without per-mode figures the same history selects step 4
     assert selection.best(history, _guard(history), RELEASED, released_committed=True)["step"] == 4
-    note, warning = selection.guard_note(guard, released_committed=True)
+    note, warning = _note(history, guard, released=RELEASED_MODES)
     assert note == "; the general-domain guard rejected steps: 4 (thinking on fell)" and warning is None
     rec = selection.record(history[2], guard, history, step=6, checkpoint="step-00000006", checkpoint_manifest_sha256="ef",
                            total_steps=6)
@@ -169,9 +179,9 @@ def test_a_mode_that_scored_nothing_is_rejected_and_when_no_checkpoint_keeps_eve
     assert [c["modes_below"] for c in guard["checkpoints"]] == [["off"], ["on"]] and guard["passed"] is False
     chosen = selection.best(history, guard, RELEASED_MODES, released_committed=True)
     assert chosen["step"] == 0 and chosen["modes"] == RELEASED_MODES["modes"]
-    _, warning = selection.guard_note(guard, released_committed=True)
-    assert warning.startswith("no checkpoint kept general-domain matching proposals, and on each thinking mode it served "
-                              "(off, on), within 10% of the released draft's")
+    _, warning = _note(history, guard, released=RELEASED_MODES)
+    assert warning.startswith("the export is the released draft (it adapts nothing): no checkpoint kept general-domain validation "
+                              "matching proposals, and on each thinking mode it served (off, on), within 10% of the released draft's")
 
 
 def test_without_per_mode_figures_the_guard_is_what_it_was():

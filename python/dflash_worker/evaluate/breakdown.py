@@ -127,11 +127,13 @@ def markdown(r: dict[str, Any]) -> list[str]:
 
 def summary_lines(r: dict[str, Any]) -> list[str]:
     """The `evaluate` command's lines after its headline: per thinking mode, per context bucket, and
-    the prompts left out of the per-prompt figures."""
+    the prompts left out of the per-prompt figures; first, when the run's selection was an interpolated
+    point or the released draft itself, the line saying so (``selection_note``)."""
     b, t = r["baseline"], r["trained"]
     modes = "; ".join(f"{m} {_fmt(bm['tau'])} -> {_fmt(t['modes'][m]['tau'])} ({bm['prompts']} prompts)"
                       for m, bm in b["modes"].items())
-    lines = [f"evaluate: per thinking mode, acceptance length (pooled) baseline -> trained: {modes}"]
+    lines = [f"evaluate: {r['selection_note']}"] if r.get("selection_note") else []
+    lines.append(f"evaluate: per thinking mode, acceptance length (pooled) baseline -> trained: {modes}")
     if "buckets" in b:
         cells = "; ".join(f"{x['bucket']} " + ("empty" if not (x["steps"] or y["steps"]) else
                                                f"{_fmt(x['tau'])} -> {_fmt(y['tau'])} ({x['steps']} / {y['steps']} steps)")

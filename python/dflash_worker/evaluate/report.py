@@ -112,19 +112,33 @@ def _trained_draft(run_dir: Path, recipe, device, selection: dict[str, Any]):
         return load_draft(bf16, device=device, dtype=torch.float32), str(bf16)
     from ..train import checkpoint as ckpt
     from ..train.export_run import quant_names_for
+    from ..train.interpolate import selected_trainable
     from ..train.params import export_values
 
-    loaded = ckpt.load(run_dir / ckpt.CHECKPOINTS / selection["checkpoint"])
+    _, trainable = selected_trainable(run_dir, recipe.model.draft, selection)  # (an interpolated selection's theta(alpha))
     model = load_draft(recipe.model.draft, device=device, dtype=torch.float32)
     qnames = quant_names_for(recipe.model.draft, recipe.require("train").qat_scope)
     params = dict(model.named_parameters())
-    merged = {n: (loaded.trainable[n] if n in loaded.trainable else params[n]) for n in params}
-    names = [n for n in params if n in loaded.trainable or n in qnames]
+    merged = {n: (trainable[n] if n in trainable else params[n]) for n in params}
+    names = [n for n in params if n in trainable or n in qnames]
     values = export_values(merged, names, qat_names=[n for n in names if n in qnames])
     with torch.no_grad():
         for n, v in values.items():
             params[n].copy_(v.to(params[n].dtype))
-    return model, f"{run_dir / ckpt.CHECKPOINTS / selection['checkpoint']} (af4g64 values)"
+    alpha = (selection.get("interpolation") or {}).get("alpha")
+    between = "" if alpha is None else f", interpolated from the released draft at alpha {alpha:g}"
+    return model, f"{run_dir / ckpt.CHECKPOINTS / selection['checkpoint']} (af4g64 values{between})"
+
+
+def selection_facts(selection: dict[str, Any]) -> dict[str, Any]:
+    """What the report says of the run's `selection` (``selection.json``): the selected step, the
+    ``interpolation_alpha`` when the export is ``theta(alpha)`` between the released draft and that
+    checkpoint (`train.interpolate`; else None), and ``selection_note``, the one line `train` also
+    prints when the export is an interpolated point or the released draft itself (else None)."""
+    from ..train.selection import outcome
+
+    return {"selection_step": selection["step"], "interpolation_alpha": (selection.get("interpolation") or {}).get("alpha"),
+            "selection_note": outcome(selection)}
 
 
 STOP_RULE = STOP_TOKENS_RULE
@@ -369,7 +383,7 @@ def _evaluate(run_dir, recipe, selection, ecfg, split, choice, dev, ranks, emit,
         "tie_rule": "tied when |tau_trained - tau_baseline| <= tie_tolerance * tau_baseline",
         "baseline_draft": str(recipe.model.draft),
         "trained_draft": trained_from,
-        "selection_step": selection["step"],
+        **selection_facts(selection),
         "baseline": base_o,
         "trained": tr_o,
         "verdict": verdict(tr_o["tau_pooled"], base_o["tau_pooled"], ecfg.tie_tolerance),
@@ -470,6 +484,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         f" (per-prompt mean: baseline {b['tau_mean']:.3f} -> trained {t['tau_mean']:.3f}).",
         "",
         f"Overall verdict (on pooled tau): **{r['verdict']}** ({r['tie_rule']}, tie_tolerance {r['tie_tolerance']}).",
+        *([f"Selection: {r['selection_note']}."] if r.get("selection_note") else []),
         f"Prompts: {r['prompts']} (improved {r['verdict_counts']['improved']}, tied {r['verdict_counts']['tied']}, "
         f"regressed {r['verdict_counts']['regressed']}, no verify step {r['no_verify']['prompts']}); "
         f"temperature {r['temperature']}, max_new_tokens {r['max_new_tokens']}.",
@@ -481,7 +496,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         "| draft | tau (pooled) | tau (per-prompt mean) | matching proposals (pooled) | verify steps | committed tokens |",
         "|---|---|---|---|---|---|",
     ]
-    for label, o in (("baseline (released)", b), (f"trained (step {r['selection_step']})", t)):
+    alpha = f", alpha {r['interpolation_alpha']:g}" if r.get("interpolation_alpha") is not None else ""
+    for label, o in (("baseline (released)", b), (f"trained (step {r['selection_step']}{alpha})", t)):
         lines.append(f"| {label} | {o['tau_pooled']:.3f} | {o['tau_mean']:.3f} | {o['pooled']['matching_proposals']:.3f} | "
                      f"{o['verify_steps']} | {o['committed_tokens']} |")
     lines += ["", *breakdown.markdown(r)]

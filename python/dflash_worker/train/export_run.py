@@ -12,7 +12,8 @@ quantized from its released value.
 Provenance chain in ``manifest.json`` (``provenance``): data (prepared-data
 manifest sha256) -> split (split fingerprint) -> capture (capture manifest
 sha256) -> recipe (fingerprint and resolved recipe) -> checkpoint (step and
-checkpoint manifest sha256) -> export (format).
+checkpoint manifest sha256; with an interpolated selection, ``interpolation_alpha``: the values are
+``theta(alpha)`` between the released draft and that checkpoint, `interpolate`) -> export (format).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..errors import ConfigError, ExportError
 from ..manifest import sha256_file
 from ..recipe import Recipe
 from . import checkpoint as ckpt
+from .interpolate import selected_trainable
 from .params import export_values
 
 SELECTION = "selection.json"
@@ -54,7 +56,10 @@ def quant_names_for(draft_dir: Path, qat_scope: str) -> list[str]:
     return list(sel(model).names)
 
 
-def provenance(recipe: Recipe, checkpoint_dir: Path, fmt: str) -> dict[str, Any]:
+def provenance(recipe: Recipe, checkpoint_dir: Path, fmt: str, alpha: float | None = None) -> dict[str, Any]:
+    """The provenance chain of an export of `checkpoint_dir` (module docstring); `alpha`: the export is
+    ``theta(alpha)`` between the released draft and that checkpoint (`interpolate`), recorded in
+    ``checkpoint.interpolation_alpha``."""
     from ..data import PreparedData
 
     cap = recipe.require("capture")
@@ -73,6 +78,7 @@ def provenance(recipe: Recipe, checkpoint_dir: Path, fmt: str) -> dict[str, Any]
             "step": int(checkpoint_dir.name.split("-")[1]),
             "name": checkpoint_dir.name,
             "manifest_sha256": sha256_file(checkpoint_dir / "manifest.json"),
+            **({} if alpha is None else {"interpolation_alpha": alpha}),
         },
         "export": {"format": fmt},
         # manifests are written with sorted keys; this keeps the order of the chain
@@ -123,16 +129,16 @@ def export_run(
     if selection is None:
         selection = read_selection(run_dir)
     path = run_dir / ckpt.CHECKPOINTS / selection["checkpoint"]
-    loaded = ckpt.load(path)
+    released = recipe.model.draft
+    loaded, trainable = selected_trainable(run_dir, released, selection)
     names = list(loaded.state["trainable"])
     cfg = recipe.require("train")
     out = Path(out_dir) if out_dir is not None else run_dir / export_dir_name(fmt)
-    extra = {"provenance": provenance(recipe, path, fmt)}
-    released = recipe.model.draft
+    extra = {"provenance": provenance(recipe, path, fmt, (selection.get("interpolation") or {}).get("alpha"))}
     if fmt == "bf16":
         from ..export.bf16 import write_bf16
 
-        values = export_values(loaded.trainable, names)
+        values = export_values(trainable, names)
         res = write_bf16(released, values, out, manifest_extra=extra, overwrite=overwrite)
         return RunExport(res.out_dir, fmt, res.manifest)
 
@@ -148,9 +154,9 @@ def export_run(
         for key, t in load_file(str(shard.path)).items():
             name = key[: -len(".weight")] if key.endswith("_codebook.weight") else key
             tensors[name] = t
-    trained_bf16 = export_values(loaded.trainable, [n for n in names if n not in qnames])
+    trained_bf16 = export_values(trainable, [n for n in names if n not in qnames])
     for n in names:
-        tensors[n] = loaded.trainable[n].float() if n in qnames else trained_bf16[n]
+        tensors[n] = trainable[n].float() if n in qnames else trained_bf16[n]
     from ..export.bf16 import export_config
 
     _, config, extra["config_added"] = export_config(released)  # the fields serving engines read, where they read them

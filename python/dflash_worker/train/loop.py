@@ -7,13 +7,14 @@ job runner can drive it step by step. Its components come from the typed recipe:
 forward path of training and validation: forward -> token loss -> selector terms -> proposals
 -> match counts), `validate.Validator` (the val split measured with the export's weights),
 `selection` (the selection rule and the general-domain guard, pure functions of the validation
-history) and `resume` (what a resume must agree on, which checkpoint to resume).
+history), `interpolate` (weights between the released draft and a checkpoint, searched after
+training) and `resume` (what a resume must agree on, which checkpoint to resume).
 
 Run directory::
 
     RUN/metrics.jsonl     one JSON line per optimizer step (validation merged in)
     RUN/checkpoints/      committed checkpoints (see `checkpoint`)
-    RUN/selection.json    the selected checkpoint and why (written when training completes)
+    RUN/selection.json    the selected checkpoint (or interpolated point) and why (written when training completes)
     RUN/export/           the export of the selected checkpoint (`[export].format`)
 
 Order of work inside step s: micro-batches (forward, backward) -> the L2-SP
@@ -30,7 +31,9 @@ Events (`worker.events`, to the `on_event` sink of `train`):
 - ``Log`` ``resumed from `CHECKPOINT` at step S`` after a resume;
 - ``Log`` ``released draft: general-domain matching proposals X on N examples ...``
   once the guard's baseline is measured (a fresh run with general val rows);
-- ``Log`` (warning) ``no checkpoint kept ...`` when no checkpoint passes the guard;
+- ``Log`` (warning) ``the export is the released draft ...`` when nothing passes the guard, or
+  ``Log`` ``interpolated export: alpha A ...`` when `[train].interpolate` exports a point between the
+  released draft and a checkpoint (`selection.outcome`);
 - ``Artifact(kind="checkpoint")`` after each commit: the checkpoint's
   ``manifest.json`` (absolute path), named ``checkpoints/step-NNNNNNNN/manifest.json``
   (relative to the run dir), ``step`` its step;
@@ -61,7 +64,7 @@ from ..manifest import sha256_file
 from ..recipe import Recipe
 from ..worker.events import Artifact, Event, EventSink, Log, Progress
 from . import checkpoint as ckpt
-from . import selection
+from . import interpolate, selection
 from .export_run import SELECTION
 from .forward import Scorer
 from .objectives import add_l2sp_gradient, weight_total
@@ -381,7 +384,10 @@ class Trainer:
             state=self.state(),
         )
         self.committed_step = self.step
-        protect = selection.protected_steps(self.best(self.guard()), self.released_general)
+        guard = self.guard()
+        protect = selection.protected_steps(self.best(guard), self.released_general)
+        if guard is not None and self.cfg.interpolate == "auto":  # the checkpoint a search interpolates toward
+            protect |= interpolate.protected(self.val_history)
         ckpt.prune(self.run_dir, keep=self.cfg.keep_checkpoints, protect=protect)
         manifest = path / "manifest.json"
         name = f"{ckpt.CHECKPOINTS}/{path.name}/{manifest.name}"
@@ -473,10 +479,13 @@ class Trainer:
             return TrainResult(self.run_dir, "completed", self.step, self.cfg.steps, msg)
 
         guard = self.guard()
-        best = self.best(guard)
+        best, interp = self.best(guard), None
+        if guard is not None and best is not None and self.cfg.interpolate == "auto":
+            interp, best = interpolate.select(self.validator, self.run_dir, self.recipe.model.draft, self.val_history, guard,
+                                              self.released_general or {}, best, tolerance=self.cfg.general_tolerance)
         chosen = selection.selected_step(best, self.step)
         path = self.run_dir / ckpt.CHECKPOINTS / ckpt.step_name(chosen)
-        record = selection.record(best, guard, self.val_history, step=chosen, checkpoint=path.name,
+        record = selection.record(best, guard, self.val_history, step=chosen, checkpoint=path.name, interpolation=interp,
                                   checkpoint_manifest_sha256=sha256_file(path / "manifest.json"), total_steps=self.cfg.steps)
         fmt = self.export_format
         result = export_run(self.run_dir, fmt=fmt, recipe=self.recipe, selection=record)
@@ -487,11 +496,14 @@ class Trainer:
             self.emit(Artifact.for_file(f.absolute(), artifact=name, kind="export", step=chosen))
         done = (f"trained {self.step} steps" if self.guard_stopped_at is None
                 else f"trained {self.step} of {self.cfg.steps} steps (stopped by the general-domain guard)")
-        msg = f"{done}; selected step {chosen}; exported `{result.out_dir}`"
+        alpha = (interp or {}).get("alpha")
+        msg = f"{done}; selected step {chosen}{'' if alpha is None else f' at alpha {alpha:g}'}; exported `{result.out_dir}`"
         if guard is not None:
-            note, warning = selection.guard_note(guard, self._released_checkpoint())
+            note, warning = selection.guard_note(record, self._released_checkpoint())
             if warning is not None:
                 self.emit(Log(level="warning", message=warning))
+            elif alpha is not None:
+                self.emit(Log(message=selection.outcome(record) or ""))
             msg += note
         return TrainResult(self.run_dir, "completed", self.step, self.cfg.steps, msg, record, result.out_dir, path)
 

@@ -117,6 +117,10 @@ def compare_for_resume(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raise `ResumeError` naming every field in which `current` differs from `saved`."""
     diffs = []
     s_rec, c_rec = saved.get("recipe_view") or {}, current["recipe_view"]
+    if s_rec and "train.interpolate" not in s_rec and "train.interpolate" in c_rec:
+        # `[train].interpolate` only chooses the export once training is over: nothing a checkpoint holds depends
+        # on it, so one written before the key resumes with either value (`keep_general` now sets "auto")
+        s_rec = {**s_rec, "train.interpolate": c_rec["train.interpolate"]}
     if s_rec:  # a key added after a checkpoint was written (or absent from a view) counts as its default
         # (`data.train_turns`: "all" trains what "last" did on the rows that existed before it, whose final
         # turn was their only assistant turn; multi-turn captures change the capture key, hence the data fingerprint)

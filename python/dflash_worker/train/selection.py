@@ -41,6 +41,11 @@ served (a mode it was measured on, ``blocks > 0``): a checkpoint is rejected whe
 matching proposals fall below ``(1 - general_tolerance) x`` the released draft's on that mode,
 even if its pooled and general figures rose (a draft adapted on one mode must not lose the
 other). The report names each checkpoint's modes below their floor (``modes_below``).
+
+Interpolation: with ``[train].interpolate = "auto"`` a guarded run may export a point between the
+released draft and its best own-domain checkpoint instead (`train.interpolate`, which scores the points
+with `guarded`); ``selection.json`` then carries ``interpolation``, and `outcome` is the one line
+`train` and `evaluate` print when the export is such a point or the released draft itself.
 """
 
 from __future__ import annotations
@@ -75,19 +80,7 @@ def guard_report(
         return None
     floor = (1.0 - tolerance) * released["matching_proposals"]
     floors = mode_floors(released, tolerance)
-    steps = []
-    for v in history:
-        if v.get("blocks", 0) <= 0:
-            continue
-        g = v.get("general") or {}
-        below = modes_below(v, floors)
-        kept = bool(g.get("blocks")) and g["matching_proposals"] >= floor and not below
-        entry = {"step": v["step"], "matching_proposals": v["matching_proposals"],
-                 "general_matching_proposals": g.get("matching_proposals"), "rejected": not kept}
-        if floors:
-            entry["modes"] = {m: (v.get("modes") or {}).get(m, {}).get("matching_proposals") for m in floors}
-            entry["modes_below"] = below
-        steps.append(entry)
+    steps = [{"step": v["step"], **guarded(v, floor, floors)} for v in history if v.get("blocks", 0) > 0]
     extra = {} if not floors else {"modes": {m: {"released_matching_proposals": released["modes"][m]["matching_proposals"],
                                                  "released_blocks": released["modes"][m]["blocks"], "floor": f}
                                              for m, f in floors.items()}}
@@ -103,6 +96,28 @@ def guard_report(
         "checkpoints": steps,
         **extra,
     }
+
+
+def guarded(entry: dict[str, Any], floor: float, floors: dict[str, float]) -> dict[str, Any]:
+    """What the guard records of validation `entry` (a checkpoint's, or an interpolated point's): its own
+    and general matching proposals and whether it is ``rejected`` (general below `floor`, or scored
+    nothing, or, with per-mode `floors`, any mode below its floor: ``modes_below``)."""
+    g = entry.get("general") or {}
+    below = modes_below(entry, floors)
+    kept = bool(g.get("blocks")) and g["matching_proposals"] >= floor and not below
+    out = {"matching_proposals": entry["matching_proposals"], "general_matching_proposals": g.get("matching_proposals"),
+           "rejected": not kept}
+    if floors:
+        out["modes"] = {m: (entry.get("modes") or {}).get(m, {}).get("matching_proposals") for m in floors}
+        out["modes_below"] = below
+    return out
+
+
+def released_entry(released: dict[str, Any]) -> dict[str, Any]:
+    """The released draft's measurement (`Validator.measure_released`) as a validation entry of step 0:
+    its own rows' figures, ``general`` its general rows', and its ``modes``; what selecting it records."""
+    modes = {"modes": released["modes"]} if released.get("modes") else {}
+    return {"step": 0, **(released.get("own") or {}), "general": {k: released.get(k) for k in VAL_KEYS}, **modes}
 
 
 def mode_floors(released: dict[str, Any], tolerance: float) -> dict[str, float]:
@@ -145,10 +160,8 @@ def best(
     kept = {c["step"] for c in guard["checkpoints"] if not c["rejected"]}
     if kept:
         return max((v for v in scored if v["step"] in kept), key=lambda v: (v["matching_proposals"], -v["step"]))
-    rel = released or {}
     if released_committed:
-        modes = {"modes": rel["modes"]} if rel.get("modes") else {}
-        return {"step": 0, **(rel.get("own") or {}), "general": {k: rel.get(k) for k in VAL_KEYS}, **modes}
+        return released_entry(released or {})
     return max(scored, key=lambda v: ((v.get("general") or {}).get("matching_proposals", -1.0), -v["step"]))
 
 
@@ -175,10 +188,13 @@ def record(
     checkpoint: str,
     checkpoint_manifest_sha256: str,
     total_steps: int,
+    interpolation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``selection.json`` before its export is added: the rule, the selected `step` and its `checkpoint`
     (directory name and manifest sha256), its validation entry (`chosen`), each validation's step and
-    matching proposals (and, guarded, its general matching proposals), and the `guard` report."""
+    matching proposals (and, guarded, its general matching proposals), the `guard` report, and with
+    `[train].interpolate = "auto"` the `interpolation` search (`train.interpolate.search`; its ``alpha``
+    set: the export is that point, `chosen` its entry, `step` the checkpoint interpolated toward)."""
     rows = [{"step": v["step"], "matching_proposals": v["matching_proposals"]} for v in history]
     if guard is not None:
         for h, v in zip(rows, history, strict=True):
@@ -194,7 +210,33 @@ def record(
         "history": rows,
         "total_steps": total_steps,
         **({} if guard is None else {"guard": guard}),
+        **({} if interpolation is None else {"interpolation": interpolation}),
     }
+
+
+def outcome(record: dict[str, Any]) -> str | None:
+    """One line on what a guarded selection (``selection.json`` `record`) exports when it is not simply the
+    best kept checkpoint: an interpolated point (its alpha, and what it cost the own domain against the
+    checkpoint), or the released draft itself because nothing kept the general domain within the
+    tolerance; None otherwise (no guard, or a checkpoint the guard kept). `train` and `evaluate` print it."""
+    guard, interp = record.get("guard"), record.get("interpolation") or {}
+    if guard is None:
+        return None
+    tol, rel_general = guard["tolerance"], guard["released_general_matching_proposals"]
+    if interp.get("alpha") is not None:
+        v = record["validation"]
+        own, ckpt_own, rel_own = v["matching_proposals"], interp["checkpoint_matching_proposals"], interp["released_matching_proposals"]
+        gain = ckpt_own - rel_own
+        kept = f", {(own - rel_own) / gain:.0%} of its gain" if gain > 0 else ""
+        return (f"interpolated export: alpha {interp['alpha']:g} from the released draft toward step {interp['checkpoint_step']}; "
+                f"own-domain validation matching proposals {own:.4f} (released {rel_own:.4f}, step {interp['checkpoint_step']} "
+                f"{ckpt_own:.4f}: the interpolation cost {ckpt_own - own:.4f}{kept}), general {v['general']['matching_proposals']:.4f} "
+                f"within {tol:.0%} of the released draft's {rel_general:.4f}")
+    if guard["passed"] or record["step"] != 0:
+        return None
+    tried = f" and no interpolation ({len(interp['points']) - 2} points tried)" if interp.get("points") else ""
+    return (f"the export is the released draft (it adapts nothing): no checkpoint{tried} kept general-domain validation "
+            f"matching proposals{_modes_clause(guard)} within {tol:.0%} of the released draft's ({rel_general:.4f})")
 
 
 def released_note(released: dict[str, Any], tolerance: float) -> str:
@@ -209,20 +251,25 @@ def released_note(released: dict[str, Any], tolerance: float) -> str:
     )
 
 
-def guard_note(guard: dict[str, Any], released_committed: bool) -> tuple[str, str | None]:
-    """(the guard's part of the result message, the warning to emit when no checkpoint passed it, else None)."""
+def guard_note(record: dict[str, Any], released_committed: bool) -> tuple[str, str | None]:
+    """(the guard's part of the result message, the warning to emit when nothing passed it, else None),
+    for the guarded ``selection.json`` `record`."""
+    guard = record["guard"]
     below = {c["step"]: c.get("modes_below") for c in guard["checkpoints"]}
     rejected = ", ".join(str(s) + (f" (thinking {', '.join(below[s])} fell)" if below.get(s) else "")
                          for s in guard["rejected_steps"]) or "none"
-    if guard["passed"]:
+    if guard["passed"] or (record.get("interpolation") or {}).get("alpha") is not None:  # (interpolated: `outcome`, logged)
         return f"; the general-domain guard rejected steps: {rejected}", None
-    modes = f", and on each thinking mode it served ({', '.join(guard['modes'])})," if guard.get("modes") else ""
-    warning = (
-        f"no checkpoint kept general-domain matching proposals{modes} within {guard['tolerance']:.0%} of the released "
-        f"draft's ({guard['released_general_matching_proposals']:.4f}); "
-        + ("selected the released draft itself (step 0): the export adapts nothing" if released_committed
-           else "selected the one with the highest general acceptance instead")
-        + "\nhint: lower `[train].lr`, validate earlier (`[train].val_every`), add replay rows "
-        "(`prepare-data --replay-fraction`) or `[train].l2sp`"
-    )
-    return "; no checkpoint passed the general-domain guard (selection.json `guard.passed` false)", warning
+    hint = ("\nhint: lower `[train].lr`, validate earlier (`[train].val_every`), add replay rows "
+            "(`prepare-data --replay-fraction`)" + (" or `[train].l2sp`" if "interpolation" in record
+                                                     else ", `[train].l2sp`, or `[train].interpolate = \"auto\"`"))
+    first = outcome(record) if released_committed else (
+        f"no checkpoint kept general-domain matching proposals{_modes_clause(guard)} within {guard['tolerance']:.0%} of the "
+        f"released draft's ({guard['released_general_matching_proposals']:.4f}); selected the one with the highest general "
+        "acceptance instead")
+    return "; no checkpoint passed the general-domain guard (selection.json `guard.passed` false)", f"{first}{hint}"
+
+
+def _modes_clause(guard: dict[str, Any]) -> str:
+    """With per-mode guarding, the words naming the thinking modes the guard also held; else ''."""
+    return f", and on each thinking mode it served ({', '.join(guard['modes'])})," if guard.get("modes") else ""

@@ -210,6 +210,13 @@ class TrainSetup:
                 "\nhint: prepare the data with `prepare-data --replay GENERAL.jsonl --replay-val-fraction 0.1` "
                 "and capture again, or remove `preset`"
             )
+        if cfg.interpolate == "auto" and not val_general:
+            raise ConfigError(
+                f"`[train].interpolate = \"auto\"` searches weights the general-domain guard keeps, but the capture "
+                f"`{cap.output}` holds no general-domain val rows in `val` (`data.replay.val_ids`)"
+                "\nhint: prepare the data with `prepare-data --replay GENERAL.jsonl --replay-val-fraction 0.1` and capture "
+                "again, or set `interpolate = \"off\"`"
+            )
         replay_rows = replay_train_rows(train_split) if cfg.replay_kd > 0 else frozenset()
         return cls(
             device=device, model=model, head=head, tensors=tensors, params=params, weights=weights,
