@@ -218,3 +218,16 @@ def test_an_interpolated_export_is_byte_reproducible_and_resumes_exactly(guard_w
     assert sha256_file(again.out_dir / "model.safetensors") == sha256_file(ref.export_dir / "model.safetensors")
     # a completed run verifies instead of searching again
     assert train(load_recipe(w.recipe("interp-res", interpolate="auto", **RUN)), resume=True).status == "verified"
+
+
+def test_interpolation_needs_general_val_rows(guard_world):
+    from dflash_worker.train.loop import Trainer
+
+    w = guard_world
+    plain = {**w.base, "data": {**w.base["data"], "dir": str(w.root / "general-data")},
+             "capture": {**w.base["capture"], "output": str(w.root / "general-capture")}}
+    recipe = recipe_from_dict({**plain, "train": {"scope": "full", "interpolate": "auto", "device": "cpu",
+                                                  "output": str(w.root / "interp-none")}}, base=w.root)
+    with pytest.raises(ConfigError, match=r"`\[train\].interpolate = \"auto\"`.*holds no general-domain val rows.*\n"
+                                          r"hint: .*--replay-val-fraction.*or set `interpolate = \"off\"`"):
+        Trainer(recipe, w.root / "interp-none").setup()
