@@ -4,9 +4,10 @@ Scripted providers on the real gRPC API of a coordinator process. A graph run wh
 `verify_fraction` gets a `verify` job for that share of its capture jobs; it needs the capture job,
 train needs it, and it is never leased to the provider whose attempt produced the capture. The
 verifier uploads its recomputed shards under `verify/` + the producer's names: the same digests let
-train start; another digest discards the producer's attempt, requeues the capture job (not on the
-producer), makes the verify job wait for the redo, and quarantines the producer (leased nothing,
-shown by `providers list`, the status page and /metrics).
+train start; another digest is disputed until a third provider recomputes the same (issue 57 item 2;
+tests/coordinator/test_verify_tiebreak.py), then discards the producer's attempt, requeues the capture
+job (not on the producer), makes the verify job wait for the redo, and quarantines the producer (leased
+nothing, shown by `providers list`, the status page and /metrics).
 """
 
 from __future__ import annotations
@@ -134,7 +135,9 @@ def test_a_mismatch_discards_the_capture_requeues_it_elsewhere_and_quarantines_t
         run = admin.create_run(run_spec("verify-mismatch", spec_json=_spec(verify_fraction=1, trust_inputs="any"), capture_shards=1))
         _prepare(hostile)
         forged = _capture(hostile, shard=b"scaled features " * 64, sidecar=b'{"sha256": "forged, matching"}')
-        verify = _verify(verifier, expect="queued")  # waits for the capture job's redo
+        verify = _verify(verifier, expect="queued")  # disputed: a tie-break settles it
+        assert not [p for p in admin.list_providers() if p.quarantined_unix]
+        _verify(third, expect="queued")  # the same bytes as the verifier's: it waits for the capture job's redo
         jobs = _jobs(admin, run.run_id)
         cap, ver, train = jobs[("capture", 0)], jobs[("verify", 0)], jobs[("train", 0)]
         assert cap.state == "queued" and "recomputed capture job" in cap.reason and cap.attempts == 1
@@ -166,7 +169,8 @@ def test_a_mismatch_discards_the_capture_requeues_it_elsewhere_and_quarantines_t
     samples = scrape(coordinator)
     assert v(samples, "dflash_providers", state="quarantined") == 1
     assert v(samples, "dflash_verify_mismatches_total") == 1
-    assert v(samples, "dflash_attempts_ended_total", state="mismatch") == 1
+    assert v(samples, "dflash_attempts_ended_total", state="mismatch") == 1  # the tie-breaker's
+    assert v(samples, "dflash_attempts_ended_total", state="disputed") == 1
     snap = json.loads(get(coordinator, "/api/status", token=coordinator.admin_token)[2])
     (shown,) = [p for p in snap["providers"] if p["provider_id"] == hostile.provider_id]
     assert "recomputed capture job" in shown["quarantined"]
@@ -188,7 +192,7 @@ def test_a_verifier_that_recomputes_nothing_is_retried_and_the_producer_stays_tr
 
 
 def test_the_quarantined_provider_s_other_unused_captures_are_redone_too(coordinator, provider_factory):
-    hostile, verifier = _providers(provider_factory, "hostile", "verifier")
+    hostile, verifier, third = _providers(provider_factory, "hostile", "verifier", "third")
     with coordinator.admin() as admin:
         spec = RunSpecData(name="x", required_client_version="0.1.0", spec_json=_spec(verify_fraction=0.5), capture_shards=2)
         run = admin.create_run(run_spec("verify-others", spec_json=_spec(verify_fraction=0.5), capture_shards=2))
@@ -203,7 +207,11 @@ def test_the_quarantined_provider_s_other_unused_captures_are_redone_too(coordin
         lease = verifier.acquire().lease
         assert (lease.kind, lease.shard_index) == ("verify", checked)
         verifier.upload(lease.lease_id, f"verify/capture/shard-{checked:05d}.safetensors", SHARD, kind="capture")
-        assert verifier.finish(lease.lease_id) == "queued"
+        assert verifier.finish(lease.lease_id) == "queued"  # disputed
+        lease = third.acquire().lease
+        assert (lease.kind, lease.shard_index) == ("verify", checked)  # the tie-break
+        third.upload(lease.lease_id, f"verify/capture/shard-{checked:05d}.safetensors", SHARD, kind="capture")
+        assert third.finish(lease.lease_id) == "queued"  # settled against the producer
         jobs = _jobs(admin, run.run_id)
         assert jobs[("capture", 0)].state == jobs[("capture", 1)].state == "queued"
         assert len(jobs[("train", 0)].waiting_for) == 3

@@ -8,7 +8,8 @@ and as its resume checkpoint the producer's checkpoint it replays from (step 0 a
 at least `fraction` x T steps before the selected step T otherwise), whose files it may download. The
 verifier uploads checkpoint T's files and the export under `verify/`; the files that record paths
 (`manifest.json`, `state.json`) are not compared. Equal digests let evaluate start; another digest
-discards the train attempt, requeues train elsewhere (its checkpoints not handed on), makes evaluate and
+is disputed until a third provider's replay agrees (issue 57 item 2; tests/coordinator/test_verify_tiebreak.py),
+then discards the train attempt, requeues train elsewhere (its checkpoints not handed on), makes evaluate and
 the verify job wait for the redo, and quarantines the producer; a verifier that uploads nothing is retried.
 """
 
@@ -184,7 +185,11 @@ def test_a_tampered_training_is_discarded_redone_elsewhere_and_its_producer_quar
         forged = _train(hostile, tamper=True)
         # The verifier's honest bytes: the checkpoint differs, or (the checkpoint left honest) only the export.
         files = _files(SELECTED, where="verifier") if what == "checkpoint" else {**_files(SELECTED, where="verifier"), "trainable.safetensors": b"scaled by 0.5 " * 32}
-        verify = _replay(verifier, expect="queued", files=files)  # waits for the train job's redo
+        verify = _replay(verifier, expect="queued", files=files)  # disputed: a tie-break settles it
+        assert not [p for p in admin.list_providers() if p.quarantined_unix]
+        assert "waiting for a tie-break" in _jobs(admin, run.run_id)["replay"].waiting_reason
+        assert verifier.acquire().WhichOneof("result") == "no_work"
+        _replay(third, expect="queued", files=files)  # the same bytes as the verifier's: it waits for the train job's redo
         jobs = _jobs(admin, run.run_id)
         train, replay, evaluate = jobs["train"], jobs["replay"], jobs["evaluate"]
         assert train.state == "queued" and "recomputed train job" in train.reason and train.attempts == 1
@@ -214,4 +219,6 @@ def test_a_tampered_training_is_discarded_redone_elsewhere_and_its_producer_quar
     samples = scrape(coordinator)
     assert v(samples, "dflash_providers", state="quarantined") == 1
     assert v(samples, "dflash_verify_mismatches_total") == 1
-    assert v(samples, "dflash_attempts_ended_total", state="mismatch") == 1
+    assert v(samples, "dflash_attempts_ended_total", state="mismatch") == 1  # the tie-breaker's
+    assert v(samples, "dflash_attempts_ended_total", state="disputed") == 1
+    assert v(samples, "dflash_verifiers_overruled_total") == 0

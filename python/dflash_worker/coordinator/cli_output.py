@@ -74,7 +74,7 @@ def print_run_details(resp: admin_pb2.GetRunResponse, finals: dict[str, list]) -
         print(f"  {j.job_id}  {job_label(j)}{j.state}  attempts {j.attempts}{waits(j)}")
         for why in (j.reason, j.waiting_reason):
             if why:
-                print(f"    {why}")
+                print("    " + why.replace("\n", "\n    "))
         if j.HasField("publication"):
             print(publication_line(j.publication))
         elif j.HasField("export") and j.kind == "train":

@@ -7,7 +7,9 @@ Attempt states: ``live``, ``succeeded``, ``failed``, ``cancelled``, ``retryable`
 ``revoked`` (its provider was revoked; the job is requeued like an expired one), ``quarantined``
 (likewise, its provider was quarantined), ``discarded`` (a capture or train attempt that had succeeded,
 and its provider was quarantined: its job is queued again; or a verify attempt of such an attempt),
-``mismatch`` (a verify attempt that recomputed other bytes than the capture's or train's; `verify`).
+``disputed`` (a verify attempt that recomputed other bytes than the capture's or train's, until a tie-break
+settles it), ``mismatch`` (one whose disagreement was settled against the producer), ``overruled`` (one
+outvoted: the tie-break recomputed the producer's bytes, and its provider was quarantined); `verify`.
 
 When a job of a graph run ends ``failed`` or ``cancelled`` the run fails: ``runs.failure``
 names that job, and every queued job of the run (its dependents among them) is failed with
@@ -21,7 +23,7 @@ from __future__ import annotations
 from ...errors import NotFoundError, PolicyError
 from .db import Database, Part, printable
 from .records import Records
-from .verify import describe, discard, judge, quarantine
+from .verify import Judgement, Settlement, describe, discard, dispute_message, judge, overruled_reason, quarantine, settle
 
 FINAL_JOB_STATES = ("succeeded", "failed", "cancelled")
 
@@ -40,15 +42,10 @@ class Jobs(Part):
         """Close an attempt and move its job on; returns the job's new state."""
         cancel, attempts, kind = db.execute("SELECT cancel_requested, attempts, kind FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         verdict = judge(db, attempt_id, job_id) if attempt_state == "succeeded" and kind == "verify" else None
-        if verdict is not None and not verdict.producer_attempt_id:
-            # The attempt it recomputed was discarded meanwhile (its producer was quarantined): verified again once redone.
-            attempt_state, message, verdict = "discarded", "the attempt it verified was discarded meanwhile", None
-            job_state = "queued"
-        elif verdict is not None and verdict.mismatch:
-            attempt_state, job_state = "mismatch", "queued"  # verified again once the capture or train job is redone
-        elif verdict is not None and verdict.missing:
-            attempt_state, message = "retryable", f"the verify attempt uploaded no recomputation of `{printable(verdict.missing[0][:200])}`"
-        if attempt_state in ("discarded", "mismatch"):
+        settled, job_state = None, ""
+        if verdict is not None:
+            attempt_state, job_state, message, settled = self._weigh(db, verdict, attempt_id, job_id, message)
+        if job_state:
             pass
         elif attempt_state == "succeeded":
             job_state = "succeeded"
@@ -74,23 +71,58 @@ class Jobs(Part):
             "UPDATE jobs SET state=?, current_attempt_id=NULL, checkpoint_requested=0, reason=?, updated_unix=? WHERE job_id=?",
             (job_state, f"run failed: {failure}" if failure else "", now, job_id),
         )
-        if verdict is not None and verdict.mismatch:
-            self._quarantine(db, verdict, describe(verdict, verify_job_id=job_id, attempt_id=attempt_id), now)
+        if settled is not None:
+            self._apply(db, verdict, settled, attempt_id, job_id, now)
         if job_state == "succeeded":
             db.execute("UPDATE jobs SET pending_deps=pending_deps-1 WHERE job_id IN (SELECT job_id FROM job_deps WHERE needs_job_id=?)", (job_id,))
         if job_state in ("failed", "cancelled") and not failure:
             self.fail_graph_run(db, job_id, job_state, message, now)
         return job_state
 
-    def _quarantine(self, db, verdict, reason: str, now: float) -> None:
-        """A verify job's mismatch: the producer's capture or train attempt is discarded and its job redone, the producer quarantined."""
-        discard(db, verdict.producer_attempt_id, verdict.target_job_id, reason, now)
-        self.counts["verify_mismatches"] += 1
-        live, others = quarantine(db, verdict.producer_id, reason, now)
-        for attempt_id, job_id in others:  # its other captures and trainings that no job has used yet are redone too
+    @staticmethod
+    def _weigh(db, verdict: Judgement, attempt_id: str, job_id: str, message: str) -> tuple[str, str, str, Settlement | None]:
+        """A succeeded verify attempt's `(attempt state, job state or "" to decide as usual, message, settlement)`."""
+        if not verdict.producer_attempt_id:
+            # The attempt it recomputed was discarded meanwhile (its producer was quarantined): verified again once redone.
+            return "discarded", "queued", "the attempt it verified was discarded meanwhile", None
+        if verdict.missing and not verdict.mismatch:
+            return "retryable", "", f"the verify attempt uploaded no recomputation of `{printable(verdict.missing[0][:200])}`", None
+        settled = settle(db, attempt_id, job_id, verdict)
+        if settled.outcome == "open":  # a tie-break replays the unit on a provider that is none of them
+            return "disputed", "queued", dispute_message(verdict), settled
+        if settled.outcome == "verifiers":  # verified again once the capture or train job is redone
+            return "mismatch", "queued", message, settled
+        return "succeeded", "", message, settled
+
+    def _apply(self, db, verdict: Judgement, settled: Settlement, attempt_id: str, job_id: str, now: float) -> None:
+        """A settled disagreement: the outvoted verifiers are quarantined; against the producer (two verifiers agree),
+        its capture or train attempt is discarded and its job redone, and it is quarantined."""
+        if settled.outcome == "open":
+            self.counts["verify_disputes"] += 1
+            return
+        for disputing, _ in settled.agreeing:
+            db.execute("UPDATE attempts SET state='mismatch' WHERE attempt_id=?", (disputing,))
+        me = db.execute("SELECT provider_id FROM attempts WHERE attempt_id=?", (attempt_id,)).fetchone()[0]
+        for disputing, provider_id in settled.overruled:
+            j = judge(db, disputing, job_id)
+            by = (attempt_id, me)
+            reason = overruled_reason(j, verify_job_id=job_id, attempt_id=disputing, by=by, producer_stands=settled.outcome == "producer")
+            db.execute("UPDATE attempts SET state='overruled', message=? WHERE attempt_id=?", (f"overruled: {reason}"[:4000], disputing))
+            self.counts["verifiers_overruled"] += 1
+            self._quarantine_provider(db, provider_id, reason, now)
+        if settled.outcome == "verifiers":
+            reason = describe(verdict, verify_job_id=job_id, attempt_id=attempt_id, verifier=me, seconded=settled.agreeing)
+            discard(db, verdict.producer_attempt_id, verdict.target_job_id, reason, now)
+            self.counts["verify_mismatches"] += 1
+            self._quarantine_provider(db, verdict.producer_id, reason, now)
+
+    def _quarantine_provider(self, db, provider_id: str, reason: str, now: float) -> None:
+        """Quarantine `provider_id`: its other work no job has used yet is discarded and redone, its live attempts end."""
+        live, others = quarantine(db, provider_id, reason, now)
+        for attempt_id, job_id in others:  # its other captures, trainings and verdicts that no job has used yet are redone too
             discard(db, attempt_id, job_id, f"its provider was quarantined: {reason}", now)
         for attempt_id, job_id in live:
-            self.end_attempt(db, attempt_id, job_id, "quarantined", f"provider `{verdict.producer_id}` was quarantined: {reason}", now)
+            self.end_attempt(db, attempt_id, job_id, "quarantined", f"provider `{provider_id}` was quarantined: {reason}", now)
 
     def fail_graph_run(self, db, job_id: str, job_state: str, message: str, now: float) -> None:
         """A job of a graph run ended `job_state` (failed or cancelled): the run fails, naming it, and

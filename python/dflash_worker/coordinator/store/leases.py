@@ -36,13 +36,16 @@ MAX_LEASE_INPUT_BYTES = 8 << 20
 _READY = "j.pending_deps=0"
 # A verify job goes to a provider other than the one whose attempt produced the capture it recomputes (or
 # the training it replays: the train job it needs, `verify.target`), on the same backend (capture and
-# training are byte-reproducible on one kind of device; `verify`). Parameters: the provider asking, its backend.
+# training are byte-reproducible on one kind of device; `verify`), and, while a disagreement over it is open, to
+# none of the providers whose verify attempts are `disputed` (a tie-break: `verify.settle`). Parameters: the
+# provider asking, its backend, the provider asking.
 _VERIFIER = (
-    "(j.kind!='verify' OR EXISTS (SELECT 1 FROM job_deps d JOIN jobs c ON c.job_id=d.needs_job_id"
+    "(j.kind!='verify' OR (EXISTS (SELECT 1 FROM job_deps d JOIN jobs c ON c.job_id=d.needs_job_id"
     " AND c.kind=(CASE WHEN EXISTS (SELECT 1 FROM job_deps t JOIN jobs tj ON tj.job_id=t.needs_job_id WHERE t.job_id=j.job_id AND tj.kind='train')"
     " THEN 'train' ELSE 'capture' END)"
     " JOIN attempts a ON a.job_id=c.job_id AND a.state='succeeded' JOIN providers p ON p.provider_id=a.provider_id"
-    " WHERE d.job_id=j.job_id AND a.provider_id!=? AND p.backend=?))"
+    " WHERE d.job_id=j.job_id AND a.provider_id!=? AND p.backend=?)"
+    " AND NOT EXISTS (SELECT 1 FROM attempts x WHERE x.job_id=j.job_id AND x.state='disputed' AND x.provider_id=?)))"
 )
 
 
@@ -202,11 +205,11 @@ class Leases(Part):
 
     def _ready_job(self, run_id: str, kinds: list[str], who: tuple[str, str]) -> tuple | None:
         """`(job_id, attempts, kind, shard_index, shard_count)` of the run's oldest job of one of `kinds` leasable
-        to provider `who` = `(provider_id, backend)` (a verify job: not to its capture's producer, `_VERIFIER`)."""
+        to provider `who` = `(provider_id, backend)` (a verify job: not to its capture's producer nor to a provider disputing it, `_VERIFIER`)."""
         return self.db.execute(
             f"SELECT job_id, attempts, kind, shard_index, shard_count FROM jobs j WHERE run_id=? AND state='queued' AND {_READY}"
             f" AND kind IN ({','.join('?' * len(kinds))}) AND {_VERIFIER} ORDER BY seq LIMIT 1",
-            (run_id, *kinds, *who),
+            (run_id, *kinds, *who, who[0]),
         ).fetchone()
 
     @staticmethod

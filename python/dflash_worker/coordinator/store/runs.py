@@ -21,6 +21,7 @@ from .providers import Providers
 from .reader import PublicationRow, read_publication
 from .records import REC_COLS, Records, record_from_row
 from .spec import RunSpecData
+from .verify import tie_break_wait
 
 # How many providers one waiting reason names.
 WAITING_NAMED = 5
@@ -225,7 +226,11 @@ class Runs(Part):
         if waiting:
             why = self.waiting_reasons(run, {j.kind for j in waiting})
             ids = {j.job_id for j in waiting}
-            out = [dataclasses.replace(j, waiting_reason=why[j.kind]) if j.job_id in ids else j for j in out]
+            since = self.clock() - self.providers.live_seconds
+            for i, j in enumerate(out):
+                if j.job_id in ids:  # a verify job with a disagreement to settle says whose, and who could break the tie
+                    tie = tie_break_wait(self.db, j.job_id, live_since=since) if j.kind == "verify" else ""
+                    out[i] = dataclasses.replace(j, waiting_reason=tie or why[j.kind])
         return out, next_token(rows, size)
 
     def waiting_reasons(self, run: RunRow, kinds: set[str]) -> dict[str, str]:

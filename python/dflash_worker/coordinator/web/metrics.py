@@ -16,6 +16,7 @@ coordinators in one process (tests) never share counts.
 | `dflash_leases_expired_total` | counter | |
 | `dflash_attempts_ended_total` | counter | `state` |
 | `dflash_verify_mismatches_total` | counter | |
+| `dflash_verifiers_overruled_total` | counter | |
 | `dflash_heartbeats_total` | counter | |
 | `dflash_heartbeat_latency_seconds` | histogram | |
 | `dflash_artifact_bytes_received_total` | counter | |
@@ -56,11 +57,16 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily("dflash_leases_granted", "Leases handed to providers.", value=c["leases_granted"])
         yield CounterMetricFamily("dflash_leases_expired", "Leases that expired without a heartbeat (their jobs were requeued or failed).", value=c["attempt_expired"])
         ended = CounterMetricFamily("dflash_attempts_ended", "Attempts that ended, by their state.", labels=["state"])
-        for state in ("succeeded", "failed", "cancelled", "retryable", "expired", "revoked", "quarantined", "discarded", "mismatch"):
+        for state in ("succeeded", "failed", "cancelled", "retryable", "expired", "revoked", "quarantined", "discarded", "disputed", "mismatch"):
             ended.add_metric([state], c[f"attempt_{state}"])
         yield ended
         yield CounterMetricFamily(
-            "dflash_verify_mismatches", "Verify jobs that recomputed other bytes than a capture or train attempt uploaded (its provider quarantined).", value=c["verify_mismatches"]
+            "dflash_verify_mismatches",
+            "Disagreements settled against a capture or train attempt: two verifiers recomputed the same other bytes (its provider quarantined).",
+            value=c["verify_mismatches"],
+        )
+        yield CounterMetricFamily(
+            "dflash_verifiers_overruled", "Verify attempts outvoted by a tie-break (their providers quarantined).", value=c["verifiers_overruled"]
         )
         yield CounterMetricFamily("dflash_heartbeats", "Heartbeat messages handled.", value=c["heartbeats"])
         yield CounterMetricFamily("dflash_artifact_bytes_received", "Artifact bytes received from providers (staged uploads).", value=self.artifacts.bytes_in)
