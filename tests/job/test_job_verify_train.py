@@ -108,3 +108,46 @@ def test_a_tampered_checkpoint_is_told_apart(world):
     ours = _replay(root, "replay-tampered", world, tampered / "step-00000002" / "manifest.json")
     assert sorted(n for n in forged if ours.get(n) != forged[n]) == [name]
     assert ours == theirs  # the honest bytes
+
+
+def test_an_interpolated_export_is_replayed_at_the_handed_alpha(world):
+    """Issue 58: a selection that exported theta(alpha) (`interpolation.alpha`) is replayed at that alpha, so the
+    verify job's export equals the producer's interpolated export byte for byte (and not the checkpoint's own)."""
+    from dflash_worker.train.export_run import export_run, recipe_from_state
+
+    root, _, _, _, train_dir, train = world
+    step, theirs = _producer(train_dir, train)
+    (sel,) = [a for a in train if a["name"] == "run/selection.json"]
+    doc = json.loads(Path(sel["path"]).read_text())
+    doc["interpolation"] = {**(doc.get("interpolation") or {}), "alpha": 0.375, "checkpoint_step": step}
+    handed = root / "interpolated" / "selection.json"
+    handed.parent.mkdir()
+    handed.write_text(json.dumps(doc))
+    expected = export_run(train_dir / "run", fmt="bf16", recipe=recipe_from_state(train_dir / "run", doc), selection=doc,
+                          out_dir=root / "interpolated" / "export")
+    want = _sha(expected.out_dir / "model.safetensors")
+    assert want != theirs["run/export/model.safetensors"]
+    _, spec, prepare, captures, _, _ = world
+    art = {**sel, "sha256": _sha(handed), "size_bytes": handed.stat().st_size, "path": str(handed)}
+    arts = _job(root / "replay-interpolated", spec, "verify", 0, 1, [prepare, captures, [art]],
+                resume=train_dir / "run" / "checkpoints" / "step-00000002" / "manifest.json")
+    ours = {a["name"].removeprefix("verify/"): a["sha256"] for a in arts}
+    assert ours["run/export/model.safetensors"] == want
+
+
+@pytest.mark.parametrize("interp, expected", [(None, None), ({"alpha": None}, None), ({"alpha": 0.25}, {"alpha": 0.25}),
+                                              ({"alpha": 1}, {"alpha": 1.0}), ({"alpha": 0}, {"alpha": 0.0})])
+def test_the_handed_alpha_is_read(interp, expected):
+    from dflash_worker.worker.stages import handed_interpolation
+
+    assert handed_interpolation({"step": 4, "interpolation": interp}) == expected
+    assert handed_interpolation({"step": 4}) is None
+
+
+@pytest.mark.parametrize("alpha", [1.5, -0.1, True, "0.5", [0.5], float("nan")])
+def test_a_handed_alpha_that_is_not_a_number_in_0_1_is_refused(alpha):
+    from dflash_worker.errors import DataError
+    from dflash_worker.worker.stages import handed_interpolation
+
+    with pytest.raises(DataError, match="interpolation alpha that is not a number in \\[0, 1\\]"):
+        handed_interpolation({"step": 4, "interpolation": {"alpha": alpha}})

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from .context import StageContext, Stopped
 from .events import Artifact, Event, Log, Progress
@@ -174,6 +175,27 @@ def run_verify(ctx: StageContext) -> None:
     _progress(ctx, "capture", len(done["shards"]), len(done["shards"]), shards=float(len(done["shards"])), differ=float(differ))
 
 
+def handed_interpolation(handed: Any) -> dict[str, Any] | None:
+    """The ``interpolation`` of a train job's handed ``selection.json`` that its export used: None (the
+    checkpoint's own values) or ``{"alpha": A}`` with A a number in [0, 1]; anything else is refused
+    (`DataError`), so a verify job exports exactly the point the producer says it exported. The alpha is
+    the producer's word: the replay stops at the selected step and never sees the later validations that
+    chose it, so what is verified is the export's bytes at that alpha, not the search."""
+    from ..errors import DataError
+    from .spec import SELECTION_INPUT
+
+    interp = handed.get("interpolation") if isinstance(handed, dict) else None
+    if interp is None:
+        return None
+    alpha = interp.get("alpha") if isinstance(interp, dict) else "?"
+    if alpha is None:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+        raise DataError(f"the train job's selection `{SELECTION_INPUT}` has an interpolation alpha that is not a number "
+                        f"in [0, 1] (`{str(alpha)[:40]}`)")
+    return {"alpha": float(alpha)}
+
+
 def run_verify_train(ctx: StageContext) -> None:
     """A graph's verify job of the train job: replay its training in ``DIR/verify/run`` from the lease's resume
     checkpoint (the producer's, seeded like train's; step 0 without one) up to the step its handed selection
@@ -192,11 +214,13 @@ def run_verify_train(ctx: StageContext) -> None:
     recipe = ctx.spec.job.require_recipe()
     recipe.require("train")
     try:
-        step = json.loads((ctx.job_dir / SELECTION_INPUT).read_text())["step"]
+        handed = json.loads((ctx.job_dir / SELECTION_INPUT).read_text())
+        step = handed["step"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"the train job's selection `{SELECTION_INPUT}` cannot be read: {exc}") from None
     if isinstance(step, bool) or not isinstance(step, int):
         raise DataError(f"the train job's selection `{SELECTION_INPUT}` names no step (`{str(step)[:40]}`)")
+    interpolation = handed_interpolation(handed)
     out = ctx.job_dir / VERIFY_DIR / RUN_DIR
     resume_from = ctx.spec.resume_checkpoint
     if resume_from is not None and resume_from.is_file():
@@ -229,7 +253,8 @@ def run_verify_train(ctx: StageContext) -> None:
     if "export" in ctx.spec.job.stages:  # the train job's export stage: further formats
         formats += [f for f in ctx.spec.job.export_formats if f not in formats]
     for fmt in formats:
-        exported = export_run(out, fmt=fmt, recipe=recipe, selection={"checkpoint": path.name}, out_dir=out / export_dir_name(fmt))
+        chosen = {"checkpoint": path.name, "interpolation": interpolation}
+        exported = export_run(out, fmt=fmt, recipe=recipe, selection=chosen, out_dir=out / export_dir_name(fmt))
         ctx.report_all(exported.out_dir, kind="manifest", step=step)
     log.info("replayed training to step %d and exported it (%s)", step, ", ".join(formats))
 
