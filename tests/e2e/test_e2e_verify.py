@@ -99,7 +99,8 @@ def _assert_clean_export_and_one_quarantine(coord, run_id: str, tmp_path: Path, 
 
 class Scripted:
     """A provider that runs the real worker for each lease it takes and uploads what it wrote, as a run-manager
-    does; `tamper` (`capture`: forge its capture shards; `train`: tamper with its training) makes it hostile.
+    does; `tamper` (`capture`: forge its capture shards; `train`: tamper with its training; `verify`: forge what
+    it recomputes for a capture's verify job) makes it hostile.
     `kinds`: the lease kinds it works on; it ends any other RETRYABLE and waits."""
 
     def __init__(self, coord, root: Path, name: str = "hostile", *, tamper: str | None = "capture", kinds: tuple[str, ...] | None = ("prepare", "capture")):
@@ -167,6 +168,9 @@ class Scripted:
         arts = [json.loads(line) for line in out.stdout.splitlines()]
         arts = [e for e in arts if e["event"] == "artifact"]
         if lease.kind == "capture" and self.tamper == "capture":
+            _forge(job_dir, [a["name"] for a in arts])
+            self.forged.append(lease.job_id)
+        if lease.kind == "verify" and self.tamper == "verify":  # a lying verifier (tests/e2e/test_e2e_tiebreak.py)
             _forge(job_dir, [a["name"] for a in arts])
             self.forged.append(lease.job_id)
         if lease.kind == "train" and self.tamper == "train":
