@@ -42,6 +42,12 @@ def _quarantined(admin) -> dict[str, str]:
     return {p.provider_id: p.quarantine_reason for p in admin.list_providers() if p.quarantined_unix}
 
 
+def _attempt_id(coord, job_id: str, number: int) -> str:
+    """The id of attempt `number` of job `job_id`."""
+    ((attempt_id,),) = coord._query("SELECT attempt_id FROM attempts WHERE job_id=? AND number=?", job_id, number)
+    return attempt_id
+
+
 def _states(coord, job_id: str) -> list[str]:
     return [s for _, s, _ in coord.attempt_messages(job_id)]
 
@@ -135,6 +141,9 @@ def test_two_verifiers_that_agree_quarantine_the_producer_and_a_third_view_is_ov
         assert "recomputed the same bytes" in q[hostile.provider_id]
         assert "recomputed the same bytes as another verifier, unlike both" in q[v2.provider_id]
         assert _states(coordinator, first.job_id) == ["mismatch", "overruled", "mismatch"]
+        assert f"settled against the producer by attempt `{_attempt_id(coordinator, first.job_id, 3)}` of provider `{v3.provider_id}`" in (
+            coordinator.attempt_messages(first.job_id)[0][2]
+        )
         assert _states(coordinator, forged.job_id) == ["discarded"]
         jobs = _jobs(admin, run.run_id)
         assert jobs[("capture", 0)].state == "queued" and jobs[("verify", 0)].waiting_for == [forged.job_id]

@@ -100,9 +100,12 @@ class Jobs(Part):
         if settled.outcome == "open":
             self.counts["verify_disputes"] += 1
             return
-        for disputing, _ in settled.agreeing:
-            db.execute("UPDATE attempts SET state='mismatch' WHERE attempt_id=?", (disputing,))
         me = db.execute("SELECT provider_id FROM attempts WHERE attempt_id=?", (attempt_id,)).fetchone()[0]
+        for disputing, _ in settled.agreeing:
+            db.execute(
+                "UPDATE attempts SET state='mismatch', message=? WHERE attempt_id=?",
+                (f"mismatch: settled against the producer by attempt `{attempt_id}` of provider `{me}`, which recomputed the same bytes", disputing),
+            )
         for disputing, provider_id in settled.overruled:
             j = judge(db, disputing, job_id)
             by = (attempt_id, me)
