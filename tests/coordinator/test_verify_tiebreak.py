@@ -179,3 +179,28 @@ def test_a_dispute_over_an_attempt_discarded_meanwhile_is_closed(coordinator, pr
         assert _states(coordinator, ver1.job_id) == ["discarded"]
         assert "the attempt it disputed was discarded" in coordinator.attempt_messages(ver1.job_id)[0][2]
         assert _states(coordinator, d0.job_id) == ["mismatch", "mismatch"]
+
+
+def test_a_lying_replay_of_training_is_outvoted_and_evaluate_starts(coordinator, provider_factory):
+    """The same for the train replay: the liar reports other trained weights for the selected checkpoint; evaluate
+    waits (nobody quarantined) until a third provider replays the same span and recomputes the producer's bytes."""
+    from test_verify_train import SELECTED, _files, _replay, _train, _upstream
+    from test_verify_train import _jobs as _train_jobs
+    from test_verify_train import _providers as _cuda_providers
+
+    producer, liar, third = _cuda_providers(provider_factory, "producer", "liar", "third")
+    with coordinator.admin() as admin:
+        run = admin.create_run(run_spec("replay-liar", spec_json=_spec(verify_fraction=1), capture_shards=1))
+        _upstream(producer, third)
+        _train(producer)
+        lie = _replay(liar, expect="queued", files={**_files(SELECTED, where="liar"), "trainable.safetensors": b"made up " * 32})
+        jobs = _train_jobs(admin, run.run_id)
+        assert _quarantined(admin) == {} and lie.job_id in jobs["evaluate"].waiting_for
+        assert "waiting for a tie-break" in jobs["replay"].waiting_reason and "third can" in jobs["replay"].waiting_reason
+        assert _no_work(producer) and _no_work(liar)
+        _replay(third, expect="succeeded")
+        assert list(_quarantined(admin)) == [liar.provider_id]
+        assert "run/checkpoints/step-00000008/trainable.safetensors" in _quarantined(admin)[liar.provider_id]
+        assert _states(coordinator, lie.job_id) == ["overruled", "succeeded"]
+        assert _states(coordinator, _train_jobs(admin, run.run_id)["train"].job_id) == ["succeeded"]
+        assert producer.acquire().lease.kind == "evaluate"
