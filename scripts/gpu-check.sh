@@ -12,7 +12,18 @@
 #    target (hidden 4096, 36 layers, bf16) with a DFlash2 draft of the released geometry, on 1 GPU
 #    and on every GPU: absolute throughput, peak memory and the scaling ratio;
 # 4. `bench/verify_cost.py`: on the same full-width geometry, whether a 16-token block verify costs
-#    about one greedy step here (issue 16's speedup goal is reachable only where its ceiling >= 1).
+#    about one greedy step here (issue 16's speedup goal is reachable only where its ceiling >= 1);
+# 5. `bench/hybrid_check.py`: the hybrid targets the seeds ship, with flash-linear-attention's Gated
+#    DeltaNet kernels (requirements/cuda.txt, installed into dist/gpu-check/cuda-kernels and put on
+#    PYTHONPATH for this stage alone: `.venv` stays without them, as `make install` leaves it): a
+#    full-width `qwen3_5_moe` (hidden 2048, 256 experts, 8 routed + 1 shared, 4 layers: 3 Gated
+#    DeltaNet + 1 attention; 3.4 B parameters, 6.7 GB bf16, 13.5 GB in float32 for the speculative
+#    phase) and a full-width `qwen3_5` (hidden 5120, 4 layers; 1.5 B, 3.0 GB bf16; its standard
+#    draft, 1.7 B, trains with about 27 GB of AdamW state), random weights
+#    built on the GPU: capture and online-training throughput, speculative generation lossless
+#    against the same kernels' greedy decoding, the loop-cost table (rollback per verify step), and
+#    which kernels ran. docs/provider-quickstart.md, "Reading the GPU check's output".
+#    GPU_CHECK_HYBRID_ARGS passes options to it (e.g. "--families qwen3_5_moe --layers 8").
 # Exit status: 0 when every step passed; 3 when this machine has no NVIDIA GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,5 +51,12 @@ echo "== bench/verify_cost.py"
 .venv/bin/python bench/verify_cost.py --device cuda --dtype bfloat16 --hidden 4096 --layers 36 --heads 32 \
     --kv-heads 8 --head-dim 128 --intermediate 12288 --vocab 151936 --draft standard --draft-layers 5 \
     --block-size 16 --context 512 --repeat 30
+
+echo "== bench/hybrid_check.py (flash-linear-attention kernels)"
+kernels=dist/gpu-check/cuda-kernels
+rm -rf "$kernels"
+.venv/bin/python -m pip install --quiet --no-deps --target "$kernels" -r requirements/cuda.txt
+# shellcheck disable=SC2086  # the extra arguments are meant to split
+PYTHONPATH="$PWD/$kernels" .venv/bin/python bench/hybrid_check.py --device cuda --scale full ${GPU_CHECK_HYBRID_ARGS:-}
 
 echo "== gpu-check passed in $(( $(date +%s) - start )) s"
