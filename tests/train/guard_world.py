@@ -9,33 +9,18 @@ released draft's within a few steps. The own data holds general rows out into va
 
 from __future__ import annotations
 
-import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import _toml
 
 from dflash_worker.recipe import load_recipe, recipe_from_dict
-from dflash_worker.testing.world import WORDS
+from dflash_worker.testing.world import WORDS, write_rows
 from dflash_worker.train import train
 
 # the tiny world measures acceptance on 16 general rows x 4 blocks: one block moves it by ~1.5%,
 # so the guard run tolerates 10% (the recipe default, 3%, is for real validation sets)
 TOLERANCE = 0.1
-
-
-def rows(path: Path, words: list[str], n: int, seed: int, tag: str) -> Path:
-    """`n` rows to `path`: a prompt of random words, a response that runs through `words` in order from a random start."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
-        start = rng.randrange(len(words))
-        response = " ".join(words[(start + j) % len(words)] for j in range(rng.randint(10, 16)))
-        out.append({"prompt": f"{tag}{i} {prompt}", "response": response})
-    path.write_text("".join(json.dumps(r) + "\n" for r in out))
-    return path
 
 
 @dataclass
@@ -64,8 +49,8 @@ def build(root: Path) -> GuardWorld:
     from dflash_worker.testing.world import build_world
 
     w = build_world(root / "world", examples=4)
-    general = rows(root / "general.jsonl", list(WORDS), 60, 1, "g")
-    own = rows(root / "own.jsonl", [x[::-1] for x in WORDS], 60, 2, "o")
+    general = write_rows(root / "general.jsonl", examples=60, seed=1, tag="g")
+    own = write_rows(root / "own.jsonl", examples=60, seed=2, words=[x[::-1] for x in WORDS], tag="o")
 
     def sections(draft: Path, data: Path, capture: Path) -> dict:
         return {"model": {"target": str(w.target), "draft": str(draft), "family": "qwen3"},

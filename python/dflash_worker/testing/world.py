@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,16 @@ def target_config(target: Path):
     return getattr(config, "text_config", None) or config
 
 
-def write_rows(path: Path, *, examples: int, seed: int) -> Path:
-    """Own-data rows: short prompts, repetitive responses a draft can learn quickly."""
+def write_rows(path: Path, *, examples: int, seed: int, words: Sequence[str] = WORDS, tag: str = "q") -> Path:
+    """Own-data rows: short prompts of random `WORDS`, repetitive responses a draft can learn quickly (`words`
+    in order from a random start); row `i`'s prompt starts with `{tag}{i}`."""
     rng = random.Random(seed)
     rows = []
     for i in range(examples):
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
-        start = rng.randrange(len(WORDS))
-        response = " ".join(WORDS[(start + j) % len(WORDS)] for j in range(rng.randint(10, 16)))
-        rows.append({"prompt": f"q{i} {prompt}", "response": response})
+        start = rng.randrange(len(words))
+        response = " ".join(words[(start + j) % len(words)] for j in range(rng.randint(10, 16)))
+        rows.append({"prompt": f"{tag}{i} {prompt}", "response": response})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
