@@ -15,16 +15,17 @@ seconds on a CPU (`tests/bench/test_hybrid_check.py` runs it).
 Memory at full scale, 4 layers: the MoE target is 3.4 B parameters (each layer's experts
 256 x 3 x 2048 x 512 = 805 M), 6.7 GB in bf16 and 13.5 GB in float32 (the speculative phase loads it
 in float32, as `evaluate` does), its standard draft (6 layers) 0.4 B; the dense target 1.5 B
-(3.0 / 6.1 GB), its standard draft (5 layers of the target's width and MLP) 1.7 B, which trains with
-about 27 GB of float32 weights, gradients and AdamW moments beside the bf16 target (online features).
+(3.0 / 6.1 GB), its standard draft (5 layers of the target's width and MLP) 1.8 B, which trains with
+about 29 GB of float32 weights, gradients and AdamW moments beside the bf16 target (online features).
 Within one 80 GB GPU with room for activations at `--max-length` 512; each phase runs as its own
 process, so one phase's models are resident at a time. Wall time was not measured on a GPU when
 this was written (no accelerator was lent): the phases are sized to a few minutes on an H200.
 
 Phases, per family, each printed with its figures:
 1. build: the random target initialised on the device in bf16 (seconds even at full width), saved
-   as sharded safetensors (MoE experts packed, as released); a fresh draft (`init-draft`); rows and
-   prepared data;
+   as sharded safetensors (MoE experts packed, as released); a fresh draft (`init-draft --geometry
+   standard`, its released tap count spread over the reduced target's layers: `draft_taps`); rows
+   and prepared data;
 2. capture (`dflash-worker capture`, cache features): examples/s and tokens/s, process start and
    teacher load included; the teacher's peak memory;
 3. online training (`[train].features = "online"`: the frozen target runs inside each step): its
@@ -65,6 +66,16 @@ from typing import Any
 CLI = [sys.executable, "-m", "dflash_worker.cli"]
 BENCH = Path(__file__).resolve().parent
 FAMILIES = ("qwen3_5_moe", "qwen3_5")
+# feature taps of the released drafts (`init-draft --geometry standard`, model/geometry.py)
+RELEASED_TAPS = {"qwen3_5_moe": 8, "qwen3_5": 5}
+
+
+def draft_taps(family: str, layers: int) -> list[int]:
+    """The full-scale draft's taps: the released count (at most one per layer) spread over all `layers`.
+    The standard rule spreads them over layers 1 .. L-3, which leaves a 4-layer target one tap and
+    the capture a fifth to an eighth of the released feature width."""
+    n = min(layers, RELEASED_TAPS[family])
+    return [0] if n == 1 else sorted({round(i * (layers - 1) / (n - 1)) for i in range(n)})
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> tuple[str, str, float]:
@@ -269,7 +280,8 @@ def run_target(root: Path, family: str, args, env: dict[str, str]) -> dict[str, 
     t0 = time.perf_counter()
     out: dict[str, Any] = {"geometry": build_target(root / "target", family, args)}
     geometry = "standard" if args.scale == "full" else "tiny"
-    _run([*CLI, "init-draft", "--target", str(root / "target"), "--geometry", geometry, "-o", str(root / "draft")], env)
+    taps = ["--target-layer-ids", ",".join(map(str, draft_taps(family, args.layers)))] if args.scale == "full" else []
+    _run([*CLI, "init-draft", "--target", str(root / "target"), "--geometry", geometry, *taps, "-o", str(root / "draft")], env)
     rows = write_rows(root / "rows.jsonl", examples=args.examples, seed=0)
     prepare_data([rows], root / "data", seed=0, val_fraction=0.05, test_fraction=0.05)
     out["build_seconds"] = round(time.perf_counter() - t0, 1)
@@ -329,7 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "mps", "cpu"), help="where every phase runs (default cuda)")
     p.add_argument("--scale", default="full", choices=("full", "tiny"), help="released widths, or the CPU tests' (default full)")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)} (default both)")
-    p.add_argument("--layers", type=int, default=4, help="target depth (default 4: 3 Gated DeltaNet + 1 attention)")
+    p.add_argument("--layers", type=int, default=4, help="target depth, >= 4 (default 4: 3 Gated DeltaNet + 1 attention)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                    help="capture dtype off the CPU (default bfloat16; float16 on a Mac without bf16); float32 on CPU")
     p.add_argument("--examples", type=int, default=64, help="rows (default 64)")
@@ -346,8 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [f for f in args.families if f not in FAMILIES]
     if bad or not args.families:
         p.error(f"--families: `{','.join(bad)}` is not among {', '.join(FAMILIES)}")
-    if args.layers < 1:
-        p.error("--layers must be >= 1")
+    if args.layers < 4:  # transformers' caches need an attention layer; the 4th is the first (interval 4)
+        p.error("--layers must be >= 4: layers 1-3 are Gated DeltaNet, the 4th the first attention layer")
     for name in ("examples", "steps", "grad_accum", "prompts", "prompt_length", "new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -19,7 +19,7 @@
 #    full-width `qwen3_5_moe` (hidden 2048, 256 experts, 8 routed + 1 shared, 4 layers: 3 Gated
 #    DeltaNet + 1 attention; 3.4 B parameters, 6.7 GB bf16, 13.5 GB in float32 for the speculative
 #    phase) and a full-width `qwen3_5` (hidden 5120, 4 layers; 1.5 B, 3.0 GB bf16; its standard
-#    draft, 1.7 B, trains with about 27 GB of AdamW state), random weights
+#    draft, 1.8 B, trains with about 29 GB of AdamW state), random weights
 #    built on the GPU: capture and online-training throughput, speculative generation lossless
 #    against the same kernels' greedy decoding, the loop-cost table (rollback per verify step), and
 #    which kernels ran. docs/provider-quickstart.md, "Reading the GPU check's output".

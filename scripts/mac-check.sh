@@ -3,7 +3,7 @@
 # .github/workflows/native-silicon.yml runs, plus the hybrid targets on MPS, from one command.
 #
 #   scripts/mac-check.sh
-#   MAC_CHECK_HYBRID_ARGS="--families qwen3_5_moe --layers 2" scripts/mac-check.sh   # less memory
+#   MAC_CHECK_HYBRID_ARGS="--families qwen3_5_moe" scripts/mac-check.sh   # less memory
 #
 # 1. installs the project (`make install`; torch's macOS wheel has MPS);
 # 2. `scripts/build-native-silicon.sh`: the standalone `dflash-native-client` and `run-manager` a Mac
@@ -18,7 +18,7 @@
 #    same kernels' greedy decoding, the loop-cost table (rollback per verify step), and which
 #    kernels ran (transformers' torch reference on MPS). Capture runs in bf16 where the probe allows
 #    it, else float16. Memory: the MoE target is 6.7 GB in bf16 and 13.5 GB in float32 (the
-#    speculative phase), the dense one's draft trains with about 27 GB of AdamW state: a Mac with
+#    speculative phase), the dense one's draft trains with about 29 GB of AdamW state: a Mac with
 #    48 GB of unified memory or more; on a smaller one, pass `--families qwen3_5_moe`.
 # Exit status: 0 when every step passed; 3 when this is not an Apple Silicon Mac.
 set -euo pipefail

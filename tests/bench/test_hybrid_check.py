@@ -64,7 +64,7 @@ def test_the_scripts_run_the_hybrid_stage_at_full_width_on_their_device():
 @pytest.mark.parametrize("argv, message", [
     (["--families", "qwen3"], "--families: `qwen3` is not among qwen3_5_moe, qwen3_5"),
     (["--families", ","], "is not among"),
-    (["--layers", "0"], "--layers must be >= 1"),
+    (["--layers", "3"], "--layers must be >= 4"),
     (["--new-tokens", "0"], "--new-tokens must be >= 1"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
 ])
@@ -87,6 +87,9 @@ def test_full_scale_configs_have_the_released_widths_and_the_3_to_1_pattern():
     dense = hc.target_config("qwen3_5", "full", 8, tok).text_config
     assert (dense.hidden_size, dense.intermediate_size, dense.num_hidden_layers) == (5120, 17408, 8)
     assert dense.layer_types.count("full_attention") == 2
+    # the released tap count, spread over every layer of the reduced target
+    assert hc.draft_taps("qwen3_5_moe", 4) == [0, 1, 2, 3] and hc.draft_taps("qwen3_5_moe", 8) == list(range(8))
+    assert hc.draft_taps("qwen3_5", 8) == [0, 2, 4, 5, 7] and hc.draft_taps("qwen3_5", 4) == [0, 1, 2, 3]
 
 
 def _result(lossless: bool, agree: bool = True) -> dict:
